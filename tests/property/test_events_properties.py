@@ -1,0 +1,337 @@
+"""Properties of KV-event reconciliation (umbp.core.events).
+
+A random sequence of stores, residency checks (answered at once, late, or not at
+all), invalidations and clears runs against the tracker while a model of what
+subscribers have been told checks every event. The invariants are in the names of
+the checks below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+
+from umbp.core.events import (
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    EventTracker,
+    KvEvent,
+    ObjectIdentity,
+    ResidencyCandidate,
+    StoredObject,
+    apply_residency,
+    clear,
+    has_pending,
+    invalidate_removed,
+    new_event_tracker,
+    residency_batch,
+    track_stored,
+    tracked_count,
+)
+
+GROUPS = (0, 1)
+HASHES = tuple(bytes([index]) * 8 for index in range(6))
+identities = st.tuples(st.sampled_from(GROUPS), st.sampled_from(HASHES))
+
+
+def _stored(identity: ObjectIdentity, parent: bytes | None, tokens: tuple[int, ...], size: int, medium: str) -> StoredObject:
+    return StoredObject(identity[0], identity[1], parent, tokens, size, medium)
+
+
+stored_objects = st.builds(
+    _stored,
+    identities,
+    st.none() | st.sampled_from(HASHES),
+    st.lists(st.integers(0, 50_000), max_size=4).map(tuple),
+    st.sampled_from([16, 32]),
+    st.sampled_from(["CPU", "DISK"]),
+)
+
+
+def event_identity(event: KvEvent) -> ObjectIdentity:
+    assert len(event.block_hashes) == 1
+    return (event.group_id, event.block_hashes[0])
+
+
+def check_structure(state: EventTracker) -> None:
+    """The tracker's own invariants: queues and records agree."""
+    records = dict(state.objects.items())
+    assert len(records) <= state.max_objects
+    assert tracked_count(state) == len(records)
+    pending = {record.serial: identity for identity, record in records.items() if record.pending}
+    assert dict(state.pending_queue.items()) == pending
+    rotation = {record.turn: identity for identity, record in records.items() if record.published}
+    assert dict(state.rotation.items()) == rotation
+    assert has_pending(state) == bool(pending)
+    for record in records.values():
+        assert record.published or record.pending, "an unpublished object awaits its check"
+        assert (record.stored is None) == record.published
+        assert record.published or record.turn == -1
+    serials = [record.serial for record in records.values()]
+    turns = [record.turn for record in records.values() if record.published]
+    assert len(set(serials + turns)) == len(serials) + len(turns), "tickets are unique"
+    assert all(ticket < state.next_ticket for ticket in serials + turns)
+    assert state.pending_head == (min(pending) if pending else state.next_ticket)
+    assert state.rotation_head == (min(rotation) if rotation else state.next_ticket)
+
+
+class EventReconciliation(RuleBasedStateMachine):
+    batches = Bundle("batches")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = new_event_tracker(4)
+        self.told_stored: set[ObjectIdentity] = set()  # announced and not since removed
+        self.forgotten: set[ObjectIdentity] = set()  # invalidated/cleared, not stored since
+        self.latest: dict[ObjectIdentity, StoredObject] = {}
+        self.medium_told: dict[ObjectIdentity, str] = {}
+
+    # -------------------------------------------------------------- rules
+
+    @initialize(max_objects=st.integers(1, 8))
+    def choose_limit(self, max_objects: int) -> None:
+        self.state = new_event_tracker(max_objects)
+
+    @rule(objects=st.lists(stored_objects, max_size=8), failed=st.frozensets(identities, max_size=3))
+    def store(self, objects: list[StoredObject], failed: frozenset[ObjectIdentity]) -> None:
+        before = self.state
+        after = track_stored(before, objects, failed)
+        tracked = set(before.objects.keys())
+        rejected = 0
+        seen: set[ObjectIdentity] = set()
+        for stored in objects:
+            identity = stored.identity
+            if identity in seen or identity in failed:
+                continue
+            seen.add(identity)
+            if identity not in tracked:
+                if len(tracked) >= before.max_objects:
+                    rejected += 1
+                    continue
+                tracked.add(identity)
+            self.forgotten.discard(identity)
+            record = after.objects[identity]
+            assert record.pending, "a stored object is (re)checked"
+            was = before.objects.get(identity)
+            assert record.published == (was is not None and was.published), "published flag kept"
+            if not record.published:
+                self.latest[identity] = stored
+        # Tracked objects never exceed max_objects; each rejected new identity is counted.
+        assert set(after.objects.keys()) == tracked
+        assert len(tracked) <= after.max_objects
+        assert after.suppressed == before.suppressed + rejected
+        self.state = after
+
+    @rule(target=batches, size=st.integers(1, 6), recheck=st.booleans())
+    def draw_batch(self, size: int, recheck: bool) -> tuple[ResidencyCandidate, ...]:
+        batch = residency_batch(self.state, size, recheck)
+        self._check_batch(batch, size, recheck)
+        return batch
+
+    @rule(batch=batches, data=st.data())
+    def answer_late(self, batch: tuple[ResidencyCandidate, ...], data: st.DataObject) -> None:
+        """An answer to a batch drawn earlier; the tracker may have moved on since."""
+        self._answer(batch, data)
+
+    @rule(size=st.integers(1, 6), recheck=st.booleans(), data=st.data())
+    def draw_and_answer(self, size: int, recheck: bool, data: st.DataObject) -> None:
+        batch = residency_batch(self.state, size, recheck)
+        self._check_batch(batch, size, recheck)
+        self._answer(batch, data)
+
+    @rule(removed=st.lists(identities, max_size=4))
+    def vllm_removed(self, removed: list[ObjectIdentity]) -> None:
+        self.state = invalidate_removed(self.state, removed)
+        for identity in removed:
+            assert identity not in self.state.objects
+            self.told_stored.discard(identity)
+            self.forgotten.add(identity)
+
+    @rule()
+    def pool_cleared(self) -> None:
+        before = self.state
+        self.state = clear(before)
+        assert tracked_count(self.state) == 0 and not has_pending(self.state)
+        assert self.state.suppressed == before.suppressed
+        # The shell announces the clear as a whole (AllBlocksCleared).
+        self.forgotten |= set(before.objects.keys())
+        self.told_stored.clear()
+
+    @rule(size=st.integers(1, 6), data=st.data())
+    def sweep_with_a_fixed_oracle(self, size: int, data: st.DataObject) -> None:
+        """With fixed residency answers, every tracked object is visited within
+        ceil(n / batch) rounds."""
+        tracked = sorted(self.state.objects.keys())
+        oracle = {identity: data.draw(st.booleans()) for identity in tracked}
+        visited: set[ObjectIdentity] = set()
+        for _ in range(math.ceil(len(tracked) / size)):
+            batch = residency_batch(self.state, size, True)
+            self._check_batch(batch, size, True)
+            visited |= {identity for identity, _ in batch}
+            self._apply(batch, [oracle[identity] for identity, _ in batch])
+        assert set(tracked) <= visited
+
+    # -------------------------------------------------------------- checks
+
+    def _check_batch(self, batch: Sequence[ResidencyCandidate], size: int, recheck: bool) -> None:
+        assert len(batch) <= size
+        assert len({identity for identity, _ in batch}) == len(batch)
+        for identity, serial in batch:
+            record = self.state.objects[identity]
+            assert record.serial == serial
+            assert recheck or record.pending, "published objects wait for a recheck round"
+        pending = [identity for identity, record in self.state.objects.items() if record.pending]
+        if not recheck:
+            assert len(batch) == min(size, len(pending))
+
+    def _answer(self, batch: tuple[ResidencyCandidate, ...], data: st.DataObject) -> None:
+        answer = data.draw(
+            st.none() | st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)),
+            label="resident",
+        )
+        self._apply(batch, answer)
+
+    def _apply(self, batch: Sequence[ResidencyCandidate], answer: Sequence[bool] | None) -> None:
+        before = self.state
+        after, events = apply_residency(before, batch, answer)
+        expected: list[tuple[type, ObjectIdentity]] = []
+        for index, (identity, serial) in enumerate(batch):
+            was = before.objects.get(identity)
+            now = after.objects.get(identity)
+            if was is None or was.serial != serial:
+                # Stored again or forgotten since the batch was drawn: untouched.
+                assert now == was
+                continue
+            if answer is None:
+                # A failed check keeps published objects and drops unpublished ones.
+                if was.published:
+                    assert now is not None and now.published and not now.pending
+                else:
+                    assert now is None
+            elif not answer[index]:
+                assert now is None
+                if was.published:
+                    expected.append((BlockRemovedEvent, identity))
+            else:
+                assert now is not None and now.published and not now.pending
+                if not was.published:
+                    expected.append((BlockStoredEvent, identity))
+        assert [(type(event), event_identity(event)) for event in events] == expected
+        self._observe(events)
+        self.state = after
+
+    def _observe(self, events: Sequence[KvEvent]) -> None:
+        for event in events:
+            identity = event_identity(event)
+            assert identity not in self.forgotten, (
+                "invalidated objects are never reported later unless stored again"
+            )
+            if isinstance(event, BlockStoredEvent):
+                assert identity not in self.told_stored, (
+                    "never publishes an object twice without a removal between"
+                )
+                stored = self.latest[identity]
+                assert event == BlockStoredEvent(
+                    stored.group_id,
+                    (stored.block_hash,),
+                    stored.parent_block_hash,
+                    stored.token_ids,
+                    stored.block_size,
+                    stored.medium,
+                ), "the announcement carries the latest store's payload"
+                self.told_stored.add(identity)
+                self.medium_told[identity] = stored.medium
+            else:
+                assert identity in self.told_stored, "never removes an object it never published"
+                assert event.medium == self.medium_told[identity]
+                self.told_stored.discard(identity)
+
+    @invariant()
+    def tracker_structure_is_consistent(self) -> None:
+        check_structure(self.state)
+
+    @invariant()
+    def published_objects_are_exactly_those_announced_and_not_removed(self) -> None:
+        published = {identity for identity, record in self.state.objects.items() if record.published}
+        assert published == self.told_stored
+
+
+TestEventReconciliation = EventReconciliation.TestCase
+TestEventReconciliation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ------------------------------------------------------------------ larger sweeps
+
+
+@st.composite
+def busy_trackers(draw: st.DrawFn) -> EventTracker:
+    """A tracker with up to a few hundred objects after a random history: some
+    published, some pending, some both, with holes in both queues."""
+    state = new_event_tracker(draw(st.integers(1, 400)))
+    universe = draw(st.integers(1, 500))
+    for _ in range(draw(st.integers(1, 8))):
+        keys = draw(st.lists(st.integers(0, universe), max_size=120))
+        state = track_stored(
+            state, [StoredObject(key % 3, key.to_bytes(4, "big"), None, (), 16, "CPU") for key in keys]
+        )
+        batch = residency_batch(state, draw(st.integers(1, 64)), draw(st.booleans()))
+        answer = draw(st.none() | st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
+        state, _ = apply_residency(state, batch, answer)
+        removed = draw(st.lists(st.integers(0, universe), max_size=10))
+        state = invalidate_removed(state, [(key % 3, key.to_bytes(4, "big")) for key in removed])
+    check_structure(state)
+    return state
+
+
+@settings(max_examples=60, deadline=None)
+@given(busy_trackers(), st.integers(1, 64), st.randoms(use_true_random=False))
+def test_with_a_fixed_residency_oracle_every_tracked_object_is_visited_within_ceil_n_over_batch_rounds(
+    state: EventTracker, batch_size: int, random: object
+) -> None:
+    tracked = set(state.objects.keys())
+    oracle = {identity: random.random() < 0.8 for identity in sorted(tracked)}  # type: ignore[attr-defined]
+    visited: set[ObjectIdentity] = set()
+    for _ in range(math.ceil(len(tracked) / batch_size)):
+        batch = residency_batch(state, batch_size, True)
+        assert len(batch) == min(batch_size, tracked_count(state))
+        visited |= {identity for identity, _ in batch}
+        state, _ = apply_residency(state, batch, [oracle[identity] for identity, _ in batch])
+        check_structure(state)
+    assert tracked <= visited
+
+
+@settings(max_examples=60, deadline=None)
+@given(busy_trackers(), st.integers(2, 64))
+def test_a_recheck_round_gives_published_objects_up_to_half_the_batch_before_fresher_pending_ones(
+    state: EventTracker, batch_size: int
+) -> None:
+    batch = residency_batch(state, batch_size, True)
+    published = [identity for identity, _ in batch if state.objects[identity].published]
+    pending = [identity for identity, record in state.objects.items() if record.pending]
+    overdue = [
+        identity
+        for identity, record in state.objects.items()
+        if record.published and (not pending or record.turn < state.pending_head)
+    ]
+    # Published objects checked longer ago than the oldest pending object was stored
+    # are never crowded out by pending ones.
+    assert len(published) >= min(batch_size // 2, len(overdue))
+
+
+@given(st.integers(1, 6), st.lists(stored_objects, max_size=8))
+def test_an_answer_of_the_wrong_length_counts_as_a_failed_check(
+    size: int, objects: list[StoredObject]
+) -> None:
+    state = track_stored(new_event_tracker(8), objects)
+    batch = residency_batch(state, size, True)
+    short = [True] * max(0, len(batch) - 1)
+    assert apply_residency(state, batch, short) == apply_residency(state, batch, None)
+
+
+def test_an_empty_tracker_draws_an_empty_batch() -> None:
+    assert residency_batch(new_event_tracker(), 256, True) == ()
+    assert residency_batch(new_event_tracker(), 0, True) == ()

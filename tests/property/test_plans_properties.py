@@ -1,0 +1,679 @@
+"""Properties of ``umbp.core.plans`` and ``umbp.core.store_events``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from returns.result import Failure, Result, Success
+
+from tests.property.strategies import (
+    LookupScenario,
+    StoreScenario,
+    block_tables,
+    coordinated_geometries,
+    lookup_scenarios,
+    request_hashes,
+    single_group_geometries,
+    store_scenarios,
+)
+from umbp.core.lookup import (
+    NULL_BLOCK_ID,
+    LoadSpec,
+    LookupGeometry,
+    build_lookup_query,
+    coordinator_hit_sets,
+    fold_rank_hits,
+    single_group_load_spec,
+)
+from umbp.core.plans import (
+    BlockLoadBatch,
+    BlockTransferPlan,
+    DropReason,
+    StoreBatch,
+    StoreTracker,
+    apply_store_masks,
+    boundary_state_plans,
+    finished_partial_tail_plans,
+    is_prefill,
+    load_batch,
+    resident_blocks_from_hits,
+    restored_candidates,
+    save_watermark,
+    storable_tokens,
+    store_batch,
+    store_candidate_ranges,
+    store_token_limit,
+    stores_this_step,
+)
+from umbp.core.store_events import (
+    StoreEvent,
+    StoreEventResult,
+    event_acknowledged,
+    merge_store_results,
+    pinned_block_ids,
+    reserved_identities,
+    stored_identities,
+)
+
+# ------------------------------------------------------------------------- loads
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    scenario: LookupScenario
+    spec: LoadSpec
+    table: tuple[tuple[int, ...], ...]
+    reported: tuple[frozenset[bytes], ...]
+    batch: BlockLoadBatch
+
+
+@st.composite
+def single_group_loads(draw: st.DrawFn) -> PlannedLoad | None:
+    scenario = draw(lookup_scenarios(single_group_geometries()))
+    geometry = scenario.geometry
+    query = build_lookup_query(
+        geometry, scenario.keyspace, scenario.hashes, scenario.local_tokens, scenario.num_tokens
+    )
+    folded = fold_rank_hits(query, scenario.pool.answers(query.keys))
+    assert folded is not None
+    spec = single_group_load_spec(geometry, query, folded)
+    if spec is None:
+        return None
+    table = draw(block_tables(geometry, scenario.num_tokens))
+    batch = load_batch(
+        "r", geometry, spec, table, scenario.hashes, spec.num_tokens_to_load
+    ).unwrap()
+    reported = coordinator_hit_sets(query, folded)
+    return PlannedLoad(scenario, spec, table, reported, batch)
+
+
+@st.composite
+def coordinated_loads(draw: st.DrawFn) -> PlannedLoad | None:
+    """A stand-in for vLLM's coordinator: any hit end past the local tokens, each
+    block named only if its object was reported (None otherwise)."""
+    scenario = draw(lookup_scenarios(coordinated_geometries()))
+    geometry = scenario.geometry
+    query = build_lookup_query(
+        geometry, scenario.keyspace, scenario.hashes, scenario.local_tokens, scenario.num_tokens
+    )
+    folded = fold_rank_hits(query, scenario.pool.answers(query.keys))
+    assert folded is not None
+    reported = coordinator_hit_sets(query, folded)
+    hit_end = draw(st.integers(scenario.local_tokens + 1, scenario.num_tokens - 1))
+    hashes_by_group = tuple(
+        tuple(
+            h if h in hit_set else None
+            for block in range(hit_end // size)
+            for h in (scenario.hashes[(block + 1) * size // geometry.hash_block_size - 1],)
+        )
+        for size, hit_set in zip(geometry.group_block_sizes, reported)
+    )
+    spec = LoadSpec(scenario.local_tokens, hit_end, hashes_by_group)
+    table = draw(block_tables(geometry, scenario.num_tokens))
+    batch = load_batch(
+        "r", geometry, spec, table, scenario.hashes, spec.num_tokens_to_load
+    ).unwrap()
+    return PlannedLoad(scenario, spec, table, reported, batch)
+
+
+@given(st.one_of(single_group_loads(), coordinated_loads()))
+def test_load_plans_write_only_blocks_of_the_request_table_never_null_each_at_most_once(
+    planned: PlannedLoad | None,
+) -> None:
+    if planned is None:
+        return
+    geometry, batch = planned.scenario.geometry, planned.batch
+    assert NULL_BLOCK_ID not in batch.block_ids
+    assert len(set(batch.block_ids)) == len(batch.block_ids)
+    assert len(batch.group_ids) == len(batch.block_ids) == len(batch.block_hashes)
+    for group_id, block_id in zip(batch.group_ids, batch.block_ids):
+        position = geometry.position(group_id)
+        table = planned.table[position]
+        assert block_id in table
+        # Blocks under the local tokens are vLLM's and never overwritten.
+        local_blocks = planned.spec.local_tokens // geometry.group_block_sizes[position]
+        assert table.index(block_id) >= local_blocks
+
+
+@given(st.one_of(single_group_loads(), coordinated_loads()))
+def test_every_identity_a_load_plan_reads_was_reported_as_a_hit(
+    planned: PlannedLoad | None,
+) -> None:
+    if planned is None:
+        return
+    geometry = planned.scenario.geometry
+    for group_id, block_hash in planned.batch.identities():
+        assert block_hash in planned.reported[geometry.position(group_id)]
+        assert planned.scenario.pool.held_by_every_rank(group_id, block_hash)
+
+
+@given(single_group_loads(), st.data())
+def test_a_null_destination_is_an_error_value(
+    planned: PlannedLoad | None, data: st.DataObject
+) -> None:
+    assume(planned is not None and len(planned.batch) > 0)
+    assert planned is not None
+    victim = data.draw(st.sampled_from(planned.batch.block_ids))
+    table = tuple(
+        tuple(NULL_BLOCK_ID if block == victim else block for block in group)
+        for group in planned.table
+    )
+    result = load_batch(
+        "r",
+        planned.scenario.geometry,
+        planned.spec,
+        table,
+        planned.scenario.hashes,
+        planned.spec.num_tokens_to_load,
+    )
+    assert isinstance(result, Failure)
+
+
+def test_a_load_allocated_with_another_token_count_is_an_error_value() -> None:
+    geometry = LookupGeometry((0,), (4,), (4,), block_size=4, hash_block_size=4)
+    spec = LoadSpec(0, 8)
+    hashes = (b"a", b"b", b"c")
+    table = ((5, 6, 7),)
+    assert load_batch("r", geometry, spec, table, hashes, 8).unwrap() == BlockLoadBatch(
+        "r", (0, 0), (5, 6), (b"a", b"b")
+    )
+    assert isinstance(load_batch("r", geometry, spec, table, hashes, 4), Failure)
+    assert isinstance(load_batch("r", geometry, spec, ((5,),), hashes, 8), Failure)
+
+
+def test_a_partial_tail_loads_the_hash_at_the_window_end_into_the_split_block() -> None:
+    geometry = LookupGeometry(
+        (0,), (16,), (4,), block_size=16, hash_block_size=4, partial_hash_hits=True
+    )
+    hashes = tuple(bytes([index]) for index in range(10))
+    batch = load_batch("r", geometry, LoadSpec(0, 24), ((3, 9),), hashes, 24).unwrap()
+    assert batch.block_ids == (3, 9)
+    assert batch.block_hashes == (hashes[3], hashes[5])
+    without_partial = LookupGeometry((0,), (16,), (16,), block_size=16, hash_block_size=4)
+    assert isinstance(
+        load_batch("r", without_partial, LoadSpec(0, 24), ((3, 9),), hashes, 24), Failure
+    )
+
+
+# ----------------------------------------------------------------------- storing
+
+
+@dataclass(frozen=True)
+class PlannedStore:
+    scenario: StoreScenario
+    save_to: int
+    candidates: dict[int, range]
+    selected: dict[int, tuple[int, ...]]
+    resident: frozenset[tuple[int, bytes]]
+    batch: StoreBatch
+
+
+def plan_store(
+    scenario: StoreScenario, data: st.DataObject, events_enabled: bool = False
+) -> PlannedStore:
+    """The shell's sequence: watermark, candidates, vLLM's masks, one residency
+    lookup, the batch."""
+    geometry = scenario.geometry
+    hbs = geometry.hash_block_size
+    storable = storable_tokens(scenario.total_tokens, len(scenario.hashes), hbs)
+    save_to = save_watermark(scenario.previous_saved, storable, hbs)
+    ranges = store_candidate_ranges(
+        geometry, scenario.previous_saved, save_to, scenario.block_table, scenario.boundary_groups
+    )
+    masks = {
+        group_id: data.draw(
+            st.none() | st.lists(st.booleans(), min_size=len(indices), max_size=len(indices))
+        )
+        for group_id, indices in ranges
+    }
+    selected = apply_store_masks(ranges, masks).unwrap()
+    resident: frozenset[tuple[int, bytes]] = frozenset()
+    if scenario.restored_tokens is not None:
+        check = restored_candidates(
+            geometry,
+            scenario.keyspace,
+            selected,
+            scenario.block_table,
+            scenario.restored_tokens,
+            scenario.hashes,
+        )
+        resident = resident_blocks_from_hits(check, scenario.pool.answers(check.keys))
+    token_ids = tuple(range(1000, 1000 + scenario.num_tokens))
+    batch = store_batch(
+        "r",
+        geometry,
+        selected,
+        scenario.block_table,
+        scenario.hashes,
+        resident=resident,
+        reserved=scenario.reserved,
+        events_enabled=events_enabled,
+        token_ids=token_ids,
+    )
+    return PlannedStore(scenario, save_to, dict(ranges), dict(selected), resident, batch)
+
+
+def planned_blocks(planned: PlannedStore) -> list[tuple[int, int, bytes]]:
+    """(group_id, block index, hash) of every planned block."""
+    geometry = planned.scenario.geometry
+    out = []
+    for group_id, block_id, block_hash in zip(
+        planned.batch.group_ids, planned.batch.block_ids, planned.batch.block_hashes
+    ):
+        table = planned.scenario.block_table[geometry.position(group_id)]
+        out.append((group_id, table.index(block_id), block_hash))
+    return out
+
+
+@given(store_scenarios(), st.data())
+def test_store_plans_never_include_blocks_past_the_hash_coverage(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    planned = plan_store(scenario, data)
+    geometry = scenario.geometry
+    covered = len(scenario.hashes) * geometry.hash_block_size
+    for group_id, index, block_hash in planned_blocks(planned):
+        size = geometry.group_block_sizes[geometry.position(group_id)]
+        token_end = (index + 1) * size
+        assert token_end <= covered
+        assert token_end <= planned.save_to
+        assert block_hash == scenario.hashes[token_end // geometry.hash_block_size - 1]
+
+
+@given(store_scenarios(), st.data())
+def test_store_plans_never_include_an_identity_reserved_by_an_in_flight_event(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    planned = plan_store(scenario, data)
+    assert not set(planned.batch.identities()) & scenario.reserved
+    assert len(set(planned.batch.identities())) == len(planned.batch)
+
+
+@given(store_scenarios(), st.data())
+def test_store_plans_never_include_a_restored_block_still_resident(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    planned = plan_store(scenario, data)
+    geometry = scenario.geometry
+    for group_id, index, block_hash in planned_blocks(planned):
+        if scenario.restored_tokens is None:
+            break
+        size = geometry.group_block_sizes[geometry.position(group_id)]
+        if index < scenario.restored_tokens // size:
+            assert not scenario.pool.held_by_every_rank(group_id, block_hash)
+
+
+@given(store_scenarios(), st.data())
+def test_store_plans_take_only_masked_non_null_blocks_new_since_the_watermark(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    planned = plan_store(scenario, data)
+    geometry = scenario.geometry
+    assert NULL_BLOCK_ID not in planned.batch.block_ids
+    assert not set(planned.candidates) & scenario.boundary_groups
+    for group_id, index, _ in planned_blocks(planned):
+        size = geometry.group_block_sizes[geometry.position(group_id)]
+        assert index in planned.selected[group_id]
+        assert scenario.previous_saved // size <= index < planned.save_to // size
+        assert planned.batch.block_sizes[0] > 0
+
+
+@given(store_scenarios(), st.data())
+def test_store_plans_skip_only_for_a_reason(scenario: StoreScenario, data: st.DataObject) -> None:
+    """A selected, non-null, hashed block is planned unless reserved or resident."""
+    planned = plan_store(scenario, data)
+    geometry = scenario.geometry
+    planned_identities = set(planned.batch.identities())
+    for group_id, indices in planned.selected.items():
+        position = geometry.position(group_id)
+        size = geometry.group_block_sizes[position]
+        table = scenario.block_table[position]
+        for index in indices:
+            if table[index] == NULL_BLOCK_ID:
+                continue
+            identity = (
+                group_id,
+                scenario.hashes[(index + 1) * size // geometry.hash_block_size - 1],
+            )
+            assert (
+                identity in planned_identities
+                or identity in scenario.reserved
+                or identity in planned.resident
+            )
+
+
+@given(store_scenarios(), st.data())
+def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    planned = plan_store(scenario, data, events_enabled=True)
+    geometry = scenario.geometry
+    for (group_id, index, _), parent, tokens, size in zip(
+        planned_blocks(planned),
+        planned.batch.parent_hashes,
+        planned.batch.token_ids,
+        planned.batch.block_sizes,
+    ):
+        assert size == geometry.group_block_sizes[geometry.position(group_id)]
+        assert tokens == tuple(range(1000 + index * size, 1000 + (index + 1) * size))
+        if index == 0:
+            assert parent is None
+        else:
+            assert parent == scenario.hashes[index * size // geometry.hash_block_size - 1]
+    quiet = store_batch(
+        "r",
+        geometry,
+        tuple(planned.selected.items()),
+        scenario.block_table,
+        scenario.hashes,
+        resident=planned.resident,
+        reserved=scenario.reserved,
+    )
+    assert quiet.block_ids == planned.batch.block_ids
+    assert set(quiet.parent_hashes) <= {None} and set(quiet.token_ids) <= {()}
+
+
+@given(st.integers(0, 64), st.lists(st.integers(0, 200), max_size=12), st.sampled_from([1, 4, 16]))
+def test_save_watermarks_only_grow_and_stay_hash_aligned(
+    start: int, token_counts: list[int], hash_block_size: int
+) -> None:
+    watermark = start * hash_block_size
+    for token_count in token_counts:
+        new = save_watermark(watermark, token_count, hash_block_size)
+        assert new >= watermark
+        assert new % hash_block_size == 0
+        assert new <= max(watermark, token_count)
+        watermark = new
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6)), max_size=4, unique_by=lambda t: t[0]),
+    st.data(),
+)
+def test_a_store_mask_of_the_wrong_length_is_an_error_value(
+    spans: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    ranges = tuple((group_id, range(2, 2 + length)) for group_id, length in spans)
+    assume(ranges)
+    victim = data.draw(st.sampled_from([group_id for group_id, _ in ranges]))
+    masks = {
+        group_id: [True] * (len(indices) + (1 if group_id == victim else 0))
+        for group_id, indices in ranges
+    }
+    assert isinstance(apply_store_masks(ranges, masks), Failure)
+    masks[victim] = None  # type: ignore[assignment]
+    assert isinstance(apply_store_masks(ranges, masks), Success)
+
+
+@given(store_scenarios(), st.integers(-2, 2).filter(bool))
+def test_a_residency_answer_of_the_wrong_length_marks_nothing_resident(
+    scenario: StoreScenario, delta: int
+) -> None:
+    geometry = scenario.geometry
+    selected = tuple(
+        (group_id, tuple(range(len(table))))
+        for group_id, table in zip(geometry.group_ids, scenario.block_table)
+    )
+    check = restored_candidates(
+        geometry,
+        scenario.keyspace,
+        selected,
+        scenario.block_table,
+        scenario.num_tokens,
+        scenario.hashes,
+    )
+    assume(len(check.keys) + delta >= 0)
+    assert resident_blocks_from_hits(check, [True] * (len(check.keys) + delta)) == frozenset()
+    assert resident_blocks_from_hits(check, [True] * len(check.keys)) == frozenset(check.identities)
+
+
+def test_store_token_limits() -> None:
+    assert storable_tokens(100, 3, 16) == 48
+    assert storable_tokens(40, 3, 16) == 40
+    assert store_token_limit(120, 100, save_decode_cache=False) == 100
+    assert store_token_limit(120, 100, save_decode_cache=True) == 120
+    assert is_prefill(99, 100) and not is_prefill(100, 100)
+    assert stores_this_step(100, 100, True) and not stores_this_step(100, 100, False)
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 99), max_size=4), min_size=1, max_size=3),
+    st.lists(st.lists(st.integers(1, 99), max_size=4), min_size=1, max_size=3),
+)
+def test_tracker_appends_per_group_replaces_whole_and_resets_to_nothing(
+    first: list[list[int]], added: list[list[int]]
+) -> None:
+    tracker = StoreTracker().with_blocks_replaced(first).with_saved_tokens(32)
+    assert tracker.block_table == tuple(tuple(group) for group in first)
+    if len(added) == len(first):
+        appended = tracker.with_blocks_appended(added)
+        assert appended.block_table == tuple(
+            tuple(old) + tuple(new) for old, new in zip(first, added)
+        )
+        assert appended.saved_tokens == 32
+    else:
+        with pytest.raises(ValueError):
+            tracker.with_blocks_appended(added)
+    assert tracker.with_saved_tokens(16).saved_tokens == 32
+    assert tracker.with_load_spec(LoadSpec(0, 8)).load_spec == LoadSpec(0, 8)
+    assert tracker.reset() == StoreTracker()
+    assert StoreTracker().with_blocks_appended(added).block_table == tuple(map(tuple, added))
+
+
+# ------------------------------------------------------------ boundary transfers
+
+
+@dataclass(frozen=True)
+class BoundaryCase:
+    offloads: dict[str, list[tuple[int, int, int]]]
+    finished: frozenset[str]
+    preempted: frozenset[str]
+    hashes: dict[str, tuple[bytes, ...]]
+    prefix_groups: frozenset[int]
+    hash_block_size: int
+    block_sizes: dict[int, int]
+
+
+@st.composite
+def boundary_cases(draw: st.DrawFn) -> BoundaryCase:
+    hbs = draw(st.sampled_from([1, 4]))
+    request_ids = draw(st.lists(st.sampled_from("abcdef"), unique=True, max_size=5))
+    entry = st.tuples(st.integers(0, 4), st.integers(0, 9), st.integers(-2, 40))
+    tracked = draw(st.sets(st.sampled_from("abcdef")))
+    return BoundaryCase(
+        offloads={rid: draw(st.lists(entry, max_size=5)) for rid in request_ids},
+        finished=frozenset(draw(st.sets(st.sampled_from("abcdef")))),
+        preempted=frozenset(draw(st.sets(st.sampled_from("abcdef")))),
+        hashes={rid: draw(request_hashes(draw(st.integers(0, 40 // hbs)))) for rid in tracked},
+        prefix_groups=frozenset(draw(st.sets(st.integers(0, 3), min_size=1))),
+        hash_block_size=hbs,
+        block_sizes={group: hbs * draw(st.integers(1, 4)) for group in range(5)},
+    )
+
+
+@given(boundary_cases(), st.booleans())
+def test_boundary_plans_store_only_handed_off_boundaries_of_live_tracked_requests(
+    case: BoundaryCase, events_enabled: bool
+) -> None:
+    hbs, hashes = case.hash_block_size, case.hashes
+    plans, dropped = boundary_state_plans(
+        case.offloads,
+        case.finished,
+        case.preempted,
+        hashes,
+        case.prefix_groups,
+        hbs,
+        case.block_sizes,
+        events_enabled,
+    )
+    for plan in plans:
+        request_hashes = hashes[plan.request_id]
+        assert plan.request_id not in case.finished | case.preempted
+        assert plan.group_id in case.prefix_groups and plan.block_id != NULL_BLOCK_ID
+        boundary = next(
+            b
+            for g, block, b in case.offloads[plan.request_id]
+            if (g, block) == (plan.group_id, plan.block_id)
+            and b > 0
+            and b % hbs == 0
+            and b // hbs <= len(request_hashes)
+            and request_hashes[b // hbs - 1] == plan.block_hash
+        )
+        index = boundary // hbs - 1
+        assert plan.block_size == case.block_sizes[plan.group_id]
+        assert plan.parent_hash == (request_hashes[index - 1] if events_enabled and index else None)
+    reasons = {d.request_id: d.reason for d in dropped}
+    for request_id, entries in case.offloads.items():
+        if request_id in case.finished:
+            assert reasons[request_id] is DropReason.FINISHED
+        elif request_id in case.preempted:
+            assert reasons[request_id] is DropReason.PREEMPTED
+        elif request_id not in hashes:
+            assert reasons[request_id] is DropReason.UNTRACKED
+        else:
+            assert request_id not in reasons
+        if request_id in reasons:
+            assert next(d.entries for d in dropped if d.request_id == request_id) == len(entries)
+
+
+TAIL_GEOMETRY = LookupGeometry(
+    group_ids=(0, 1),
+    group_block_sizes=(16, 64),
+    lookup_units=(16, 16),
+    block_size=64,
+    hash_block_size=16,
+    partial_hash_hits=True,
+    coordinated=True,
+)
+TAIL_HASHES = tuple(bytes([i]) for i in range(8))
+
+
+def tail(
+    entries: list[tuple[int, int, int]],
+    computed: int = 48,
+    in_flight: int = 0,
+    table: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4), (7,)),
+    pool_size: int = 100,
+) -> Result[tuple[BlockTransferPlan, ...], str]:
+    return finished_partial_tail_plans(
+        "r",
+        TAIL_GEOMETRY,
+        entries,
+        table,
+        TAIL_HASHES,
+        computed,
+        in_flight,
+        full_attention_groups=frozenset({0, 1}),
+        pool_size=pool_size,
+    )
+
+
+def test_a_finished_tail_stores_the_state_page_and_the_split_attention_page() -> None:
+    # Group 1 (64-token blocks) is split by boundary 48; group 0 (16) is not.
+    plans = tail([(1, 7, 48)]).unwrap()
+    assert plans == (BlockTransferPlan("r", 1, 7, TAIL_HASHES[2], None, 64),)
+    plans = tail([(0, 3, 40 + 8)], computed=48).unwrap()
+    assert {plan.group_id for plan in plans} == {0, 1}
+    assert {plan.block_hash for plan in plans} == {TAIL_HASHES[2]}
+
+
+@pytest.mark.parametrize(
+    ("entries", "kwargs"),
+    [
+        ([], {}),
+        ([(1, 7, 48), (0, 3, 32)], {}),
+        ([(1, 7, 40)], {"computed": 40}),
+        ([(1, 7, 48)], {"computed": 64}),
+        ([(1, 7, 48)], {"in_flight": 1}),
+        ([(1, 7, 48 + 128)], {"computed": 48 + 128}),
+        ([(5, 7, 48)], {}),
+        ([(0, 3, 80)], {"computed": 80, "table": ((1, 2, 3, 4, 5), (7,))}),
+        ([(1, NULL_BLOCK_ID, 48)], {}),
+        ([(1, 700, 48)], {}),
+    ],
+)
+def test_a_finished_tail_that_breaks_a_rule_stores_nothing(
+    entries: list[tuple[int, int, int]], kwargs: dict[str, object]
+) -> None:
+    assert isinstance(tail(entries, **kwargs), Failure)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ store events
+
+
+@st.composite
+def store_events(draw: st.DrawFn) -> StoreEvent:
+    block = st.integers(1, 30)
+    identity_hash = st.sampled_from([b"a", b"b", b"c", b"d"])
+    batches = []
+    for _ in range(draw(st.integers(0, 3))):
+        count = draw(st.integers(0, 5))
+        batches.append(
+            StoreBatch(
+                "r",
+                tuple(draw(st.lists(st.integers(0, 2), min_size=count, max_size=count))),
+                tuple(draw(st.lists(block, min_size=count, max_size=count))),
+                tuple(draw(st.lists(identity_hash, min_size=count, max_size=count))),
+                (None,) * count,
+                ((),) * count,
+                (16,) * count,
+            )
+        )
+    transfers = tuple(
+        BlockTransferPlan("r", draw(st.integers(0, 2)), draw(block), draw(identity_hash), None, 16)
+        for _ in range(draw(st.integers(0, 4)))
+    )
+    return StoreEvent(draw(st.integers(0, 9)), tuple(batches), transfers)
+
+
+@given(store_events())
+def test_pinned_block_ids_cover_every_block_of_every_plan_exactly_once(event: StoreEvent) -> None:
+    pinned = pinned_block_ids(event)
+    every = [b for batch in event.batches for b in batch.block_ids] + [
+        plan.block_id for plan in event.transfers
+    ]
+    assert len(pinned) == len(set(pinned))
+    assert set(pinned) == set(every)
+    assert list(pinned) == list(dict.fromkeys(every))
+
+
+@given(store_events(), st.lists(store_events(), max_size=3))
+def test_reserved_identities_are_every_identity_of_every_in_flight_event(
+    event: StoreEvent, others: list[StoreEvent]
+) -> None:
+    reserved = reserved_identities([event, *others])
+    for e in (event, *others):
+        for batch in e.batches:
+            assert set(batch.identities()) <= reserved
+        assert {plan.identity for plan in e.transfers} <= reserved
+    assert len(event.identities()) == len(set(event.identities()))
+
+
+@given(
+    st.integers(1, 8),
+    st.lists(
+        st.frozensets(st.tuples(st.integers(0, 2), st.sampled_from([b"a", b"b"]))), max_size=10
+    ),
+)
+def test_an_event_is_acknowledged_only_when_every_worker_reported(
+    num_workers: int, failures: list[frozenset[tuple[int, bytes]]]
+) -> None:
+    result = StoreEventResult()
+    for reported, failed in enumerate(failures, start=1):
+        result = merge_store_results(result, StoreEventResult(1, failed))
+        assert event_acknowledged(result, num_workers) == (reported >= num_workers)
+        assert result.failed == frozenset().union(*failures[:reported])
+    if not failures:
+        assert not event_acknowledged(result, num_workers)
+
+
+@given(store_events(), st.frozensets(st.tuples(st.integers(0, 2), st.sampled_from([b"a", b"b"]))))
+def test_stored_identities_exclude_every_failed_identity(
+    event: StoreEvent, failed: frozenset[tuple[int, bytes]]
+) -> None:
+    stored = stored_identities(event, StoreEventResult(1, failed))
+    assert not set(stored) & failed
+    assert set(stored) | (set(event.identities()) & failed) == set(event.identities())

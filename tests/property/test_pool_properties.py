@@ -1,0 +1,202 @@
+"""Model-based properties of SlabPool: a reference LRU predicts every answer of the pool.
+
+The state machine drives random puts, loads (right and wrong sizes), look-ups, byte flips,
+drains of the eviction queue and clears, against a pool with random geometry and
+watermarks. After every step it checks the invariants:
+* used bytes never exceed capacity, and equal the pages owned by resident objects;
+* every page is free or owned by exactly one resident object (free + owned == total);
+* residency equals the model's; a key absent from the model is never a HIT;
+* a HIT delivers exactly the bytes last accepted under that key.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from umbp.runtime import LoadStatus, SlabPool
+
+KEYS = tuple(f"k{index}" for index in range(8))
+
+
+def content(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+class ReferenceLru:
+    """The behaviour SlabPool promises, written as plainly as possible."""
+
+    def __init__(self, total_pages: int, page_bytes: int, high: float, low: float) -> None:
+        self.total_pages = total_pages
+        self.page_bytes = page_bytes
+        self.high_pages = int(high * total_pages + 1e-9)
+        self.low_pages = int(low * total_pages + 1e-9)
+        self.objects: OrderedDict[str, bytes] = OrderedDict()  # least recent first
+        self.corrupt: set[str] = set()
+        self.evicted: dict[str, None] = {}
+
+    def pages_of(self, size: int) -> int:
+        return -(-size // self.page_bytes)
+
+    def used_pages(self) -> int:
+        return sum(self.pages_of(len(data)) for data in self.objects.values())
+
+    def put(self, key: str, data: bytes) -> bool:
+        if key in self.objects:
+            self.objects.move_to_end(key)
+            return True
+        needed = self.pages_of(len(data))
+        if needed > self.total_pages:
+            return False
+        if self.used_pages() + needed > self.high_pages:
+            while self.objects and self.used_pages() + needed > self.low_pages:
+                gone, _ = self.objects.popitem(last=False)
+                self.corrupt.discard(gone)
+                self.evicted[gone] = None
+        self.objects[key] = data
+        self.evicted.pop(key, None)
+        return True
+
+    def load(self, key: str, size: int) -> LoadStatus:
+        if key not in self.objects:
+            return LoadStatus.MISSING
+        if size != len(self.objects[key]):
+            return LoadStatus.SIZE_MISMATCH
+        if key in self.corrupt:
+            del self.objects[key]
+            self.corrupt.discard(key)
+            self.evicted[key] = None
+            return LoadStatus.CORRUPT
+        self.objects.move_to_end(key)
+        return LoadStatus.HIT
+
+    def drain(self) -> tuple[str, ...]:
+        drained = tuple(self.evicted)
+        self.evicted.clear()
+        return drained
+
+    def clear(self) -> None:
+        self.objects.clear()
+        self.corrupt.clear()
+        self.evicted.clear()
+
+
+class SlabPoolMachine(RuleBasedStateMachine):
+    pool: SlabPool
+    model: ReferenceLru
+
+    @initialize(
+        page_bytes=st.sampled_from([1, 64, 100, 256]),
+        total_pages=st.integers(min_value=1, max_value=12),
+        watermarks=st.tuples(
+            st.floats(min_value=0.05, max_value=1.0), st.floats(min_value=0.05, max_value=1.0)
+        ).filter(lambda pair: pair[0] != pair[1]),
+    )
+    def create_pool(
+        self, page_bytes: int, total_pages: int, watermarks: tuple[float, float]
+    ) -> None:
+        low, high = sorted(watermarks)
+        self.pool = SlabPool(
+            total_pages * page_bytes, page_bytes, high_watermark=high, low_watermark=low
+        )
+        self.model = ReferenceLru(total_pages, page_bytes, high, low)
+
+    def teardown(self) -> None:
+        if hasattr(self, "pool"):
+            self.pool.close()
+
+    def size_strategy(self) -> st.SearchStrategy[int]:
+        return st.integers(
+            min_value=0, max_value=(self.model.total_pages + 1) * self.pool.page_bytes
+        )
+
+    @rule(data=st.data(), count=st.integers(min_value=1, max_value=3))
+    def put(self, data: st.DataObject, count: int) -> None:
+        keys = [data.draw(st.sampled_from(KEYS)) for _ in range(count)]
+        sizes = [data.draw(self.size_strategy()) for _ in range(count)]
+        seeds = [data.draw(st.integers(0, 2**32)) for _ in range(count)]
+        payloads = [content(seed, size) for seed, size in zip(seeds, sizes)]
+        expected = tuple(self.model.put(key, payload) for key, payload in zip(keys, payloads))
+        assert self.pool.put_batch(keys, [memoryview(payload) for payload in payloads]) == expected
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4))
+    def load_with_right_size(self, keys: list[str]) -> None:
+        sizes = [len(self.model.objects.get(key, b"")) for key in keys]
+        outs = [bytearray(size) for size in sizes]
+        statuses = self.pool.get_batch_into(keys, outs)
+        for key, size, out, status in zip(keys, sizes, outs, statuses):
+            expected_bytes = self.model.objects.get(key)
+            assert status is self.model.load(key, size)
+            if status is LoadStatus.HIT:
+                assert bytes(out) == expected_bytes
+
+    @rule(key=st.sampled_from(KEYS), delta=st.sampled_from([-1, 1, 7]))
+    def load_with_wrong_size(self, key: str, delta: int) -> None:
+        size = max(0, len(self.model.objects.get(key, b"")) + delta)
+        (status,) = self.pool.get_batch_into([key], [bytearray(size)])
+        assert status is self.model.load(key, size)
+        assert status is not LoadStatus.HIT or key in self.model.objects
+
+    def intact_nonempty_keys(self) -> list[str]:
+        """Keys whose bytes can be flipped; corrupt ones are excluded because flipping the
+        same bit twice would repair them behind the model's back."""
+        return [k for k, v in self.model.objects.items() if v and k not in self.model.corrupt]
+
+    @precondition(lambda self: bool(self.intact_nonempty_keys()))
+    @rule(data=st.data())
+    def flip_a_stored_byte(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(self.intact_nonempty_keys()))
+        regions = self.pool.object_regions(key)
+        offset, length = data.draw(st.sampled_from(regions))
+        position = offset + data.draw(st.integers(0, length - 1))
+        bit = data.draw(st.sampled_from([0x01, 0x10, 0x80]))
+        view = self.pool.slab_view()
+        view[position] ^= bit
+        view.release()
+        self.model.corrupt.add(key)
+
+    @rule()
+    def drain_evicted_keys(self) -> None:
+        assert self.pool.take_evicted_keys() == self.model.drain()
+
+    @rule()
+    def clear(self) -> None:
+        assert self.pool.clear() is True
+        self.model.clear()
+
+    @invariant()
+    def residency_matches_the_model(self) -> None:
+        assert self.pool.lookup(KEYS) == tuple(key in self.model.objects for key in KEYS)
+
+    @invariant()
+    def pages_are_free_or_owned_once(self) -> None:
+        owned = [
+            offset // self.pool.page_bytes
+            for key in self.model.objects
+            for offset, _ in self.pool.object_regions(key)
+        ]
+        assert len(owned) == len(set(owned))
+        assert all(0 <= page < self.pool.total_pages for page in owned)
+        assert len(owned) + self.pool.free_page_count() == self.pool.total_pages
+
+    @invariant()
+    def usage_is_bounded_and_matches_the_model(self) -> None:
+        stats = self.pool.stats()
+        assert stats.used_bytes <= stats.capacity_bytes
+        assert stats.used_bytes == self.model.used_pages() * self.pool.page_bytes
+        assert stats.objects == len(self.model.objects)
+
+    @invariant()
+    def regions_cover_each_object_exactly(self) -> None:
+        for key, data in self.model.objects.items():
+            assert sum(length for _, length in self.pool.object_regions(key)) == len(data)
+
+
+SlabPoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, report_multiple_bugs=False
+)
+TestSlabPool = SlabPoolMachine.TestCase

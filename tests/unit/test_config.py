@@ -1,0 +1,188 @@
+"""Examples of kv_connector_extra_config validation: the exact sentences users see."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from returns.result import Failure, Success
+
+from umbp.core.config import (
+    DEFAULT_CONFIG,
+    OPTION_DOCS,
+    OPTION_NAMES,
+    ConfigError,
+    ConnectorConfig,
+    effective_load_async,
+    format_config_errors,
+    parse_connector_config,
+)
+
+
+def errors_of(extra: dict[str, object]) -> dict[str, str]:
+    result = parse_connector_config(extra)
+    assert isinstance(result, Failure), result
+    return {error.key: error.message for error in result.failure()}
+
+
+def test_an_empty_config_gives_the_documented_defaults() -> None:
+    assert parse_connector_config({}) == Success(DEFAULT_CONFIG)
+    assert DEFAULT_CONFIG == ConnectorConfig(
+        mode="embedded",
+        load_async=True,
+        enable_lookup=True,
+        lookup_async=False,
+        save_decode_cache=False,
+        enable_partial_hash_hits=False,
+        lookup_workers=2,
+        kv_event_max_objects=65536,
+        namespace=None,
+        capacity_bytes=1 << 30,
+        page_bytes=256 * 1024,
+        high_watermark=0.95,
+        low_watermark=0.85,
+        store_timeout_s=30.0,
+    )
+
+
+def test_a_string_is_not_a_boolean() -> None:
+    assert errors_of({"load_async": "true"}) == {
+        "load_async": "expected a boolean (true/false), got str 'true'"
+    }
+
+
+def test_an_unknown_option_names_the_nearest_valid_one() -> None:
+    assert errors_of({"capacity_byte": 1 << 30}) == {
+        "capacity_byte": "unknown option 'capacity_byte' (did you mean 'capacity_bytes'?)"
+    }
+
+
+def test_a_later_mode_is_reported_as_not_available_yet() -> None:
+    assert errors_of({"mode": "server"}) == {
+        "mode": "mode 'server' is not available in this version; available: embedded"
+    }
+    for mode in ("mooncake", "mori"):
+        assert "not available in this version" in errors_of({"mode": mode})["mode"]
+
+
+def test_an_invalid_mode_lists_the_valid_values() -> None:
+    message = errors_of({"mode": "local"})["mode"]
+    assert "'local'" in message and "valid values: embedded" in message
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "2", None])
+def test_integers_are_strict_no_bools_floats_or_strings(value: object) -> None:
+    assert set(errors_of({"lookup_workers": value})) == {"lookup_workers"}
+
+
+@pytest.mark.parametrize("value", [0, 65, -1])
+def test_lookup_workers_is_between_1_and_64(value: int) -> None:
+    assert "between 1 and 64" in errors_of({"lookup_workers": value})["lookup_workers"]
+
+
+def test_integers_are_accepted_as_floats_and_become_floats() -> None:
+    config = parse_connector_config(
+        {"high_watermark": 1, "low_watermark": 0.5, "store_timeout_s": 5}
+    ).unwrap()
+    assert (config.high_watermark, config.low_watermark, config.store_timeout_s) == (1.0, 0.5, 5.0)
+    assert all(type(v) is float for v in (config.high_watermark, config.store_timeout_s))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0, 0.0, -1.5])
+def test_store_timeout_must_be_a_finite_positive_number(value: float) -> None:
+    assert set(errors_of({"store_timeout_s": value})) == {"store_timeout_s"}
+
+
+def test_watermarks_need_low_below_high() -> None:
+    message = errors_of({"low_watermark": 0.9, "high_watermark": 0.8})["low_watermark"]
+    assert "high_watermark" in message
+    assert set(errors_of({"low_watermark": 0.96})) == {"low_watermark"}  # default high 0.95
+    assert set(errors_of({"high_watermark": 1.01})) == {"high_watermark"}
+    assert set(errors_of({"low_watermark": 0})) == {"low_watermark"}
+    assert parse_connector_config({"low_watermark": 0.5, "high_watermark": 1}).unwrap().high_watermark == 1.0
+
+
+@pytest.mark.parametrize("page", [4 << 10, 64 << 10, 64 << 20])
+def test_page_bytes_accepts_powers_of_two_from_4_kib_to_64_mib(page: int) -> None:
+    assert parse_connector_config({"page_bytes": page, "capacity_bytes": 64 << 20}).unwrap().page_bytes == page
+
+
+@pytest.mark.parametrize("page", [2 << 10, 128 << 20, 3 << 12, 0, -4096])
+def test_page_bytes_rejects_other_sizes(page: int) -> None:
+    assert set(errors_of({"page_bytes": page})) == {"page_bytes"}
+
+
+def test_capacity_must_hold_at_least_one_page() -> None:
+    message = errors_of({"capacity_bytes": 1 << 20, "page_bytes": 2 << 20})["capacity_bytes"]
+    assert "page_bytes" in message
+    # The default page size counts when page_bytes is absent.
+    assert set(errors_of({"capacity_bytes": 128 << 10})) == {"capacity_bytes"}
+    # A bad page size is reported once, not blamed on the capacity too.
+    assert set(errors_of({"capacity_bytes": 1 << 20, "page_bytes": 3})) == {"page_bytes"}
+
+
+def test_namespace_follows_the_key_namespace_rule() -> None:
+    assert parse_connector_config({"namespace": None}).unwrap().namespace is None
+    assert parse_connector_config({"namespace": "team-a.v2_1"}).unwrap().namespace == "team-a.v2_1"
+    assert set(errors_of({"namespace": "a:b"})) == {"namespace"}
+    assert set(errors_of({"namespace": ""})) == {"namespace"}
+    assert set(errors_of({"namespace": 7})) == {"namespace"}
+
+
+def test_every_bad_entry_is_reported_at_once_in_input_order() -> None:
+    result = parse_connector_config(
+        {"capacity_byte": 1, "load_async": "true", "mode": "server", "lookup_workers": 0}
+    )
+    assert [error.key for error in result.failure()] == [
+        "capacity_byte",
+        "load_async",
+        "mode",
+        "lookup_workers",
+    ]
+
+
+def test_format_config_errors_names_every_key_with_a_hint() -> None:
+    errors = (
+        ConfigError("capacity_byte", "unknown option 'capacity_byte' (did you mean 'capacity_bytes'?)"),
+        ConfigError("load_async", "expected a boolean (true/false), got str 'true'"),
+    )
+    message = format_config_errors(errors)
+    assert "2 problems" in message
+    assert "capacity_byte" in message and "did you mean 'capacity_bytes'" in message
+    assert "load_async" in message and OPTION_DOCS["load_async"] in message
+    assert "1 problem)" in format_config_errors(errors[:1])
+
+
+def test_every_option_has_a_one_line_doc() -> None:
+    assert tuple(OPTION_DOCS) == OPTION_NAMES
+    assert all(doc and "\n" not in doc for doc in OPTION_DOCS.values())
+
+
+def test_a_non_string_key_is_an_unknown_option_not_a_crash() -> None:
+    result = parse_connector_config({3: True})  # type: ignore[dict-item]
+    assert isinstance(result, Failure)
+    assert result.failure()[0].key == "3"
+
+
+def test_load_async_is_kept_when_requested() -> None:
+    assert effective_load_async(True, 3, True, True) == (True, None)
+
+
+def test_load_async_false_is_honoured_for_one_plain_group() -> None:
+    assert effective_load_async(False, 1, False, False) == (False, None)
+
+
+@pytest.mark.parametrize(
+    ("num_groups", "has_mamba", "has_sparse_indexer", "reason"),
+    [
+        (2, False, False, "2 KV cache groups"),
+        (1, True, False, "Mamba-style layers"),
+        (1, False, True, "sparse-attention indexer layers"),
+    ],
+)
+def test_load_async_false_is_overridden_with_a_warning_that_says_why(
+    num_groups: int, has_mamba: bool, has_sparse_indexer: bool, reason: str
+) -> None:
+    load_async, warning = effective_load_async(False, num_groups, has_mamba, has_sparse_indexer)
+    assert load_async is True
+    assert warning is not None and "load_async=false is ignored" in warning and reason in warning

@@ -1,0 +1,35 @@
+"""umbp.core: the pure functional core.
+
+Only the standard library, ``pyrsistent`` and ``returns``: no vLLM, torch or
+numpy, no I/O, clocks, threads or logging. Every decision the connector makes
+about keys, hit windows, plans, events and configuration is a deterministic
+function here; ``umbp.shell`` feeds it snapshots and carries out its answers.
+
+Every public name of every core module is re-exported here; the modules are
+importable as attributes too (``umbp.core.events``).
+"""
+
+from __future__ import annotations
+
+from umbp.core import config, events, identity, lookup, plans, store_events
+from umbp.core.config import *  # noqa: F403
+from umbp.core.events import *  # noqa: F403
+from umbp.core.identity import *  # noqa: F403
+from umbp.core.lookup import *  # noqa: F403
+from umbp.core.plans import *  # noqa: F403
+from umbp.core.store_events import *  # noqa: F403
+
+__all__ = [
+    "config",
+    "events",
+    "identity",
+    "lookup",
+    "plans",
+    "store_events",
+]
+__all__ += config.__all__
+__all__ += events.__all__
+__all__ += identity.__all__
+__all__ += lookup.__all__
+__all__ += plans.__all__
+__all__ += store_events.__all__

@@ -1,0 +1,221 @@
+"""Object identity: the namespace fingerprint, rank topology and object keys.
+
+A stored object is one KV block of one cache group on one rank. Its key must
+change whenever anything that shapes its bytes changes (model, dtype, cache
+layout, block sizes, parallel layout, format) and must be identical across
+processes, restarts and data-parallel replicas, so that any engine serving the
+same bytes finds it. Key format::
+
+    umbp:<format>:<namespace>:tp<r>:pcp<r>:dcp<r>:pp<r>:g<group>:<block-hash hex>
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Final
+
+from returns.result import Failure, Result, Success
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KEY_PREFIX",
+    "CacheGroupShape",
+    "KeyParts",
+    "KeySpace",
+    "NamespaceInputs",
+    "RankCoord",
+    "RankTopology",
+    "check_namespace_override",
+    "key_prefix",
+    "make_topology",
+    "namespace_fingerprint",
+    "object_key",
+    "parse_key",
+    "rank_coord",
+    "resolve_namespace",
+]
+
+FORMAT_VERSION: Final = 1
+KEY_PREFIX: Final = "umbp"
+_NAMESPACE_OVERRIDE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_KEY = re.compile(
+    r"umbp:(?P<fmt>\d+):(?P<ns>[A-Za-z0-9._-]+):tp(?P<tp>\d+):pcp(?P<pcp>\d+)"
+    r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>(?:[0-9a-f]{2})+)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroupShape:
+    """Every field of one cache group's spec, as (name, canonical text) pairs."""
+
+    kind: str
+    fields: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInputs:
+    """Everything that shapes the stored bytes. The DP rank is deliberately absent:
+    data-parallel replicas hold identical KV and must share objects."""
+
+    model_id: str
+    revision: str | None
+    kv_dtype: str
+    groups: tuple[CacheGroupShape, ...]
+    block_size: int
+    hash_block_size: int
+    tp_size: int
+    pcp_size: int
+    dcp_size: int
+    pp_size: int
+    format_version: int = FORMAT_VERSION
+
+
+def namespace_fingerprint(inputs: NamespaceInputs) -> str:
+    """16 hex digits of a SHA-256 over a canonical, unambiguous encoding."""
+    parts = [
+        f"format={inputs.format_version}",
+        f"model={inputs.model_id!r}",
+        f"revision={inputs.revision!r}",
+        f"kv_dtype={inputs.kv_dtype!r}",
+        f"block_size={inputs.block_size}",
+        f"hash_block_size={inputs.hash_block_size}",
+        f"tp={inputs.tp_size}",
+        f"pcp={inputs.pcp_size}",
+        f"dcp={inputs.dcp_size}",
+        f"pp={inputs.pp_size}",
+    ]
+    for index, group in enumerate(inputs.groups):
+        fields = ",".join(f"{name}={value!r}" for name, value in sorted(group.fields))
+        parts.append(f"group{index}={group.kind!r}[{fields}]")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def resolve_namespace(inputs: NamespaceInputs, override: str | None) -> Result[str, str]:
+    """The user's explicit namespace if given (validated), else the fingerprint."""
+    if override is None:
+        return Success(namespace_fingerprint(inputs))
+    return check_namespace_override(override)
+
+
+def check_namespace_override(override: str) -> Result[str, str]:
+    """The rule an explicit namespace must follow (used by config validation too)."""
+    if not _NAMESPACE_OVERRIDE.fullmatch(override):
+        return Failure(
+            f"namespace {override!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+        )
+    return Success(override)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RankCoord:
+    """Where one shard of a block lives. ``dcp`` is derived from ``tp``."""
+
+    tp: int = 0
+    pcp: int = 0
+    dcp: int = 0
+    pp: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankTopology:
+    """The parallel layout whose ranks each hold their own shard of a block."""
+
+    tp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def rank_count(self) -> int:
+        return self.tp_size * self.pcp_size * self.pp_size
+
+    def coords(self) -> tuple[RankCoord, ...]:
+        """Every rank in canonical order (pp, pcp, tp major to minor)."""
+        return tuple(
+            rank_coord(self, tp, pcp, pp)
+            for pp in range(self.pp_size)
+            for pcp in range(self.pcp_size)
+            for tp in range(self.tp_size)
+        )
+
+
+def make_topology(tp_size: int, pcp_size: int, dcp_size: int, pp_size: int) -> Result[RankTopology, str]:
+    sizes = {"tp": tp_size, "pcp": pcp_size, "dcp": dcp_size, "pp": pp_size}
+    for name, size in sizes.items():
+        if size < 1:
+            return Failure(f"{name} size must be >= 1, got {size}")
+    if tp_size % dcp_size:
+        return Failure(f"dcp size {dcp_size} must divide tp size {tp_size}")
+    return Success(RankTopology(tp_size, pcp_size, dcp_size, pp_size))
+
+
+def rank_coord(topology: RankTopology, tp_rank: int, pcp_rank: int, pp_rank: int) -> RankCoord:
+    """A worker's coordinates; its DCP rank is its position inside its TP group's DCP split."""
+    return RankCoord(tp_rank, pcp_rank, tp_rank % topology.dcp_size, pp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyParts:
+    format_version: int
+    namespace: str
+    rank: RankCoord
+    group_id: int
+    block_hash: bytes
+
+
+def object_key(namespace: str, rank: RankCoord, group_id: int, block_hash: bytes) -> str:
+    return key_prefix(namespace, rank, group_id) + block_hash.hex()
+
+
+def key_prefix(namespace: str, rank: RankCoord, group_id: int) -> str:
+    return (
+        f"{KEY_PREFIX}:{FORMAT_VERSION}:{namespace}:tp{rank.tp}:pcp{rank.pcp}"
+        f":dcp{rank.dcp}:pp{rank.pp}:g{group_id}:"
+    )
+
+
+def parse_key(key: str) -> Result[KeyParts, str]:
+    match = _KEY.fullmatch(key)
+    if match is None:
+        return Failure(f"not a umbp object key: {key!r}")
+    return Success(
+        KeyParts(
+            format_version=int(match["fmt"]),
+            namespace=match["ns"],
+            rank=RankCoord(int(match["tp"]), int(match["pcp"]), int(match["dcp"]), int(match["pp"])),
+            group_id=int(match["group"]),
+            block_hash=bytes.fromhex(match["hash"]),
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """Builds keys for one namespace and topology. Prefix strings are precomputed
+    because key construction sits on the lookup hot path (thousands per step)."""
+
+    namespace: str
+    topology: RankTopology
+    _prefixes: dict[tuple[RankCoord, int], str] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def key(self, rank: RankCoord, group_id: int, block_hash: bytes) -> str:
+        return self._prefix(rank, group_id) + block_hash.hex()
+
+    def rank_keys(self, group_id: int, block_hash: bytes) -> tuple[str, ...]:
+        """One key per rank, in ``topology.coords()`` order."""
+        digest = block_hash.hex()
+        return tuple(
+            self._prefix(rank, group_id) + digest for rank in self.topology.coords()
+        )
+
+    def _prefix(self, rank: RankCoord, group_id: int) -> str:
+        # A memo of pure values; mutation is invisible from outside.
+        prefix = self._prefixes.get((rank, group_id))
+        if prefix is None:
+            prefix = key_prefix(self.namespace, rank, group_id)
+            self._prefixes[(rank, group_id)] = prefix
+        return prefix

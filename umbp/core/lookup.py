@@ -1,0 +1,456 @@
+"""Lookup: which objects to ask the pool for, and how far its answers reach.
+
+A request's prefix is addressed by ``Request.block_hashes``, one chained hash per
+``hash_block_size`` tokens; the hash ending at token ``t`` fingerprints the whole
+prefix ``[0, t)``. One stored object is one KV block of one cache group on one
+rank, identified by ``(group_id, block_hash)`` and keyed per rank by
+:class:`~umbp.core.identity.KeySpace`.
+
+The scheduler asks, for a request with ``local_tokens`` already cached by vLLM,
+how many further tokens the pool can supply. The answer is a *hit window*
+``[local_tokens, external_tokens)`` that
+
+* never starts before the local tokens (they are already on the device),
+* never reaches the last prompt token (vLLM must run at least one token to produce
+  logits; a hit covering the whole prompt would leave it nothing to schedule),
+* covers only objects that *every* rank holds (each rank stores its own shard, so a
+  block missing on one rank is missing),
+* with EAGLE, ends one block earlier (the drafter needs the last block's hidden
+  states recomputed).
+
+Two paths decide the window. A single plain full-attention group is decided here
+(:func:`single_group_hit_tokens`). Several groups, or a single group that is not
+plain full attention, need vLLM's own KV cache coordinator (sliding windows, Mamba
+states, common prefix of all groups); for those this module supplies the hit sets
+(:func:`coordinator_hit_sets`) and turns the coordinator's answer into a
+:class:`LoadSpec` (:func:`load_spec_from_hits`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import compress
+from typing import Final
+
+from umbp.core.identity import KeySpace
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "LoadSpec",
+    "LookupGeometry",
+    "LookupQuery",
+    "LookupSkip",
+    "build_lookup_query",
+    "coordinator_hit_sets",
+    "fold_rank_hits",
+    "hashes_at_token_ends",
+    "hit_window",
+    "load_runs_async",
+    "load_spec_from_hits",
+    "local_object_hashes",
+    "lookup_limit",
+    "lookup_skip_reason",
+    "lookup_unit",
+    "object_hash_at_token_end",
+    "single_group_hit_tokens",
+    "single_group_load_spec",
+]
+
+NULL_BLOCK_ID: Final = 0
+"""vLLM's null block: a placeholder in a block table that holds no KV."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupGeometry:
+    """The shape of the cache as lookups and plans see it; fixed for an engine.
+
+    ``group_ids`` are the prefix-cacheable KV cache groups in vLLM's order;
+    ``group_block_sizes`` (tokens per block, DCP-resolved) and ``lookup_units``
+    (tokens between two probed objects, see :func:`lookup_unit`) align with them.
+    ``block_size`` is the scheduler block size (the LCM of the group block sizes),
+    ``hash_block_size`` the granularity of ``Request.block_hashes``.
+    ``coordinated`` is true when vLLM's KV cache coordinator must decide the
+    multi-group hit window (several groups, or one group that is not plain full
+    attention).
+    """
+
+    group_ids: tuple[int, ...]
+    group_block_sizes: tuple[int, ...]
+    lookup_units: tuple[int, ...]
+    block_size: int
+    hash_block_size: int
+    partial_hash_hits: bool = False
+    use_eagle: bool = False
+    coordinated: bool = False
+
+    def __post_init__(self) -> None:
+        count = len(self.group_ids)
+        if len(self.group_block_sizes) != count or len(self.lookup_units) != count:
+            raise ValueError(
+                "group_ids, group_block_sizes and lookup_units must align: "
+                f"{count}, {len(self.group_block_sizes)}, {len(self.lookup_units)} entries"
+            )
+        if len(set(self.group_ids)) != count:
+            raise ValueError(f"group ids repeat: {self.group_ids}")
+        if self.block_size <= 0 or self.hash_block_size <= 0:
+            raise ValueError("block_size and hash_block_size must be positive")
+        if self.block_size % self.hash_block_size:
+            raise ValueError(
+                f"hash_block_size {self.hash_block_size} must divide block_size {self.block_size}"
+            )
+        for group_id, size, unit in zip(self.group_ids, self.group_block_sizes, self.lookup_units):
+            if unit <= 0 or unit % self.hash_block_size or size % unit:
+                raise ValueError(
+                    f"group {group_id}: lookup unit {unit} must be a multiple of "
+                    f"hash_block_size {self.hash_block_size} and divide block size {size}"
+                )
+            if not self.coordinated and self.block_size % size:
+                raise ValueError(
+                    f"group {group_id}: block size {size} must divide the scheduler "
+                    f"block size {self.block_size}"
+                )
+
+    @property
+    def lookup_alignment(self) -> int:
+        """A prompt shorter than this has no object worth looking up."""
+        return self.hash_block_size if self.partial_hash_hits else self.block_size
+
+    def position(self, group_id: int) -> int:
+        """Index of ``group_id`` in ``group_ids`` (block tables align with it)."""
+        return self.group_ids.index(group_id)
+
+
+def lookup_unit(
+    group_block_size: int,
+    hash_block_size: int,
+    partial_hash_hits: bool,
+    coordinator_allows_partial: bool,
+) -> int:
+    """Tokens between two probed objects of one group.
+
+    With partial hash hits (and a coordinator that can use them, or none), every
+    hash boundary is probed so a saved partial tail can be found; otherwise only
+    the group's own block ends.
+    """
+    if partial_hash_hits and coordinator_allows_partial:
+        return hash_block_size
+    return group_block_size
+
+
+class LookupSkip(enum.Enum):
+    """Why a request is not looked up at all (each answers ``0, False``)."""
+
+    DISABLED = "lookup disabled"
+    NO_HASHES = "request has no block hashes"
+    PROMPT_SHORTER_THAN_ALIGNMENT = "request is shorter than one lookup alignment"
+    LOCAL_NOT_BLOCK_ALIGNED = "locally computed tokens are not block aligned"
+    NO_CACHEABLE_GROUPS = "no prefix-cacheable KV cache group"
+    NO_TOKEN_LEFT_TO_LOAD = "every token but the last is already local"
+
+
+def lookup_skip_reason(
+    geometry: LookupGeometry,
+    enabled: bool,
+    num_hashes: int,
+    num_tokens: int,
+    local_tokens: int,
+) -> LookupSkip | None:
+    """The first guard that rules out a lookup, in the reference's order, or None.
+
+    ``enabled`` folds together the user's switch and the runtime being bound.
+    On ``NO_TOKEN_LEFT_TO_LOAD`` the caller also forgets any earlier load spec.
+    """
+    if not enabled:
+        return LookupSkip.DISABLED
+    if num_hashes <= 0:
+        return LookupSkip.NO_HASHES
+    if num_tokens < geometry.lookup_alignment:
+        return LookupSkip.PROMPT_SHORTER_THAN_ALIGNMENT
+    if local_tokens % geometry.block_size:
+        return LookupSkip.LOCAL_NOT_BLOCK_ALIGNED
+    if not geometry.group_ids:
+        return LookupSkip.NO_CACHEABLE_GROUPS
+    # vLLM must execute at least the final prompt token.
+    if num_tokens - 1 <= local_tokens:
+        return LookupSkip.NO_TOKEN_LEFT_TO_LOAD
+    return None
+
+
+def lookup_limit(geometry: LookupGeometry, num_tokens: int, num_hashes: int) -> int:
+    """The last token end worth probing.
+
+    ``num_tokens - 1`` (the last token is always computed), except that with EAGLE
+    the coordinator must see the block that ends at the prompt's end: it matches it
+    and then drops back a block itself. Never past the hashes' coverage, since an
+    object without a hash has no identity.
+    """
+    covered = num_hashes * geometry.hash_block_size
+    if geometry.use_eagle and geometry.coordinated:
+        return min(num_tokens, covered)
+    return min(num_tokens - 1, covered)
+
+
+def object_hash_at_token_end(
+    hashes: Sequence[bytes], token_end: int, hash_block_size: int
+) -> bytes:
+    """The hash that identifies the prefix ``[0, token_end)``."""
+    index = token_end // hash_block_size - 1
+    if index < 0 or index >= len(hashes):
+        raise ValueError(f"request has {len(hashes)} hashes, needs index {index}")
+    return hashes[index]
+
+
+def hashes_at_token_ends(
+    hashes: Sequence[bytes], first_end: int, last_end: int, step: int, hash_block_size: int
+) -> tuple[bytes, ...]:
+    """Hashes ending at ``first_end, first_end + step, ...`` up to ``last_end``.
+
+    One strided slice (no per-object Python work) when the ends are hash aligned,
+    which they are for every caller that respects the lookup guards.
+    """
+    if first_end > last_end:
+        return ()
+    if first_end % hash_block_size or step % hash_block_size:
+        raise ValueError(
+            f"token ends {first_end} + k*{step} are not aligned to hash_block_size "
+            f"{hash_block_size}"
+        )
+    count = (last_end - first_end) // step + 1
+    start = first_end // hash_block_size - 1
+    stride = step // hash_block_size
+    stop = start + (count - 1) * stride + 1
+    if start < 0 or stop > len(hashes):
+        raise ValueError(f"request has {len(hashes)} hashes, needs indices {start}..{stop - 1}")
+    return tuple(hashes[start:stop:stride])
+
+
+@dataclass(frozen=True, slots=True)
+class LookupQuery:
+    """What one lookup asks the pool, and what it needs to read the answer.
+
+    ``object_hashes[g][i]`` is group ``g``'s object ending at token
+    ``local_tokens + units[g] * (i + 1)``. ``keys`` are ordered group-major, then
+    rank (``topology.coords()`` order), then object: each (group, rank) run is one
+    prefix glued to every object's hex digest. ``request_hashes`` lets the caller
+    tell whether an asynchronous lookup still describes the request.
+    """
+
+    local_tokens: int
+    num_tokens: int
+    request_hashes: tuple[bytes, ...]
+    units: tuple[int, ...]
+    object_hashes: tuple[tuple[bytes, ...], ...]
+    keys: tuple[str, ...]
+    rank_count: int
+
+    @property
+    def max_hit_end(self) -> int:
+        """The furthest token a hit may reach (the coordinator's max length)."""
+        return self.num_tokens - 1
+
+    def object_token_end(self, group_position: int, index: int) -> int:
+        return self.local_tokens + self.units[group_position] * (index + 1)
+
+    def describes(self, local_tokens: int, num_tokens: int, hashes: Sequence[bytes]) -> bool:
+        """Whether this query still matches the request's current state."""
+        return (
+            self.local_tokens == local_tokens
+            and self.num_tokens == num_tokens
+            and len(self.request_hashes) == len(hashes)
+            and self.request_hashes == tuple(hashes)
+        )
+
+
+def build_lookup_query(
+    geometry: LookupGeometry,
+    keyspace: KeySpace,
+    hashes: Sequence[bytes],
+    local_tokens: int,
+    num_tokens: int,
+) -> LookupQuery:
+    """Every object past the local tokens, up to :func:`lookup_limit`, for every rank.
+
+    Call only when :func:`lookup_skip_reason` is None.
+    """
+    request_hashes = tuple(hashes)
+    limit = lookup_limit(geometry, num_tokens, len(request_hashes))
+    coords = keyspace.topology.coords()
+    keys: list[str] = []
+    objects: list[tuple[bytes, ...]] = []
+    for group_id, unit in zip(geometry.group_ids, geometry.lookup_units):
+        group_objects = hashes_at_token_ends(
+            request_hashes, local_tokens + unit, limit, unit, geometry.hash_block_size
+        )
+        objects.append(group_objects)
+        digests = list(map(bytes.hex, group_objects))
+        for rank in coords:
+            keys.extend(map(keyspace.key(rank, group_id, b"").__add__, digests))
+    return LookupQuery(
+        local_tokens=local_tokens,
+        num_tokens=num_tokens,
+        request_hashes=request_hashes,
+        units=geometry.lookup_units,
+        object_hashes=tuple(objects),
+        keys=tuple(keys),
+        rank_count=len(coords),
+    )
+
+
+def fold_rank_hits(
+    query: LookupQuery, answers: Sequence[bool]
+) -> tuple[tuple[bool, ...], ...] | None:
+    """Per group, per object: did every rank hit? None for an answer of the wrong
+    length (the caller treats it as a miss, never as an exception)."""
+    if len(answers) != len(query.keys):
+        return None
+    ranks = query.rank_count
+    folded: list[tuple[bool, ...]] = []
+    offset = 0
+    for group_objects in query.object_hashes:
+        count = len(group_objects)
+        if ranks == 1 or not count:
+            folded.append(tuple(map(bool, answers[offset : offset + count])))
+        else:
+            per_rank = [
+                answers[start : start + count]
+                for start in range(offset, offset + ranks * count, count)
+            ]
+            folded.append(tuple(map(all, zip(*per_rank))))
+        offset += count * ranks
+    return tuple(folded)
+
+
+def single_group_hit_tokens(
+    geometry: LookupGeometry, query: LookupQuery, folded: Sequence[Sequence[bool]]
+) -> int:
+    """Tokens past ``local_tokens`` the pool can supply for one full-attention group.
+
+    Whole blocks count while they hit contiguously (hashes are chained: a missing
+    block means every later block misses). With partial hash hits, interior hashes
+    are sparse, since only a saved tail exists, so the first block that does not
+    fully hit is scanned from its end for the longest hit. EAGLE drops one block; if
+    that leaves the window inside a block on an object that was not reported, the
+    window falls back to that block's start, so that a load reads only reported hits.
+    """
+    if geometry.coordinated or len(geometry.group_ids) != 1 or len(folded) != 1:
+        raise ValueError("single_group_hit_tokens needs one uncoordinated group")
+    hits = folded[0]
+    unit = geometry.lookup_units[0]
+    units_per_block = geometry.group_block_sizes[0] // unit
+    block_end_hits = hits[units_per_block - 1 :: units_per_block]
+    try:
+        full_blocks = block_end_hits.index(False)
+    except ValueError:
+        full_blocks = len(block_end_hits)
+    matched = full_blocks * units_per_block
+    if units_per_block > 1:
+        interior = list(hits[matched : min(matched + units_per_block - 1, len(hits))])
+        if True in interior:
+            interior.reverse()
+            matched += len(interior) - interior.index(True)
+    if geometry.use_eagle and matched:
+        matched = max(0, matched - units_per_block)
+        inside = matched % units_per_block
+        if inside and not hits[matched - 1]:
+            matched -= inside
+    return matched * unit
+
+
+def local_object_hashes(
+    geometry: LookupGeometry, hashes: Sequence[bytes], local_tokens: int
+) -> tuple[tuple[bytes, ...], ...]:
+    """Per group, the objects inside the local tokens. The coordinator must see
+    vLLM's own cached blocks there too; the caller asks vLLM which of these it has."""
+    return tuple(
+        hashes_at_token_ends(hashes, unit, local_tokens, unit, geometry.hash_block_size)
+        for unit in geometry.lookup_units
+    )
+
+
+def coordinator_hit_sets(
+    query: LookupQuery,
+    folded: Sequence[Sequence[bool]],
+    local_hits: Sequence[Iterable[bytes]] = (),
+) -> tuple[frozenset[bytes], ...]:
+    """Per group, the hashes every rank holds (plus ``local_hits``, per group, if
+    given): what vLLM's coordinator may treat as cached."""
+    if len(folded) != len(query.object_hashes):
+        raise ValueError("folded hits do not match the query's groups")
+    if local_hits and len(local_hits) != len(query.object_hashes):
+        raise ValueError("local hits do not match the query's groups")
+    sets = [
+        frozenset(compress(objects, hits)) for objects, hits in zip(query.object_hashes, folded)
+    ]
+    if local_hits:
+        sets = [hit_set.union(local) for hit_set, local in zip(sets, local_hits)]
+    return tuple(sets)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """A hit window: tokens ``[local_tokens, external_tokens)`` come from the pool.
+
+    ``block_hashes_by_group`` is the coordinator's answer (one entry per block of
+    each group from block 0, None for a block that is skipped or null); empty on
+    the single-group path, where loads follow from the window alone.
+    """
+
+    local_tokens: int
+    external_tokens: int
+    block_hashes_by_group: tuple[tuple[bytes | None, ...], ...] = ()
+
+    @property
+    def num_tokens_to_load(self) -> int:
+        return self.external_tokens - self.local_tokens
+
+
+def hit_window(local_tokens: int, num_tokens: int, hit_end: int) -> range:
+    """Tokens to load: from the local tokens up to ``hit_end``, never the last token."""
+    end = min(hit_end, num_tokens - 1)
+    return range(local_tokens, max(local_tokens, end))
+
+
+def load_spec_from_hits(
+    query: LookupQuery,
+    hit_end: int,
+    block_hashes_by_group: Sequence[Sequence[bytes | None]] = (),
+) -> LoadSpec | None:
+    """The load spec for a hit reaching token ``hit_end``, or None if nothing loads.
+
+    Both paths end here: the single-group path with ``local_tokens + hit tokens``,
+    the coordinated path with the coordinator's hit length and its block hashes.
+    """
+    window = hit_window(query.local_tokens, query.num_tokens, hit_end)
+    if not window:
+        return None
+    return LoadSpec(
+        local_tokens=window.start,
+        external_tokens=window.stop,
+        block_hashes_by_group=tuple(tuple(group) for group in block_hashes_by_group),
+    )
+
+
+def single_group_load_spec(
+    geometry: LookupGeometry, query: LookupQuery, folded: Sequence[Sequence[bool]]
+) -> LoadSpec | None:
+    """:func:`single_group_hit_tokens` as a load spec."""
+    return load_spec_from_hits(
+        query, query.local_tokens + single_group_hit_tokens(geometry, query, folded)
+    )
+
+
+def load_runs_async(requested_async: bool, spec: LoadSpec, geometry: LookupGeometry) -> bool:
+    """Whether the load may run asynchronously.
+
+    When the coordinator's hit names no pool object past the local blocks, there
+    is nothing to transfer and so nothing to wait for: the load is synchronous.
+    """
+    if not requested_async or not spec.block_hashes_by_group:
+        return requested_async
+    for block_size, group_hashes in zip(geometry.group_block_sizes, spec.block_hashes_by_group):
+        start_block = spec.local_tokens // block_size
+        if any(block_hash is not None for block_hash in group_hashes[start_block:]):
+            return True
+    return False

@@ -1,0 +1,652 @@
+"""Plans: which device blocks to fill from the pool, and which to copy into it.
+
+Plans carry object identities ``(group_id, block_hash)``, never key strings: each
+worker builds its own rank's key. Block tables are tuples of block ids per
+prefix-cacheable group, aligned with :attr:`LookupGeometry.group_ids`; block
+``i`` of a group with block size ``B`` holds tokens ``[i*B, (i+1)*B)`` and is
+identified by the hash ending at ``(i+1)*B``.
+
+* Load plans (:func:`load_batch`) turn a :class:`LoadSpec` and the block table
+  vLLM allocated into destination blocks.
+* Store plans are computed in steps, so the shell can put vLLM's reachability masks
+  and one residency lookup between them: :func:`store_candidate_ranges`,
+  :func:`apply_store_masks`, :func:`restored_candidates` /
+  :func:`resident_blocks_from_hits`, :func:`store_batch`.
+* Boundary-state plans (:func:`boundary_state_plans`) store Mamba "align" states
+  that vLLM hands off at committed boundaries; finished-partial-tail plans
+  (:func:`finished_partial_tail_plans`) store the pages of a finished request's
+  fine-grained last boundary.
+
+Store-event bookkeeping (pins and acknowledgements) lives in
+:mod:`umbp.core.store_events`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from itertools import compress
+from typing import TypeAlias
+
+from returns.result import Failure, Result, Success
+
+from umbp.core.identity import KeySpace
+from umbp.core.lookup import NULL_BLOCK_ID, LoadSpec, LookupGeometry, hashes_at_token_ends
+
+__all__ = [
+    "BlockLoadBatch",
+    "BlockTable",
+    "BlockTransferPlan",
+    "DropReason",
+    "DroppedOffloads",
+    "Identity",
+    "ResidencyCheck",
+    "StoreBatch",
+    "StoreSelection",
+    "StoreTracker",
+    "apply_store_masks",
+    "boundary_state_plans",
+    "finished_partial_tail_plans",
+    "is_prefill",
+    "load_batch",
+    "resident_blocks_from_hits",
+    "restored_candidates",
+    "save_watermark",
+    "storable_tokens",
+    "store_batch",
+    "store_candidate_ranges",
+    "store_token_limit",
+    "stores_this_step",
+]
+
+Identity: TypeAlias = tuple[int, bytes]
+"""One stored object, on any rank: ``(group_id, block_hash)``."""
+
+BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
+"""Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
+
+StoreSelection: TypeAlias = tuple[tuple[int, tuple[int, ...]], ...]
+"""Per group id, the block indices chosen for storing."""
+
+
+# --------------------------------------------------------------------------- loads
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoadBatch:
+    """Objects to read from the pool into one request's blocks; columns align."""
+
+    request_id: str
+    group_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def identities(self) -> tuple[Identity, ...]:
+        return tuple(zip(self.group_ids, self.block_hashes))
+
+
+def load_batch(
+    request_id: str,
+    geometry: LookupGeometry,
+    spec: LoadSpec,
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    num_external_tokens: int,
+) -> Result[BlockLoadBatch, str]:
+    """The objects of a hit window and the allocated blocks they fill.
+
+    With the coordinator's per-group hashes, every named block past the local
+    blocks; otherwise every full block of the window plus, with partial hash hits,
+    the block holding a window that ends inside it (read from the hash at the
+    window's end). An error value when vLLM allocated a different count than the
+    spec matched (the request would wait forever), or when a destination is
+    missing, null or repeated.
+    """
+    if num_external_tokens != spec.num_tokens_to_load:
+        return Failure(
+            f"request {request_id}: matched {spec.num_tokens_to_load} external tokens "
+            f"but {num_external_tokens} were allocated"
+        )
+    if len(block_table) != len(geometry.group_ids):
+        return Failure(
+            f"request {request_id}: block table has {len(block_table)} groups, "
+            f"expected {len(geometry.group_ids)}"
+        )
+    group_ids: list[int] = []
+    block_ids: list[int] = []
+    block_hashes: list[bytes] = []
+    if spec.block_hashes_by_group:
+        problem = _coordinated_loads(
+            geometry, spec, block_table, group_ids, block_ids, block_hashes
+        )
+    else:
+        problem = _positional_loads(
+            geometry, spec, block_table, request_hashes, group_ids, block_ids, block_hashes
+        )
+    if problem is not None:
+        return Failure(f"request {request_id}: {problem}")
+    destinations = set(block_ids)
+    if NULL_BLOCK_ID in destinations:
+        group_id = group_ids[block_ids.index(NULL_BLOCK_ID)]
+        return Failure(
+            f"request {request_id}: a pool object maps to a null destination block "
+            f"in group {group_id}"
+        )
+    if len(destinations) != len(block_ids):
+        return Failure(f"request {request_id}: a destination block is written twice")
+    return Success(
+        BlockLoadBatch(request_id, tuple(group_ids), tuple(block_ids), tuple(block_hashes))
+    )
+
+
+def _coordinated_loads(
+    geometry: LookupGeometry,
+    spec: LoadSpec,
+    block_table: BlockTable,
+    group_ids: list[int],
+    block_ids: list[int],
+    block_hashes: list[bytes],
+) -> str | None:
+    if len(spec.block_hashes_by_group) != len(geometry.group_ids):
+        return (
+            f"load spec names {len(spec.block_hashes_by_group)} groups, "
+            f"expected {len(geometry.group_ids)}"
+        )
+    for group_id, block_size, table, group_hashes in zip(
+        geometry.group_ids, geometry.group_block_sizes, block_table, spec.block_hashes_by_group
+    ):
+        for index in range(spec.local_tokens // block_size, len(group_hashes)):
+            block_hash = group_hashes[index]
+            if block_hash is None:
+                continue
+            if index >= len(table):
+                return f"group {group_id} has no destination block {index}"
+            group_ids.append(group_id)
+            block_ids.append(table[index])
+            block_hashes.append(block_hash)
+    return None
+
+
+def _positional_loads(
+    geometry: LookupGeometry,
+    spec: LoadSpec,
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    group_ids: list[int],
+    block_ids: list[int],
+    block_hashes: list[bytes],
+) -> str | None:
+    hash_block_size = geometry.hash_block_size
+    covered = len(request_hashes) * hash_block_size
+    end = spec.external_tokens
+    if end > covered:
+        return f"the window ends at token {end} but hashes cover {covered}"
+    for group_id, block_size, table in zip(
+        geometry.group_ids, geometry.group_block_sizes, block_table
+    ):
+        first = spec.local_tokens // block_size
+        full = end // block_size
+        if full > first:
+            if full > len(table):
+                return f"group {group_id} has {len(table)} blocks, the window needs {full}"
+            block_ids.extend(table[first:full])
+            block_hashes.extend(
+                hashes_at_token_ends(
+                    request_hashes,
+                    (first + 1) * block_size,
+                    full * block_size,
+                    block_size,
+                    hash_block_size,
+                )
+            )
+            group_ids.extend([group_id] * (full - first))
+        if end % block_size:
+            # The window ends inside this group's block: only a saved partial tail,
+            # identified by the hash at the window's end, can fill it.
+            if not geometry.partial_hash_hits:
+                return f"the window ends inside a block of group {group_id} without partial hits"
+            if end % hash_block_size:
+                return f"the window end {end} is not hash aligned"
+            if full >= len(table):
+                return f"partial hit in group {group_id} has no destination block"
+            group_ids.append(group_id)
+            block_ids.append(table[full])
+            block_hashes.append(request_hashes[end // hash_block_size - 1])
+    return None
+
+
+# ------------------------------------------------------------------- store tracking
+
+
+@dataclass(frozen=True, slots=True)
+class StoreTracker:
+    """What the scheduler remembers about one request for storing.
+
+    ``saved_tokens`` is the hash-aligned watermark below which every block was
+    already planned; ``block_table`` is the request's table as last reported;
+    ``load_spec`` the window it was restored with (restored blocks may already be
+    resident in the pool).
+    """
+
+    saved_tokens: int = 0
+    block_table: BlockTable = ()
+    load_spec: LoadSpec | None = None
+
+    def with_blocks_replaced(self, block_table: Sequence[Sequence[int]]) -> StoreTracker:
+        """vLLM passed the whole table (admission, resumption)."""
+        return StoreTracker(
+            self.saved_tokens, tuple(tuple(group) for group in block_table), self.load_spec
+        )
+
+    def with_blocks_appended(self, new_blocks: Sequence[Sequence[int]]) -> StoreTracker:
+        """vLLM passed the blocks allocated this step, per group."""
+        if not self.block_table:
+            return self.with_blocks_replaced(new_blocks)
+        if len(new_blocks) != len(self.block_table):
+            raise ValueError(
+                f"appending {len(new_blocks)} groups to a table of {len(self.block_table)}"
+            )
+        return StoreTracker(
+            self.saved_tokens,
+            tuple(group + tuple(added) for group, added in zip(self.block_table, new_blocks)),
+            self.load_spec,
+        )
+
+    def with_saved_tokens(self, saved_tokens: int) -> StoreTracker:
+        return StoreTracker(max(self.saved_tokens, saved_tokens), self.block_table, self.load_spec)
+
+    def with_load_spec(self, load_spec: LoadSpec | None) -> StoreTracker:
+        return StoreTracker(self.saved_tokens, self.block_table, load_spec)
+
+    def reset(self) -> StoreTracker:
+        """After preemption: the blocks are gone and the request starts over."""
+        return StoreTracker()
+
+
+def save_watermark(previous: int, token_count: int, hash_block_size: int) -> int:
+    """The new save watermark: hash aligned (a group with smaller blocks than the
+    largest must not wait for that group's block to fill), and it only grows."""
+    return max(previous, token_count - token_count % hash_block_size)
+
+
+def storable_tokens(token_count: int, num_hashes: int, hash_block_size: int) -> int:
+    """Scheduled speculative tokens are unverified and have no hash yet; a block
+    is storable only once its hash exists."""
+    return min(token_count, num_hashes * hash_block_size)
+
+
+def store_token_limit(total_tokens: int, num_prompt_tokens: int, save_decode_cache: bool) -> int:
+    """Without ``save_decode_cache`` only the prompt is stored."""
+    return total_tokens if save_decode_cache else min(total_tokens, num_prompt_tokens)
+
+
+def is_prefill(num_computed_tokens: int, num_prompt_tokens: int) -> bool:
+    """``num_tokens`` counts sampled tokens, so only the prompt bounds the prefill."""
+    return num_computed_tokens < num_prompt_tokens
+
+
+def stores_this_step(
+    num_computed_tokens: int, num_prompt_tokens: int, save_decode_cache: bool
+) -> bool:
+    """Whether a running request's step can produce anything to store."""
+    return save_decode_cache or is_prefill(num_computed_tokens, num_prompt_tokens)
+
+
+# ----------------------------------------------------------------- store planning
+
+
+def store_candidate_ranges(
+    geometry: LookupGeometry,
+    previous_saved: int,
+    save_to: int,
+    block_table: BlockTable,
+    boundary_groups: AbstractSet[int],
+) -> tuple[tuple[int, range], ...]:
+    """Per positionally stored group, the blocks that became full since the last
+    watermark. Boundary-handoff groups (Mamba "align") are absent: their tables are
+    not append-only, so they are stored only from handed-off boundaries."""
+    return tuple(
+        (group_id, range(previous_saved // block_size, min(save_to // block_size, len(table))))
+        for group_id, block_size, table in zip(
+            geometry.group_ids, geometry.group_block_sizes, block_table
+        )
+        if group_id not in boundary_groups
+    )
+
+
+def apply_store_masks(
+    ranges: Sequence[tuple[int, range]],
+    masks: Mapping[int, Sequence[bool] | None],
+) -> Result[StoreSelection, str]:
+    """Keep the blocks vLLM's cache semantics can later reuse (its reachability
+    masks, one entry per candidate; None or absent keeps all). A mask of the wrong
+    length is an error value."""
+    selected: list[tuple[int, tuple[int, ...]]] = []
+    for group_id, indices in ranges:
+        mask = masks.get(group_id)
+        if mask is None:
+            selected.append((group_id, tuple(indices)))
+            continue
+        if len(mask) != len(indices):
+            return Failure(
+                f"store mask for group {group_id} has {len(mask)} entries for {len(indices)} blocks"
+            )
+        selected.append((group_id, tuple(compress(indices, mask))))
+    return Success(tuple(selected))
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyCheck:
+    """Restored blocks whose objects may already be in the pool.
+
+    ``keys`` are object-major: the ``rank_count`` keys of ``identities[i]`` are
+    ``keys[i*rank_count:(i+1)*rank_count]``.
+    """
+
+    identities: tuple[Identity, ...]
+    keys: tuple[str, ...]
+    rank_count: int
+
+
+def restored_candidates(
+    geometry: LookupGeometry,
+    keyspace: KeySpace,
+    selected: StoreSelection,
+    block_table: BlockTable,
+    restored_tokens: int,
+    request_hashes: Sequence[bytes],
+) -> ResidencyCheck:
+    """The selected blocks below the restored token count (non-null, hashed): they
+    came from the pool or from vLLM's cache and need storing only if not resident."""
+    coords = keyspace.topology.coords()
+    hash_block_size = geometry.hash_block_size
+    covered = len(request_hashes) * hash_block_size
+    identities: list[Identity] = []
+    keys: list[str] = []
+    for group_id, indices in selected:
+        position = geometry.position(group_id)
+        block_size = geometry.group_block_sizes[position]
+        table = block_table[position]
+        limit = min(min(restored_tokens, covered) // block_size, len(table))
+        per_block = block_size // hash_block_size
+        hashes = [
+            request_hashes[index * per_block + per_block - 1]
+            for index in indices
+            if index < limit and table[index] != NULL_BLOCK_ID
+        ]
+        if not hashes:
+            continue
+        identities.extend(zip([group_id] * len(hashes), hashes))
+        digests = list(map(bytes.hex, hashes))
+        prefixes = [keyspace.key(rank, group_id, b"") for rank in coords]
+        if len(prefixes) == 1:
+            keys.extend(map(prefixes[0].__add__, digests))
+        else:
+            keys.extend(prefix + digest for digest in digests for prefix in prefixes)
+    return ResidencyCheck(tuple(identities), tuple(keys), len(coords))
+
+
+def resident_blocks_from_hits(
+    check: ResidencyCheck, answers: Sequence[bool]
+) -> frozenset[Identity]:
+    """The checked identities every rank holds. A wrong-length answer (or none)
+    means nothing is known to be resident: storing again is safe, skipping is not."""
+    ranks = check.rank_count
+    if len(answers) != len(check.keys):
+        return frozenset()
+    if ranks == 1:
+        return frozenset(compress(check.identities, answers))
+    every_rank = map(all, zip(*[iter(answers)] * ranks))
+    return frozenset(compress(check.identities, every_rank))
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBatch:
+    """Blocks of one request to copy into the pool; columns align.
+
+    ``parent_hashes`` and ``token_ids`` feed KV events: without events they are
+    None and empty per block.
+    """
+
+    request_id: str
+    group_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    parent_hashes: tuple[bytes | None, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+    block_sizes: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def identities(self) -> tuple[Identity, ...]:
+        return tuple(zip(self.group_ids, self.block_hashes))
+
+
+def store_batch(
+    request_id: str,
+    geometry: LookupGeometry,
+    selected: StoreSelection,
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    *,
+    resident: AbstractSet[Identity] = frozenset(),
+    reserved: AbstractSet[Identity] = frozenset(),
+    events_enabled: bool = False,
+    token_ids: Sequence[int] = (),
+) -> StoreBatch:
+    """The selected blocks that still need storing.
+
+    Skips null blocks, blocks past the hash coverage, restored blocks still resident
+    (``resident``), identities an in-flight store event already writes
+    (``reserved``), and repeats of one identity.
+    """
+    hash_block_size = geometry.hash_block_size
+    covered = len(request_hashes) * hash_block_size
+    # (group id, block size, block index, block id, block hash) per planned block.
+    rows: list[tuple[int, int, int, int, bytes]] = []
+    seen: set[Identity] = set()
+    for group_id, indices in selected:
+        position = geometry.position(group_id)
+        block_size = geometry.group_block_sizes[position]
+        table = block_table[position]
+        limit = min(covered // block_size, len(table))
+        per_block = block_size // hash_block_size
+        for index in indices:
+            if index >= limit:
+                continue
+            block_id = table[index]
+            if block_id == NULL_BLOCK_ID:
+                continue
+            block_hash = request_hashes[index * per_block + per_block - 1]
+            identity = (group_id, block_hash)
+            if identity in resident or identity in reserved or identity in seen:
+                continue
+            seen.add(identity)
+            rows.append((group_id, block_size, index, block_id, block_hash))
+    if events_enabled:
+        parent_hashes: tuple[bytes | None, ...] = tuple(
+            request_hashes[index * size // hash_block_size - 1] if index else None
+            for _, size, index, _, _ in rows
+        )
+        tokens = tuple(
+            tuple(token_ids[index * size : (index + 1) * size]) for _, size, index, _, _ in rows
+        )
+    else:
+        parent_hashes = (None,) * len(rows)
+        tokens = ((),) * len(rows)
+    if not rows:
+        return StoreBatch(request_id, (), (), (), (), (), ())
+    group_ids, block_sizes, _, block_ids, block_hashes = zip(*rows)
+    return StoreBatch(
+        request_id, group_ids, block_ids, block_hashes, parent_hashes, tokens, block_sizes
+    )
+
+
+# ------------------------------------------------------- boundary and tail transfers
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTransferPlan:
+    """One block to store under one identity (boundary states, partial tails)."""
+
+    request_id: str
+    group_id: int
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    block_size: int
+
+    @property
+    def identity(self) -> Identity:
+        return (self.group_id, self.block_hash)
+
+
+class DropReason(enum.Enum):
+    FINISHED = "finished"
+    PREEMPTED = "preempted"
+    UNTRACKED = "untracked"
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedOffloads:
+    """A request's handed-off boundaries that were not stored, and why."""
+
+    request_id: str
+    entries: int
+    reason: DropReason
+
+
+def boundary_state_plans(
+    offloads: Mapping[str, Sequence[tuple[int, int, int]]],
+    finished: AbstractSet[str],
+    preempted: AbstractSet[str],
+    request_hashes: Mapping[str, Sequence[bytes]],
+    prefix_groups: AbstractSet[int],
+    hash_block_size: int,
+    group_block_sizes: Mapping[int, int],
+    events_enabled: bool,
+) -> tuple[tuple[BlockTransferPlan, ...], tuple[DroppedOffloads, ...]]:
+    """Plans for the boundary states vLLM handed off, as
+    ``{request_id: [(group_id, block_id, boundary_tokens), ...]}``.
+
+    Whole requests are dropped when finished, preempted or untracked (absent from
+    ``request_hashes``). Entries are skipped for non-prefix groups, null blocks, and
+    boundaries that are not positive, not hash aligned or past the hashes.
+    """
+    plans: list[BlockTransferPlan] = []
+    dropped: list[DroppedOffloads] = []
+    for request_id, entries in offloads.items():
+        if request_id in finished:
+            dropped.append(DroppedOffloads(request_id, len(entries), DropReason.FINISHED))
+            continue
+        if request_id in preempted:
+            dropped.append(DroppedOffloads(request_id, len(entries), DropReason.PREEMPTED))
+            continue
+        hashes = request_hashes.get(request_id)
+        if hashes is None:
+            dropped.append(DroppedOffloads(request_id, len(entries), DropReason.UNTRACKED))
+            continue
+        seen: set[Identity] = set()
+        for group_id, block_id, boundary_tokens in entries:
+            if group_id not in prefix_groups or block_id == NULL_BLOCK_ID:
+                continue
+            if boundary_tokens <= 0 or boundary_tokens % hash_block_size:
+                continue
+            hash_index = boundary_tokens // hash_block_size - 1
+            if hash_index >= len(hashes):
+                continue
+            block_hash = hashes[hash_index]
+            if (group_id, block_hash) in seen:
+                continue
+            seen.add((group_id, block_hash))
+            plans.append(
+                BlockTransferPlan(
+                    request_id=request_id,
+                    group_id=group_id,
+                    block_id=block_id,
+                    block_hash=block_hash,
+                    parent_hash=hashes[hash_index - 1]
+                    if events_enabled and hash_index > 0
+                    else None,
+                    block_size=group_block_sizes[group_id],
+                )
+            )
+    return tuple(plans), tuple(dropped)
+
+
+def finished_partial_tail_plans(
+    request_id: str,
+    geometry: LookupGeometry,
+    entries: Sequence[tuple[int, int, int]],
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    num_computed_tokens: int,
+    num_in_flight_tokens: int,
+    full_attention_groups: AbstractSet[int],
+    pool_size: int,
+    null_block_ids: AbstractSet[int] = frozenset({NULL_BLOCK_ID}),
+    events_enabled: bool = False,
+) -> Result[tuple[BlockTransferPlan, ...], str]:
+    """Plans for a finished request's fine-grained last boundary.
+
+    vLLM hands off ``(group_id, block_id, boundary_tokens)`` state pages. Every
+    entry must name one boundary, hash aligned, equal to the computed tokens with
+    nothing in flight, in prefix-cacheable groups. Each full-attention group whose
+    block the boundary splits adds its tail page, so every group can resolve the
+    same boundary. No source may be null or outside the pool (``pool_size``
+    blocks; ``null_block_ids`` are the pool's null blocks). A Mamba page is a state
+    snapshot rather than token-addressable bytes, so whole pages are stored.
+    An error value (the reason) means: store nothing.
+    """
+    if not entries:
+        return Failure("no partial tail entries")
+    boundaries = {boundary for _, _, boundary in entries}
+    if len(boundaries) != 1:
+        return Failure(f"partial tail entries span several boundaries: {sorted(boundaries)}")
+    boundary = boundaries.pop()
+    hash_block_size = geometry.hash_block_size
+    if boundary <= 0 or boundary % hash_block_size:
+        return Failure(f"boundary {boundary} is not a positive multiple of {hash_block_size}")
+    if boundary != num_computed_tokens:
+        return Failure(f"boundary {boundary} is not the computed tokens {num_computed_tokens}")
+    if num_in_flight_tokens:
+        return Failure(f"{num_in_flight_tokens} tokens are still in flight")
+    hash_index = boundary // hash_block_size - 1
+    if hash_index >= len(request_hashes):
+        return Failure(f"boundary {boundary} is past the request's {len(request_hashes)} hashes")
+    sources = {group_id: block_id for group_id, block_id, _ in entries}
+    if not sources.keys() <= set(geometry.group_ids):
+        return Failure(
+            f"groups {sorted(sources.keys() - set(geometry.group_ids))} are not prefix-cacheable"
+        )
+    for group_id, block_size, table in zip(
+        geometry.group_ids, geometry.group_block_sizes, block_table
+    ):
+        if group_id in full_attention_groups and boundary % block_size:
+            index = boundary // block_size
+            if index >= len(table):
+                return Failure(f"group {group_id} has no tail block {index}")
+            sources.setdefault(group_id, table[index])
+    block_hash = request_hashes[hash_index]
+    parent_hash = request_hashes[hash_index - 1] if events_enabled and hash_index > 0 else None
+    plans: list[BlockTransferPlan] = []
+    for group_id, block_id in sources.items():
+        if block_id == NULL_BLOCK_ID or block_id in null_block_ids or not 0 <= block_id < pool_size:
+            return Failure(f"group {group_id} source block {block_id} is null or outside the pool")
+        plans.append(
+            BlockTransferPlan(
+                request_id=request_id,
+                group_id=group_id,
+                block_id=block_id,
+                block_hash=block_hash,
+                parent_hash=parent_hash,
+                block_size=geometry.group_block_sizes[geometry.position(group_id)],
+            )
+        )
+    return Success(tuple(plans))

@@ -1,0 +1,19 @@
+"""Block movement between vLLM's paged KV tensors and flat byte rows.
+
+Knows tensors and layouts; nothing of keys or of vLLM's scheduler.
+"""
+
+from umbp.gpu.copier import BlockCopier
+from umbp.gpu.handle import CopyHandle
+from umbp.gpu.layout import LayerLayout, LayerTensors, describe_layer, describe_layer_parts
+from umbp.gpu.staging import allocate_staging
+
+__all__ = [
+    "BlockCopier",
+    "CopyHandle",
+    "LayerLayout",
+    "LayerTensors",
+    "allocate_staging",
+    "describe_layer",
+    "describe_layer_parts",
+]

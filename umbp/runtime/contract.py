@@ -1,0 +1,147 @@
+"""The store contract every runtime back-end implements.
+
+Two handles, because vLLM runs two kinds of process that need different things:
+
+* the scheduler only asks "which of these keys are resident?" (`SchedulerStore`), many times
+  per scheduling step, so `lookup` is batched and must be cheap;
+* a worker moves bytes (`WorkerStore`): it writes KV blocks gathered from the paged cache
+  and reads them back into staging buffers.
+
+Keys are `str`. Payloads are bytes-like buffers: anything that exports a C-contiguous
+buffer (`memoryview`, `bytearray`, a numpy array such as a row of a uint8 torch tensor seen
+through `.numpy()`). Back-ends read payloads and write into `outs` through the buffer
+protocol, so the runtime never imports torch.
+
+The contract is deliberately synchronous. Asynchronous scheduling (tickets, poll, wait,
+cancel) is not part of it: the worker layer wraps a synchronous `WorkerStore` in its own
+thread, which keeps every back-end simple and lets the overlap policy live in one place.
+
+Expected failures are values, not exceptions: a rejected put is `False`, a failed load is a
+`LoadStatus`. The one exception is `StoreUnavailable`, raised by `lookup` when the back-end
+cannot be reached at all (a `lookup` answer of "not resident" would be a lie the scheduler
+could not tell from a miss).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "LoadStatus",
+    "PoolStats",
+    "SchedulerStore",
+    "StoreUnavailable",
+    "WorkerStore",
+]
+
+
+class StoreUnavailable(Exception):
+    """The back-end cannot be reached (closed, server down, network partition)."""
+
+
+class LoadStatus(enum.Enum):
+    """Outcome of loading one key into a caller-provided buffer."""
+
+    HIT = "hit"
+    """The buffer now holds exactly the bytes stored under the key."""
+    MISSING = "missing"
+    """The key is not resident; the buffer is untouched."""
+    CORRUPT = "corrupt"
+    """The stored bytes failed their checksum; the object was dropped. The buffer holds
+    garbage and must not be used."""
+    SIZE_MISMATCH = "size_mismatch"
+    """The buffer's length differs from the stored object's; nothing was copied."""
+    UNAVAILABLE = "unavailable"
+    """The back-end (or the part of it holding this key) cannot be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of a store's occupancy and counters (counters are since construction)."""
+
+    capacity_bytes: int
+    """Bytes the store can hold (for a paged pool: number of pages times page size)."""
+    used_bytes: int
+    """Bytes currently taken by resident objects (for a paged pool: whole pages)."""
+    page_bytes: int
+    """Allocation granule; an object occupies ceil(size / page_bytes) pages."""
+    objects: int
+    """Resident objects."""
+    hits: int
+    """Loads that returned `LoadStatus.HIT`."""
+    misses: int
+    """Loads that returned `LoadStatus.MISSING`."""
+    puts: int
+    """Objects written (a put of an already-resident key writes nothing and is not counted)."""
+    put_rejects: int
+    """Puts that returned False (object larger than the store, store closed)."""
+    evictions: int
+    """Objects evicted to make room (LRU)."""
+    corrupt_loads: int
+    """Loads that found a checksum mismatch (the object was dropped)."""
+    bytes_written: int
+    """Payload bytes copied into the store."""
+    bytes_read: int
+    """Payload bytes copied out of the store by loads that hit."""
+
+
+@runtime_checkable
+class SchedulerStore(Protocol):
+    """What the scheduler process needs: residency answers, nothing that moves bytes."""
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        """Residency of each key, in order. Batched because the scheduler asks about every
+        block of a prompt at once. Never raises for a missing key; raises
+        `StoreUnavailable` when the back-end cannot be reached."""
+        ...
+
+    def clear(self) -> bool:
+        """Drop every object; True when the store is empty afterwards."""
+        ...
+
+    def close(self) -> None:
+        """Release the handle (idempotent). Later lookups raise `StoreUnavailable`."""
+        ...
+
+
+@runtime_checkable
+class WorkerStore(Protocol):
+    """What a worker process needs: move KV bytes in and out, learn about evictions."""
+
+    def put_batch(self, keys: Sequence[str], payloads: Sequence[memoryview]) -> tuple[bool, ...]:
+        """Store `payloads[i]` under `keys[i]`; one result per key. A key already resident
+        answers True without being rewritten (a key names its content). False means the
+        object was not stored (too large, store unavailable)."""
+        ...
+
+    def get_batch_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview]
+    ) -> tuple[LoadStatus, ...]:
+        """Copy the object stored under `keys[i]` into the writable buffer `outs[i]`, whose
+        length must equal the stored object's; one status per key."""
+        ...
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        """Same as `SchedulerStore.lookup`."""
+        ...
+
+    def take_evicted_keys(self) -> tuple[str, ...]:
+        """Keys that left the store (evicted, dropped as corrupt) since the last call and
+        are not resident now; drains the queue. Keys removed by `clear` are not reported:
+        the caller asked for that."""
+        ...
+
+    def stats(self) -> PoolStats:
+        """A snapshot of occupancy and counters."""
+        ...
+
+    def clear(self) -> bool:
+        """Drop every object; True when the store is empty afterwards."""
+        ...
+
+    def close(self) -> None:
+        """Release the handle and its memory (idempotent)."""
+        ...

@@ -1,0 +1,178 @@
+"""Answer lookups for a store that lives in another process.
+
+In embedded mode each worker owns the pool holding its rank's shards. When the
+scheduler runs in a different process (several workers, or an executor that
+spawns them) it asks each worker's pool over a Unix socket. Only existence
+answers cross the socket, never KV bytes.
+
+Wire format (little-endian): request = op (1 byte: ``L`` lookup, ``C`` clear) +
+payload length (u32) + payload (keys joined by newlines, UTF-8); the answer to
+a lookup is one byte per key (0/1), to a clear one byte.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import struct
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+
+_HEADER = struct.Struct("<cI")
+_LOOKUP = b"L"
+_CLEAR = b"C"
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = sock.recv(remaining)
+        if not chunk:
+            raise ConnectionError("peer closed the lookup connection")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: "_LookupServer"
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        try:
+            while True:
+                op, length = _HEADER.unpack(_read_exactly(sock, _HEADER.size))
+                payload = _read_exactly(sock, length)
+                sock.sendall(self._answer(op, payload))
+        except (ConnectionError, OSError):
+            return
+
+    def _answer(self, op: bytes, payload: bytes) -> bytes:
+        store = self.server.store
+        if op == _LOOKUP:
+            keys = payload.decode().split("\n") if payload else []
+            return bytes(store.lookup(keys))
+        if op == _CLEAR:
+            return b"\x01" if store.clear() else b"\x00"
+        raise ConnectionError(f"unknown lookup op {op!r}")
+
+
+class _LookupServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, store: SchedulerStore) -> None:
+        self.store = store
+        super().__init__(path, _Handler)
+
+
+class LookupService:
+    """Serves ``lookup`` and ``clear`` of a local store on an owner-only socket."""
+
+    def __init__(self, store: SchedulerStore) -> None:
+        self._directory = tempfile.mkdtemp(prefix="umbp-lookup-")
+        os.chmod(self._directory, 0o700)
+        self.path = str(Path(self._directory) / "lookup.sock")
+        self._server = _LookupServer(self.path, store)
+        os.chmod(self.path, 0o600)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="umbp-lookup-service", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for leftover in (self.path, self._directory):
+            try:
+                os.unlink(leftover) if leftover == self.path else os.rmdir(leftover)
+            except OSError:
+                pass
+
+
+class LookupClient:
+    """A ``SchedulerStore`` that asks a ``LookupService`` in another process."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self._path = path
+        self._timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        if not keys:
+            return ()
+        answer = self._call(_LOOKUP, "\n".join(keys).encode(), len(keys))
+        return tuple(byte == 1 for byte in answer)
+
+    def clear(self) -> bool:
+        return self._call(_CLEAR, b"", 1) == b"\x01"
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    def _call(self, op: bytes, payload: bytes, answer_size: int) -> bytes:
+        with self._lock:
+            try:
+                sock = self._connected()
+                sock.sendall(_HEADER.pack(op, len(payload)) + payload)
+                return _read_exactly(sock, answer_size)
+            except OSError as error:
+                self._disconnect()
+                raise StoreUnavailable(f"lookup service {self._path}: {error}") from error
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self._timeout_s)
+            sock.connect(self._path)
+            self._sock = sock
+        return self._sock
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class RankedLookup:
+    """One ``SchedulerStore`` over per-rank stores: each key is asked of the store
+    of the rank named in it (``umbp:<fmt>:<ns>:tp..:pcp..:dcp..:pp..:g<group>:<hash>``),
+    whatever order the caller built its keys in."""
+
+    def __init__(self, stores: Mapping[str, SchedulerStore]) -> None:
+        """``stores`` maps a rank tag (a key up to its ``:pp<r>`` field) to its store."""
+        self._stores = dict(stores)
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        if len(self._stores) == 1:
+            return next(iter(self._stores.values())).lookup(keys)
+        positions: dict[str, list[int]] = {}
+        for position, key in enumerate(keys):
+            positions.setdefault(rank_tag(key), []).append(position)
+        merged = [False] * len(keys)
+        for tag, indices in positions.items():
+            store = self._stores.get(tag)
+            if store is None:
+                continue  # a rank nobody serves holds nothing
+            for index, hit in zip(indices, store.lookup([keys[i] for i in indices])):
+                merged[index] = hit
+        return tuple(merged)
+
+    def clear(self) -> bool:
+        return all([store.clear() for store in self._stores.values()])
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+
+
+def rank_tag(key: str) -> str:
+    """The part of an object key that names namespace and rank."""
+    return key.rsplit(":", 2)[0]

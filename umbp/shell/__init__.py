@@ -1,0 +1,1 @@
+"""The imperative shell vLLM talks to: connector facade, scheduler and worker roles."""

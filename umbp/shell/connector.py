@@ -1,0 +1,162 @@
+"""``UMBPStoreConnector``: the class vLLM loads
+(``kv_connector_module_path: "umbp"``). A thin facade: the scheduler role and
+the worker role live in their own modules; this class only routes vLLM's hooks
+to them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from returns.result import Failure
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
+from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
+from umbp.shell.scheduler import UMBPScheduler
+from umbp.shell.worker import UMBPWorker
+
+logger = logging.getLogger("umbp")
+
+
+def connector_config(vllm_config: Any) -> ConnectorConfig:
+    """The validated options, or a ValueError that names every bad entry."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    parsed = parse_connector_config(extra)
+    if isinstance(parsed, Failure):
+        raise ValueError(
+            "invalid umbp kv_connector_extra_config: " + format_config_errors(parsed.failure())
+        )
+    return parsed.unwrap()
+
+
+def _recompute_failed_loads(vllm_config: Any) -> None:
+    """umbp is a cache: a failed load must cost a recompute, never the request."""
+    transfer = vllm_config.kv_transfer_config
+    if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.info("umbp sets kv_load_failure_policy=recompute: a failed load is recomputed")
+        transfer.kv_load_failure_policy = "recompute"
+
+
+class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = connector_config(vllm_config)
+        self._scheduler: UMBPScheduler | None = None
+        self._worker: UMBPWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(vllm_config)
+            self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, config)
+        else:
+            self._worker = UMBPWorker(vllm_config, kv_cache_config, config)
+
+    @property
+    def scheduler(self) -> UMBPScheduler:
+        assert self._scheduler is not None, "scheduler hook called on a worker-role connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> UMBPWorker:
+        assert self._worker is not None, "worker hook called on a scheduler-role connector"
+        return self._worker
+
+    # -- worker role ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> UMBPHandshake | None:
+        return None if self._worker is None else self._worker.handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_loads(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete inside start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole blocks are stored in wait_for_save, after the forward pass
+
+    def wait_for_save(self) -> None:
+        self.worker.save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        finished, _ = self.worker.take_finished_loads()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self.worker.take_finished_loads()
+        # With several cache groups vLLM takes request-level failures only.
+        request_level = failed if len(self._kv_cache_config.kv_cache_groups) > 1 else set()
+        return KVConnectorTransferResults(
+            finished_recving=finished, failed_recving=request_level
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_error_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_worker_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        return None  # stores are synchronous: nothing of a preempted request is in flight
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _meta(self) -> UMBPConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UMBPConnectorMetadata)
+        return meta
+
+    # -- scheduler role -----------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.scheduler.bind_workers(
+            {rank: meta for rank, meta in metadata.items() if isinstance(meta, UMBPHandshake)}
+        )
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self.scheduler.bind_workers(
+            {index: meta for index, meta in enumerate(metadata.values())
+             if isinstance(meta, UMBPHandshake)}
+        )
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache()

@@ -1,0 +1,509 @@
+"""The scheduler role: decides what to look up, load and store, by calling
+umbp.core for every decision, and keeps the mutable per-request state.
+
+Each public method is a short "read vLLM state -> ask core -> apply" sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Set as AbstractSet
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from returns.result import Failure, Success
+
+from umbp.core import lookup as core_lookup
+from umbp.core import plans as core_plans
+from umbp.core.config import ConnectorConfig, effective_load_async
+from umbp.core.identity import KeySpace
+from umbp.core.lookup import LookupGeometry, LookupQuery, LoadSpec
+from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+from umbp.runtime.lookup_service import RankedLookup, rank_tag
+from umbp.runtime.embedded import connect_to_pool
+from umbp.shell import vllm_compat
+from umbp.shell.metadata import (
+    ObjectTransfer,
+    StoreOutcome,
+    UMBPConnectorMetadata,
+    UMBPHandshake,
+    UMBPWorkerMetadata,
+)
+
+logger = logging.getLogger("umbp")
+
+
+@dataclass(frozen=True, slots=True)
+class _LookupContext:
+    """What a lookup was computed for; a change means the answer is stale."""
+
+    request: object
+    local_tokens: int
+    num_tokens: int
+    num_hashes: int
+
+
+@dataclass(slots=True)
+class _PendingLookup:
+    context: _LookupContext
+    query: LookupQuery
+    answer: Future[tuple[bool, ...]]
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    lookups: int = 0
+    lookup_failures: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    planned_load_blocks: int = 0
+    planned_store_blocks: int = 0
+
+
+class UMBPScheduler:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+        self._config = config
+        self._kv_cache_config = kv_cache_config
+        self._geometry = _geometry(vllm_config, kv_cache_config, config)
+        groups = kv_cache_config.kv_cache_groups
+        self._boundary_groups = frozenset(
+            group_id for group_id, group in enumerate(groups)
+            if vllm_compat.is_align_mamba(group.kv_cache_spec)
+        )
+        specs = [s for g in groups for s in vllm_compat.layer_specs(g.kv_cache_spec)]
+        self._load_async, warning = effective_load_async(
+            config.load_async,
+            len(groups),
+            any(vllm_compat.is_mamba(s) for s in specs),
+            any(vllm_compat.is_sparse_indexer(s) for s in specs),
+        )
+        if warning is not None:
+            logger.warning("umbp: %s", warning)
+        transfer_config = vllm_config.kv_transfer_config
+        self._store_enabled = getattr(transfer_config, "kv_role", None) != "kv_consumer"
+        self._num_workers = int(getattr(vllm_config.parallel_config, "world_size", 1))
+        self._topology = vllm_compat.topology_of(vllm_config)
+        self._lookup_executor = ThreadPoolExecutor(
+            max_workers=config.lookup_workers, thread_name_prefix="umbp-lookup"
+        )
+        self._store: SchedulerStore | None = None
+        self._keyspace: KeySpace | None = None
+        self._pending_lookups: dict[str, _PendingLookup] = {}
+        self._load_specs: dict[str, LoadSpec] = {}
+        self._pending_loads: dict[str, ObjectTransfer] = {}
+        self._requests: dict[str, Any] = {}
+        self._trackers: dict[str, core_plans.StoreTracker] = {}
+        self._store_events: dict[int, _StoreEvent] = {}
+        self._next_store_event = 0
+        self._gpu_block_pool: Any = None
+        self._warned_coordinated = False
+        self.counters = SchedulerCounters()
+
+    # -- start-up -----------------------------------------------------------
+
+    def bind_gpu_block_pool(self, pool: Any) -> None:
+        self._gpu_block_pool = pool
+
+    def bind_workers(self, handshakes: Mapping[int, UMBPHandshake]) -> None:
+        """Workers report their namespace and pool; lookups start only then."""
+        by_rank = {meta.rank: meta for meta in handshakes.values()}
+        namespaces = {meta.namespace for meta in by_rank.values()}
+        if len(namespaces) != 1:
+            raise RuntimeError(f"umbp workers disagree on the namespace: {sorted(namespaces)}")
+        missing = [rank for rank in self._topology.coords() if rank not in by_rank]
+        if missing:
+            raise RuntimeError(f"umbp: no worker reported for ranks {missing}")
+        keyspace = KeySpace(namespaces.pop(), self._topology)
+        self._store = RankedLookup({
+            rank_tag(keyspace.key(rank, 0, b"")): connect_to_pool(
+                by_rank[rank].pool, self._config.lookup_timeout_s
+            )
+            for rank in self._topology.coords()
+        })
+        self._keyspace = keyspace
+
+    # -- lookup ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, local_tokens: int) -> tuple[int | None, bool]:
+        request_id = request.request_id
+        store, keyspace = self._store, self._keyspace
+        if store is None or keyspace is None:
+            return 0, False
+        if self._geometry.coordinated:
+            self._warn_coordinated_once()
+            return 0, False
+        hashes = request.block_hashes
+        context = _LookupContext(request, local_tokens, request.num_tokens, len(hashes))
+        pending = self._pending_lookups.get(request_id)
+        if pending is not None and pending.context != context:
+            self._drop_pending_lookup(request_id)
+            pending = None
+        skip = core_lookup.lookup_skip_reason(
+            self._geometry, self._config.enable_lookup, len(hashes), request.num_tokens,
+            local_tokens,
+        )
+        if skip is not None:
+            self._load_specs.pop(request_id, None)
+            return 0, False
+        if pending is not None and not pending.answer.done():
+            return None, False
+        if pending is None:
+            query = core_lookup.build_lookup_query(
+                self._geometry, keyspace, hashes, local_tokens, request.num_tokens
+            )
+            if self._config.lookup_async:
+                answer = self._lookup_executor.submit(store.lookup, query.keys)
+                self._pending_lookups[request_id] = _PendingLookup(context, query, answer)
+                return None, False
+            answers = self._lookup(store, query)
+        else:
+            del self._pending_lookups[request_id]
+            query = pending.query
+            answers = self._answer_of(pending.answer)
+        return self._match(request_id, query, answers, request.num_tokens)
+
+    def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
+        try:
+            return store.lookup(query.keys)
+        except (StoreUnavailable, OSError) as error:
+            self.counters.lookup_failures += 1
+            logger.debug("umbp lookup failed: %s", error)
+            return None
+
+    def _answer_of(self, answer: Future[tuple[bool, ...]]) -> tuple[bool, ...] | None:
+        try:
+            return answer.result()
+        except Exception as error:
+            self.counters.lookup_failures += 1
+            logger.debug("umbp lookup failed: %s", error)
+            return None
+
+    def _match(
+        self, request_id: str, query: LookupQuery, answers: tuple[bool, ...] | None,
+        num_tokens: int,
+    ) -> tuple[int, bool]:
+        self.counters.lookups += 1
+        self.counters.queried_tokens += num_tokens - query.local_tokens
+        folded = None if answers is None else core_lookup.fold_rank_hits(query, answers)
+        if folded is None:
+            return 0, False
+        spec = core_lookup.single_group_load_spec(self._geometry, query, folded)
+        if spec is None:
+            return 0, False
+        self._load_specs[request_id] = spec
+        self.counters.hit_tokens += spec.num_tokens_to_load
+        return spec.num_tokens_to_load, core_lookup.load_runs_async(
+            self._load_async, spec, self._geometry
+        )
+
+    # -- allocation and per-step metadata ----------------------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        request_id = request.request_id
+        self._requests[request_id] = request
+        block_table = _table(blocks.get_block_ids(group_ids=self._geometry.group_ids))
+        if not block_table:
+            return
+        tracker = self._trackers.get(request_id, core_plans.StoreTracker())
+        tracker = tracker.with_blocks_replaced(block_table)
+        if num_external_tokens <= 0:
+            self._trackers[request_id] = tracker
+            self._pending_loads.pop(request_id, None)
+            self._load_specs.pop(request_id, None)
+            return
+        spec = self._load_specs.get(request_id)
+        if spec is None or spec.num_tokens_to_load != num_external_tokens:
+            raise RuntimeError(
+                f"umbp matched {None if spec is None else spec.num_tokens_to_load} external "
+                f"tokens for request {request_id} but vLLM allocated {num_external_tokens}"
+            )
+        self._trackers[request_id] = tracker.with_load_spec(spec)
+        match core_plans.load_batch(
+            request_id, self._geometry, spec, block_table, tuple(request.block_hashes),
+            num_external_tokens,
+        ):
+            case Success(batch):
+                self._pending_loads[request_id] = ObjectTransfer(
+                    request_id, batch.group_ids, batch.block_ids, batch.block_hashes
+                )
+                self.counters.planned_load_blocks += len(batch.block_ids)
+            case Failure(reason):
+                raise RuntimeError(f"umbp load plan for request {request_id}: {reason}")
+
+    def build_connector_meta(self, scheduler_output: Any) -> UMBPConnectorMetadata:
+        meta = UMBPConnectorMetadata()
+        # In-flight events' objects and this step's plans: stored once.
+        reserved = {
+            identity for event in self._store_events.values() for identity in event.identities
+        }
+        for request_id in scheduler_output.finished_req_ids:
+            self._forget(request_id)
+        stores: list[ObjectTransfer] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            transfer = self._plan_new_request(new, scheduler_output, reserved)
+            if transfer is not None:
+                stores.append(transfer)
+                reserved.update(_identities(transfer))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()))
+        for index, request_id in enumerate(cached.req_ids):
+            transfer = self._plan_cached_request(
+                request_id, index, cached, request_id in resumed, scheduler_output, reserved
+            )
+            if transfer is not None:
+                stores.append(transfer)
+                reserved.update(_identities(transfer))
+        # Async loads are admitted without scheduled tokens: forward every plan.
+        meta.loads = list(self._pending_loads.values())
+        self._pending_loads.clear()
+        for request_id in meta.loads:
+            self._load_specs.pop(request_id.request_id, None)
+        preempted = frozenset(scheduler_output.preempted_req_ids or ())
+        for request_id in preempted:
+            self._load_specs.pop(request_id, None)
+            if request_id in self._trackers:
+                self._trackers[request_id] = self._trackers[request_id].reset()
+        meta.preempted_request_ids = preempted
+        if stores:
+            meta.stores = stores
+            meta.store_event = self._open_store_event(stores)
+        return meta
+
+    def _plan_new_request(
+        self, new: Any, scheduler_output: Any, reserved: AbstractSet[tuple[int, bytes]]
+    ) -> ObjectTransfer | None:
+        request_id = new.req_id
+        if request_id in self._pending_loads or not self._store_enabled:
+            return None
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        total = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[request_id]
+        table = _table(tuple(new.block_ids[g] for g in self._geometry.group_ids))
+        return self._plan_store(request, table, total, reserved)
+
+    def _plan_cached_request(
+        self, request_id: str, index: int, cached: Any, resumed: bool, scheduler_output: Any,
+        reserved: AbstractSet[tuple[int, bytes]],
+    ) -> ObjectTransfer | None:
+        if request_id in self._pending_loads or not self._store_enabled:
+            return None
+        request = self._requests.get(request_id)
+        tracker = self._trackers.get(request_id)
+        if request is None or tracker is None:
+            return None
+        computed = cached.num_computed_tokens[index]
+        if not core_plans.is_prefill(computed, request.num_prompt_tokens) and not (
+            self._config.save_decode_cache
+        ):
+            return None
+        new_blocks = cached.new_block_ids[index]
+        if new_blocks:
+            selected = _table(tuple(new_blocks[g] for g in self._geometry.group_ids))
+            tracker = (
+                tracker.with_blocks_replaced(selected) if resumed
+                else tracker.with_blocks_appended(selected)
+            )
+            self._trackers[request_id] = tracker
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        current = None if block_state is None else block_state.get_block_ids(request_id)
+        if current is not None:
+            tracker = tracker.with_blocks_replaced(
+                _table(tuple(current[g] for g in self._geometry.group_ids))
+            )
+            self._trackers[request_id] = tracker
+        total = core_plans.store_token_limit(
+            computed + scheduler_output.num_scheduled_tokens[request_id],
+            request.num_prompt_tokens,
+            self._config.save_decode_cache,
+        )
+        return self._plan_store(request, tracker.block_table, total, reserved)
+
+    def _plan_store(
+        self, request: Any, table: tuple[tuple[int, ...], ...], total_tokens: int,
+        reserved: AbstractSet[tuple[int, bytes]],
+    ) -> ObjectTransfer | None:
+        request_id = request.request_id
+        tracker = self._trackers.get(request_id, core_plans.StoreTracker())
+        hashes = tuple(request.block_hashes)
+        geometry = self._geometry
+        storable = core_plans.storable_tokens(total_tokens, len(hashes), geometry.hash_block_size)
+        save_to = core_plans.save_watermark(tracker.saved_tokens, storable, geometry.hash_block_size)
+        ranges = core_plans.store_candidate_ranges(
+            geometry, tracker.saved_tokens, save_to, table, self._boundary_groups
+        )
+        self._trackers[request_id] = tracker.with_saved_tokens(save_to)
+        masks = {group_id: self._store_mask(request, group_id, r) for group_id, r in ranges}
+        match core_plans.apply_store_masks(ranges, masks):
+            case Success(block_ranges):
+                pass
+            case Failure(reason):
+                logger.warning("umbp store mask for request %s: %s", request_id, reason)
+                return None
+        resident = self._resident_restored_blocks(tracker, block_ranges, table, hashes)
+        batch = core_plans.store_batch(
+            request_id, geometry, block_ranges, table, hashes, resident=resident, reserved=reserved
+        )
+        if not batch.block_ids:
+            return None
+        self.counters.planned_store_blocks += len(batch.block_ids)
+        return ObjectTransfer(request_id, batch.group_ids, batch.block_ids, batch.block_hashes)
+
+    def _store_mask(self, request: Any, group_id: int, indices: range) -> tuple[bool, ...] | None:
+        """vLLM's own rule for which blocks it can later reuse (sliding windows)."""
+        if not indices:
+            return ()
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+        spec = vllm_compat.unwrap_spec(self._kv_cache_config.kv_cache_groups[group_id].kv_cache_spec)
+        manager = KVCacheSpecRegistry.get_manager_class(spec)
+        if manager is None:
+            return None
+        mask = manager.reachable_block_mask(
+            start_block=indices.start,
+            end_block=indices.stop,
+            alignment_tokens=self._geometry.block_size,
+            kv_cache_spec=spec,
+            use_eagle=self._geometry.use_eagle,
+            retention_interval=self._kv_cache_config.prefix_cache_retention_interval,
+            dcp_world_size=self._topology.dcp_size,
+        )
+        return None if mask is None else tuple(bool(m) for m in mask)
+
+    def _resident_restored_blocks(
+        self, tracker: core_plans.StoreTracker, block_ranges: core_plans.StoreSelection,
+        table: tuple[tuple[int, ...], ...], hashes: tuple[bytes, ...],
+    ) -> frozenset[tuple[int, bytes]]:
+        """Restored blocks still in the pool need no store: one batched lookup."""
+        if tracker.load_spec is None or self._store is None or self._keyspace is None:
+            return frozenset()
+        check = core_plans.restored_candidates(
+            self._geometry, self._keyspace, block_ranges, table, tracker.load_spec.external_tokens,
+            hashes,
+        )
+        if not check.keys:
+            return frozenset()
+        try:
+            answers = self._store.lookup(check.keys)
+        except (StoreUnavailable, OSError):
+            return frozenset()
+        return core_plans.resident_blocks_from_hits(check, answers)
+
+    def _open_store_event(self, stores: list[ObjectTransfer]) -> int:
+        event_id = self._next_store_event
+        self._next_store_event += 1
+        event = _StoreEvent(stores)
+        self._store_events[event_id] = event
+        if self._gpu_block_pool is not None:
+            # Pinned until every worker has copied them out.
+            self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in event.block_ids])
+        return event_id
+
+    # -- worker results ---------------------------------------------------------
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, UMBPWorkerMetadata):
+            return
+        for event_id, outcome in meta.store_outcomes.items():
+            event = self._store_events.get(event_id)
+            if event is None:
+                continue
+            event.outcome = outcome if event.outcome is None else event.outcome.merged(outcome)
+            if event.outcome.completed_workers < self._num_workers:
+                continue
+            del self._store_events[event_id]
+            if self._gpu_block_pool is not None:
+                pool = self._gpu_block_pool
+                pool.free_blocks(pool.blocks[b] for b in reversed(event.block_ids))
+
+    # -- request lifecycle --------------------------------------------------------
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._store_events)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
+        if self._store_events:
+            return False
+        for request_id in list(self._pending_lookups):
+            self._drop_pending_lookup(request_id)
+        self._load_specs.clear()
+        self._pending_loads.clear()
+        return True if self._store is None else self._store.clear()
+
+    def close(self) -> None:
+        self._lookup_executor.shutdown(wait=False, cancel_futures=True)
+        self._pending_lookups.clear()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _forget(self, request_id: str) -> None:
+        self._pending_loads.pop(request_id, None)
+        self._load_specs.pop(request_id, None)
+        self._trackers.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._drop_pending_lookup(request_id)
+
+    def _drop_pending_lookup(self, request_id: str) -> None:
+        pending = self._pending_lookups.pop(request_id, None)
+        if pending is not None:
+            pending.answer.cancel()
+
+    def _warn_coordinated_once(self) -> None:
+        if not self._warned_coordinated:
+            self._warned_coordinated = True
+            logger.warning(
+                "umbp: this model's KV cache groups need vLLM's hybrid coordinator for "
+                "external hits, which this umbp version does not drive yet; lookups are off"
+            )
+
+
+class _StoreEvent:
+    """Blocks pinned for one step's stores until every worker acknowledged."""
+
+    __slots__ = ("block_ids", "identities", "outcome")
+
+    def __init__(self, stores: list[ObjectTransfer]) -> None:
+        self.block_ids = tuple(dict.fromkeys(b for t in stores for b in t.block_ids))
+        self.identities = frozenset(i for t in stores for i in _identities(t))
+        self.outcome: StoreOutcome | None = None
+
+
+def _identities(transfer: ObjectTransfer) -> frozenset[tuple[int, bytes]]:
+    return frozenset(zip(transfer.group_ids, transfer.block_hashes))
+
+
+def _table(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(group) for group in groups)
+
+
+def _geometry(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> LookupGeometry:
+    block_size, hash_block_size = vllm_compat.block_sizes(vllm_config, kv_cache_config)
+    group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
+    dcp = vllm_compat.parallel_sizes(vllm_config)[2]
+    groups = kv_cache_config.kv_cache_groups
+    sizes = tuple(vllm_compat.group_block_size(groups[g].kv_cache_spec, dcp) for g in group_ids)
+    coordinated = len(group_ids) > 1 or (
+        len(group_ids) == 1 and not vllm_compat.is_plain_full_attention(groups[group_ids[0]].kv_cache_spec)
+    )
+    units = tuple(
+        core_lookup.lookup_unit(size, hash_block_size, config.enable_partial_hash_hits, False)
+        for size in sizes
+    )
+    return LookupGeometry(
+        group_ids=group_ids,
+        group_block_sizes=sizes,
+        lookup_units=units,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        partial_hash_hits=config.enable_partial_hash_hits,
+        use_eagle=vllm_compat.uses_eagle_block_drop(vllm_config),
+        coordinated=coordinated,
+    )

@@ -1,0 +1,202 @@
+"""Everything umbp reads from vLLM's objects, in one place.
+
+vLLM objects are typed through small Protocols (only the attributes umbp reads)
+so the rest of the shell is checked by ``mypy --strict`` without importing
+vLLM's own types. Differences between supported vLLM versions (0.32, 0.33) are
+feature-detected here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from umbp.core.identity import CacheGroupShape, NamespaceInputs, RankCoord, RankTopology, rank_coord
+
+
+class KVCacheSpecLike(Protocol):
+    block_size: int
+
+
+class KVCacheGroupLike(Protocol):
+    layer_names: list[str]
+    kv_cache_spec: Any
+    is_eagle_group: bool
+
+
+class KVCacheConfigLike(Protocol):
+    num_blocks: int
+    kv_cache_groups: list[Any]
+
+    @property
+    def prefix_cacheable_group_ids(self) -> Any: ...
+
+
+class RequestLike(Protocol):
+    request_id: str
+    block_hashes: Sequence[bytes]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+def spec_field_text(value: object) -> str:
+    """Canonical text of one spec field: stable across processes (enums by value,
+    dtypes by name, nested specs by their fields)."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.value}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = ",".join(
+            f"{f.name}={spec_field_text(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(spec_field_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{spec_field_text(v)}" for k, v in sorted(value.items())) + "}"
+    return str(value)
+
+
+def cache_group_shape(spec: object) -> CacheGroupShape:
+    """Every field of a cache group's spec: any change in layout changes the key."""
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = tuple(
+            (field.name, spec_field_text(getattr(spec, field.name)))
+            for field in dataclasses.fields(spec)
+        )
+    else:
+        fields = tuple(sorted((k, spec_field_text(v)) for k, v in vars(spec).items()))
+    return CacheGroupShape(type(spec).__name__, fields)
+
+
+def parallel_sizes(vllm_config: Any) -> tuple[int, int, int, int]:
+    """(tp, pcp, dcp, pp) sizes; absent fields mean 1 on older versions."""
+    parallel = vllm_config.parallel_config
+    return (
+        int(parallel.tensor_parallel_size),
+        int(getattr(parallel, "prefill_context_parallel_size", 1)),
+        int(getattr(parallel, "decode_context_parallel_size", 1)),
+        int(parallel.pipeline_parallel_size),
+    )
+
+
+def namespace_inputs(vllm_config: Any, kv_cache_config: Any) -> NamespaceInputs:
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    model = vllm_config.model_config
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    tp, pcp, dcp, pp = parallel_sizes(vllm_config)
+    kv_dtype = f"{vllm_config.cache_config.cache_dtype}/{model.dtype}"
+    return NamespaceInputs(
+        model_id=str(model.model),
+        revision=None if model.revision is None else str(model.revision),
+        kv_dtype=kv_dtype,
+        groups=tuple(cache_group_shape(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups),
+        block_size=int(block_size),
+        hash_block_size=int(hash_block_size),
+        tp_size=tp,
+        pcp_size=pcp,
+        dcp_size=dcp,
+        pp_size=pp,
+    )
+
+
+def topology_of(vllm_config: Any) -> RankTopology:
+    tp, pcp, dcp, pp = parallel_sizes(vllm_config)
+    return RankTopology(tp, pcp, dcp, pp)
+
+
+def this_worker_rank(vllm_config: Any) -> RankCoord:
+    """The calling worker's coordinates, from vLLM's process groups."""
+    from vllm.distributed import parallel_state
+
+    def rank_in(getter_name: str) -> int:
+        getter = getattr(parallel_state, getter_name, None)
+        if getter is None:
+            return 0
+        try:
+            return int(getter().rank_in_group)
+        except (AssertionError, AttributeError):
+            return 0
+
+    return rank_coord(
+        topology_of(vllm_config),
+        rank_in("get_tp_group"),
+        rank_in("get_pcp_group"),
+        rank_in("get_pp_group"),
+    )
+
+
+def prefix_cacheable_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    return tuple(int(g) for g in kv_cache_config.prefix_cacheable_group_ids)
+
+
+def block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
+    """(scheduler block size, hash block size) as vLLM resolves them."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return int(block_size), int(hash_block_size)
+
+
+def group_block_size(spec: Any, dcp_size: int) -> int:
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+
+    return int(resolve_dcp_kv_block_size(spec, dcp_size))
+
+
+def uses_eagle_block_drop(vllm_config: Any) -> bool:
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return bool(speculative is not None and speculative.use_eagle_block_drop())
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def unwrap_spec(spec: Any) -> Any:
+    """A uniform-type wrapper holds one spec per layer; they agree on kind."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+def is_plain_full_attention(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return isinstance(unwrap_spec(spec), FullAttentionSpec)
+
+
+def layer_specs(spec: Any) -> tuple[Any, ...]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return tuple(spec.kv_cache_specs.values())
+    return (spec,)
+
+
+def is_mamba(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
+def is_align_mamba(spec: Any) -> bool:
+    return is_mamba(spec) and getattr(spec, "mamba_cache_mode", None) == "align"
+
+
+def is_sparse_indexer(spec: Any) -> bool:
+    role = getattr(spec, "cache_role", None)
+    return role is not None and getattr(role, "name", "") == "INDEXER"

@@ -1,0 +1,250 @@
+"""The worker role: moves blocks between vLLM's paged KV tensors and the pool.
+
+Loads run in ``start_load_kv`` (before the forward pass for synchronous loads,
+after it for asynchronous ones, as vLLM orders them); stores run in
+``wait_for_save``, after the forward pass has written the blocks. A load that
+fails for any reason is reported, so vLLM recomputes those tokens: a failed
+load is never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from umbp.core.config import ConnectorConfig
+from umbp.core.identity import KeySpace, RankCoord, resolve_namespace
+from umbp.gpu.copier import BlockCopier
+from umbp.gpu.staging import allocate_staging
+from umbp.runtime.contract import LoadStatus, WorkerStore
+from umbp.runtime.embedded import EmbeddedPool, open_embedded_pool
+from umbp.runtime.pool import SlabPool
+from umbp.shell import vllm_compat
+from umbp.shell.metadata import (
+    ObjectTransfer,
+    StoreOutcome,
+    UMBPConnectorMetadata,
+    UMBPHandshake,
+    UMBPWorkerMetadata,
+)
+
+logger = logging.getLogger("umbp")
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    """Counted where the copies happen, so the figures can be trusted."""
+
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: dict[str, int] = field(default_factory=dict)
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    store_failures: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+    def count_load_failure(self, status: LoadStatus) -> None:
+        name = status.name.lower()
+        self.load_failures[name] = self.load_failures.get(name, 0) + 1
+
+
+class UMBPWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._config = config
+        namespace = resolve_namespace(
+            vllm_compat.namespace_inputs(vllm_config, kv_cache_config), config.namespace
+        ).unwrap()  # the override was validated with the config
+        self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config))
+        self._rank: RankCoord = vllm_compat.this_worker_rank(vllm_config)
+        self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
+        self._single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self._copiers: dict[int, BlockCopier] = {}
+        self._embedded: EmbeddedPool | None = None
+        self._store: WorkerStore | None = None
+        self._load_error_blocks: set[int] = set()
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._store_outcomes: dict[int, StoreOutcome] = {}
+        self._lock = threading.Lock()
+        self.counters = WorkerCounters()
+
+    @property
+    def namespace(self) -> str:
+        return self._keyspace.namespace
+
+    @property
+    def pool(self) -> SlabPool | None:
+        return None if self._embedded is None else self._embedded.pool
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        for group_id in self._group_ids:
+            group = self._kv_cache_config.kv_cache_groups[group_id]
+            layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
+            if layers:
+                self._copiers[group_id] = BlockCopier(layers, num_blocks)
+        object_sizes = [copier.object_bytes for copier in self._copiers.values()]
+        page_bytes = self._config.page_bytes or _auto_page_bytes(object_sizes)
+        pool = SlabPool(
+            self._config.capacity_bytes,
+            page_bytes=page_bytes,
+            high_watermark=self._config.high_watermark,
+            low_watermark=self._config.low_watermark,
+        )
+        executor = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
+        self._embedded = open_embedded_pool(pool, serve_other_processes=executor != "uni")
+        self._store = pool
+        logger.info(
+            "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
+            "pool %d MiB in %d KiB pages",
+            self._rank, self.namespace, len(self._copiers), object_sizes,
+            self._config.capacity_bytes >> 20, page_bytes >> 10,
+        )
+
+    def handshake(self) -> UMBPHandshake | None:
+        if self._embedded is None:
+            return None
+        return UMBPHandshake(self.namespace, self._rank, self._embedded.address)
+
+    def start_loads(self, meta: UMBPConnectorMetadata) -> None:
+        for transfer in meta.loads:
+            failed_blocks = self._load(transfer)
+            with self._lock:
+                if failed_blocks:
+                    self._load_error_blocks.update(failed_blocks)
+                    self._failed_loads.add(transfer.request_id)
+                self._finished_loads.add(transfer.request_id)
+
+    def save(self, meta: UMBPConnectorMetadata) -> None:
+        if meta.store_event is None:
+            return
+        failed: set[tuple[int, bytes]] = set()
+        for transfer in meta.stores:
+            failed.update(self._store_objects(transfer))
+        with self._lock:
+            self._store_outcomes[meta.store_event] = StoreOutcome(1, frozenset(failed))
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids; failed ones are also finished, as vLLM
+        requires, and recompute from their first failed block."""
+        with self._lock:
+            finished, failed = self._finished_loads, self._failed_loads
+            self._finished_loads, self._failed_loads = set(), set()
+        return finished, failed
+
+    def take_load_error_blocks(self) -> set[int]:
+        # Block ids are unique only within a group; with several groups vLLM takes
+        # request-level failures instead (failed_recving), and loads are async.
+        if not self._single_group:
+            with self._lock:
+                self._load_error_blocks.clear()
+            return set()
+        with self._lock:
+            blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
+    def take_worker_metadata(self) -> UMBPWorkerMetadata | None:
+        with self._lock:
+            outcomes, self._store_outcomes = self._store_outcomes, {}
+        return UMBPWorkerMetadata(outcomes) if outcomes else None
+
+    def shutdown(self) -> None:
+        if self._embedded is not None:
+            self._embedded.close()
+            self._embedded = None
+            self._store = None
+
+    def _keys(self, transfer: ObjectTransfer, rows: Iterable[int]) -> list[str]:
+        return [
+            self._keyspace.key(self._rank, transfer.group_ids[row], transfer.block_hashes[row])
+            for row in rows
+        ]
+
+    def _rows_by_group(self, transfer: ObjectTransfer) -> dict[int, list[int]]:
+        rows: dict[int, list[int]] = {}
+        for row, group_id in enumerate(transfer.group_ids):
+            rows.setdefault(group_id, []).append(row)
+        return rows
+
+    def _load(self, transfer: ObjectTransfer) -> set[int]:
+        """Load every object of the transfer; returns the block ids that failed."""
+        failed: set[int] = set()
+        for group_id, rows in self._rows_by_group(transfer).items():
+            block_ids = [transfer.block_ids[row] for row in rows]
+            copier = self._copiers.get(group_id)
+            if copier is None or self._store is None:
+                failed.update(block_ids)
+                continue
+            statuses, staging = self._read_objects(copier, self._keys(transfer, rows))
+            good = [index for index, status in enumerate(statuses) if status is LoadStatus.HIT]
+            for status in statuses:
+                if status is not LoadStatus.HIT:
+                    self.counters.count_load_failure(status)
+            failed.update(block_ids[index] for index, status in enumerate(statuses)
+                          if status is not LoadStatus.HIT)
+            if good:
+                index = torch.tensor(good, dtype=torch.long)
+                copier.scatter([block_ids[i] for i in good], staging.index_select(0, index))
+                self.counters.loaded_blocks += len(good)
+                self.counters.loaded_bytes += len(good) * copier.object_bytes
+        if failed:
+            logger.warning(
+                "umbp load for request %s: %d of %d blocks failed; vLLM recomputes them",
+                transfer.request_id, len(failed), len(transfer),
+            )
+        return failed
+
+    def _read_objects(
+        self, copier: BlockCopier, keys: Sequence[str]
+    ) -> tuple[tuple[LoadStatus, ...], torch.Tensor]:
+        assert self._store is not None
+        staging = allocate_staging(len(keys), copier.object_bytes, copier.device)
+        rows = staging.numpy()
+        try:
+            statuses = self._store.get_batch_into(keys, [rows[i] for i in range(len(keys))])
+        except Exception as error:  # the store failing must never fail the request
+            logger.warning("umbp load failed: %s", error)
+            statuses = tuple(LoadStatus.UNAVAILABLE for _ in keys)
+        return statuses, staging
+
+    def _store_objects(self, transfer: ObjectTransfer) -> set[tuple[int, bytes]]:
+        """Store every object of the transfer; returns the identities that failed."""
+        failed: set[tuple[int, bytes]] = set()
+        for group_id, rows in self._rows_by_group(transfer).items():
+            identities = [(group_id, transfer.block_hashes[row]) for row in rows]
+            copier = self._copiers.get(group_id)
+            if copier is None or self._store is None:
+                failed.update(identities)
+                continue
+            block_ids = [transfer.block_ids[row] for row in rows]
+            staging = allocate_staging(len(rows), copier.object_bytes, copier.device)
+            copier.gather(block_ids, staging)
+            payload = staging.numpy()
+            try:
+                stored = self._store.put_batch(
+                    self._keys(transfer, rows), [payload[i] for i in range(len(rows))]
+                )
+            except Exception as error:
+                logger.warning("umbp store failed: %s", error)
+                stored = tuple(False for _ in rows)
+            failed.update(identity for identity, ok in zip(identities, stored) if not ok)
+            written = sum(stored)
+            self.counters.stored_blocks += written
+            self.counters.stored_bytes += written * copier.object_bytes
+            self.counters.store_failures += len(rows) - written
+        return failed
+
+
+def _auto_page_bytes(object_sizes: Sequence[int]) -> int:
+    """A page holds one whole object of the smallest group (rounded up to 4 KiB):
+    no page is shared, and the smallest objects waste no page space."""
+    smallest = min(object_sizes) if object_sizes else 256 * 1024
+    return max(4096, -(-smallest // 4096) * 4096)

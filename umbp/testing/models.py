@@ -1,0 +1,80 @@
+"""Write small models with random weights, so generated tokens depend on every
+KV value (vLLM's ``load_format="dummy"`` gives near-constant weights whose
+greedy output cannot tell a wrong restore from a right one)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DONE_MARKER = "umbp-model.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecipe:
+    """A tiny architecture: ``model_type`` plus the config fields that differ
+    from transformers' defaults."""
+
+    model_type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    seed: int = 1234
+
+    def identity(self) -> dict[str, Any]:
+        return {"model_type": self.model_type, "fields": self.fields, "dtype": self.dtype,
+                "seed": self.seed}
+
+
+def llama_recipe(
+    *,
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    dtype: str = "float32",
+) -> ModelRecipe:
+    return ModelRecipe(
+        "llama",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": hidden_size // heads,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+        dtype=dtype,
+    )
+
+
+def write_random_model(recipe: ModelRecipe, directory: Path) -> Path:
+    """Write config and random safetensors weights once; reuse them when the
+    folder already holds the same recipe."""
+    directory = Path(directory)
+    marker = directory / _DONE_MARKER
+    if marker.exists() and json.loads(marker.read_text()) == recipe.identity():
+        return directory
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(
+        recipe.model_type,
+        **recipe.fields,
+        initializer_range=0.1,
+        torch_dtype=recipe.dtype,
+    )
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model = model.to(getattr(torch, recipe.dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    marker.write_text(json.dumps(recipe.identity()))
+    return directory

@@ -1,0 +1,105 @@
+"""Run engine scenarios in a fresh process and report what happened as JSON.
+
+Each integration test starts this module in its own interpreter: vLLM keeps
+process-wide state (the KV transfer agent, distributed groups), so one process
+per scenario keeps tests independent. Usage::
+
+    python -m umbp.testing.scenario '<json spec>'
+
+The spec names a model folder, engine settings and a list of engines to run one
+after another, each with steps: ``generate``, ``reset`` (empty vLLM's own
+prefix cache), ``corrupt`` (flip one byte in every object of this process's
+pools), ``stats`` (pool and connector counters of this process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+
+def _corrupt_local_pools() -> int:
+    from umbp.runtime.embedded import local_pools
+
+    flipped = 0
+    for pool in local_pools():
+        view = pool.slab_view()
+        for key in pool.stored_keys():
+            offset, _length = pool.object_regions(key)[0]
+            view[offset] ^= 0xFF
+            flipped += 1
+    return flipped
+
+
+def _local_stats() -> dict[str, Any]:
+    from umbp.runtime.embedded import local_pools
+    from umbp.testing.engine import local_connector
+
+    pools = [dataclasses.asdict(pool.stats()) for pool in local_pools()]
+    connector = local_connector()
+    counters = None
+    if connector is not None and getattr(connector, "_worker", None) is not None:
+        counters = dataclasses.asdict(connector.worker.counters)
+    return {"pools": pools, "worker": counters}
+
+
+def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any]]:
+    from umbp.testing.engine import generate, make_llm
+
+    llm = make_llm(spec["model_dir"], connector=engine.get("connector"), **spec.get("engine", {}))
+    results: list[dict[str, Any]] = []
+    try:
+        for step in engine["steps"]:
+            if step == "generate":
+                completions = generate(llm, spec["prompts"], spec.get("max_tokens", 8))
+                results.append({
+                    "step": step,
+                    "tokens": [list(c.token_ids) for c in completions],
+                    "cached": [c.num_cached_tokens for c in completions],
+                })
+            elif step == "reset":
+                results.append({"step": step, "ok": bool(llm.reset_prefix_cache())})
+            elif step == "corrupt":
+                results.append({"step": step, "flipped": _corrupt_local_pools()})
+            elif step == "stats":
+                results.append({"step": step, **_local_stats()})
+            else:
+                raise ValueError(f"unknown scenario step {step!r}")
+    finally:
+        del llm
+        gc.collect()
+    return results
+
+
+def _try_start(spec: dict[str, Any], connector: dict[str, Any]) -> dict[str, Any]:
+    """Start an engine that is expected to fail; report the error text."""
+    from umbp.testing.engine import make_llm
+
+    try:
+        llm = make_llm(spec["model_dir"], connector=connector, **spec.get("engine", {}))
+    except Exception as error:  # the point: what does the user see
+        return {"started": False, "error": f"{type(error).__name__}: {error}",
+                "trace": traceback.format_exc()}
+    del llm
+    return {"started": True, "error": None}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    report: dict[str, Any] = {"engines": [], "bad_starts": []}
+    for engine in spec.get("engines", []):
+        report["engines"].append(_run_engine(spec, engine))
+    for connector in spec.get("bad_configs", []):
+        report["bad_starts"].append(_try_start(spec, connector))
+    print("UMBP-SCENARIO " + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
