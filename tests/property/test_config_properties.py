@@ -34,20 +34,30 @@ DEFAULTS: dict[str, object] = {
     "kv_event_max_objects": 65536,
     "namespace": None,
     "capacity_bytes": 1 << 30,
-    "page_bytes": 256 << 10,
+    "page_bytes": None,
     "high_watermark": 0.95,
     "low_watermark": 0.85,
-    "store_timeout_s": 30.0,
+    "lookup_timeout_s": 5.0,
 }
-BOOLEAN_OPTIONS = ("load_async", "enable_lookup", "lookup_async", "save_decode_cache",
-                   "enable_partial_hash_hits")
+BOOLEAN_OPTIONS = (
+    "load_async",
+    "enable_lookup",
+    "lookup_async",
+    "save_decode_cache",
+    "enable_partial_hash_hits",
+)
 INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "page_bytes")
-FLOAT_OPTIONS = ("high_watermark", "low_watermark", "store_timeout_s")
+FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s")
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PAGE_SIZES = tuple(1 << shift for shift in range(12, 27))
 
-anything = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | st.lists(
-    st.integers(), max_size=2
+anything = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=12)
+    | st.lists(st.integers(), max_size=2)
 )
 
 
@@ -68,21 +78,27 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "kv_event_max_objects": st.integers(1, 1 << 40),
     "namespace": st.none() | st.from_regex(NAMESPACE, fullmatch=True),
     "capacity_bytes": st.integers(4 << 10, 1 << 44),
-    "page_bytes": st.sampled_from(PAGE_SIZES),
+    "page_bytes": st.none() | st.sampled_from(PAGE_SIZES),
     "high_watermark": _number(0, 1, low_open=True, high_open=False),
     "low_watermark": _number(0, 1, low_open=True, high_open=True),
-    "store_timeout_s": st.floats(min_value=0, exclude_min=True, allow_infinity=False)
+    "lookup_timeout_s": st.floats(min_value=0, exclude_min=True, allow_infinity=False)
     | st.integers(1, 10**9),
 }
 
 WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
     "mode": st.none() | st.booleans() | st.integers() | st.floats(),
     **{
-        name: st.none() | st.integers() | st.floats() | st.text(max_size=8)
+        name: st.none()
+        | st.integers()
+        | st.floats()
+        | st.text(max_size=8)
         | st.sampled_from(["true", "false", "1", "0", "yes"])
         for name in BOOLEAN_OPTIONS
     },
-    **{name: st.booleans() | st.floats() | st.text(max_size=8) | st.none() for name in INTEGER_OPTIONS},
+    **{
+        name: st.booleans() | st.floats() | st.text(max_size=8) | st.none()
+        for name in INTEGER_OPTIONS
+    },
     **{
         name: st.booleans() | st.text(max_size=8) | st.none() | st.lists(st.floats(), max_size=2)
         for name in FLOAT_OPTIONS
@@ -94,14 +110,16 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy[Any]] = {
     "mode": st.sampled_from(["server", "mooncake", "mori", "Embedded", ""]) | st.text(max_size=12),
     "lookup_workers": st.integers(max_value=0) | st.integers(min_value=65),
     "kv_event_max_objects": st.integers(max_value=0),
-    "namespace": st.text(max_size=140) | st.from_regex(r"[a-z]{1,8}[:/ ][a-z]{1,8}", fullmatch=True),
+    "namespace": st.text(max_size=140)
+    | st.from_regex(r"[a-z]{1,8}[:/ ][a-z]{1,8}", fullmatch=True),
     # Below the smallest page: wrong whatever page_bytes is.
     "capacity_bytes": st.integers(max_value=(4 << 10) - 1),
     "page_bytes": st.sampled_from([0, -4096, 1 << 11, 1 << 27, 1 << 30, 3 << 12, (1 << 12) + 1])
     | st.integers(-(1 << 31), 1 << 31),
     "high_watermark": st.floats() | st.integers(),
     "low_watermark": st.floats() | st.integers(),
-    "store_timeout_s": st.floats(max_value=0) | st.sampled_from([math.nan, math.inf])
+    "lookup_timeout_s": st.floats(max_value=0)
+    | st.sampled_from([math.nan, math.inf])
     | st.integers(max_value=0),
 }
 
@@ -114,7 +132,7 @@ def _valid_alone(name: str, value: object) -> bool:
     if name == "namespace":
         return value is None or (isinstance(value, str) and NAMESPACE.fullmatch(value) is not None)
     if name == "page_bytes":
-        return type(value) is int and value in PAGE_SIZES
+        return value is None or (type(value) is int and value in PAGE_SIZES)
     if name == "lookup_workers":
         return type(value) is int and 1 <= value <= 64
     if name == "kv_event_max_objects":
@@ -125,7 +143,7 @@ def _valid_alone(name: str, value: object) -> bool:
         return number and math.isfinite(value) and 0 < value <= 1  # type: ignore[operator,arg-type]
     if name == "low_watermark":
         return number and math.isfinite(value) and 0 < value < 1  # type: ignore[operator,arg-type]
-    if name == "store_timeout_s":
+    if name == "lookup_timeout_s":
         return number and math.isfinite(value) and value > 0  # type: ignore[operator,arg-type]
     return isinstance(value, bool)
 
@@ -134,7 +152,7 @@ def _consistent(config: dict[str, object]) -> bool:
     """The rules between options, with defaults for absent ones."""
     merged = DEFAULTS | config
     return (
-        merged["capacity_bytes"] >= merged["page_bytes"]  # type: ignore[operator]
+        (merged["page_bytes"] is None or merged["capacity_bytes"] >= merged["page_bytes"])  # type: ignore[operator]
         and merged["low_watermark"] < merged["high_watermark"]  # type: ignore[operator]
     )
 
@@ -161,7 +179,7 @@ def test_every_valid_config_is_accepted_with_its_values_and_defaults_elsewhere(
         if name in FLOAT_OPTIONS:
             assert type(value) is float
         elif value is not None:
-            assert type(value) is type(DEFAULTS[name]) or name == "namespace"
+            assert type(value) is type(DEFAULTS[name]) or name in ("namespace", "page_bytes")
 
 
 @st.composite
@@ -210,9 +228,11 @@ def test_a_bad_page_size_or_high_watermark_is_not_also_blamed_on_its_partner(
     first, second = data.draw(
         st.sampled_from([("page_bytes", "capacity_bytes"), ("high_watermark", "low_watermark")])
     )
-    bad = data.draw(st.one_of(WRONG_TYPE[first], OUT_OF_RANGE[first]).filter(
-        lambda v: not _valid_alone(first, v)
-    ))
+    bad = data.draw(
+        st.one_of(WRONG_TYPE[first], OUT_OF_RANGE[first]).filter(
+            lambda v: not _valid_alone(first, v)
+        )
+    )
     partner = data.draw(VALID[second])
     result = parse_connector_config({first: bad, second: partner})
     assert [error.key for error in result.failure()] == [first]
@@ -230,7 +250,9 @@ def test_an_unknown_key_one_typo_from_an_option_gets_a_did_you_mean_suggestion(
                 name[:position] + name[position + 1 :],  # deletion
                 name[:position] + letter + name[position + 1 :],  # substitution
                 name[:position] + letter + name[position:],  # insertion
-                name[:position] + name[position + 1 : position + 2] + name[position : position + 1]
+                name[:position]
+                + name[position + 1 : position + 2]
+                + name[position : position + 1]
                 + name[position + 2 :],  # transposition
             ]
         )

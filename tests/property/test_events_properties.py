@@ -38,7 +38,9 @@ HASHES = tuple(bytes([index]) * 8 for index in range(6))
 identities = st.tuples(st.sampled_from(GROUPS), st.sampled_from(HASHES))
 
 
-def _stored(identity: ObjectIdentity, parent: bytes | None, tokens: tuple[int, ...], size: int, medium: str) -> StoredObject:
+def _stored(
+    identity: ObjectIdentity, parent: bytes | None, tokens: tuple[int, ...], size: int, medium: str
+) -> StoredObject:
     return StoredObject(identity[0], identity[1], parent, tokens, size, medium)
 
 
@@ -96,7 +98,9 @@ class EventReconciliation(RuleBasedStateMachine):
     def choose_limit(self, max_objects: int) -> None:
         self.state = new_event_tracker(max_objects)
 
-    @rule(objects=st.lists(stored_objects, max_size=8), failed=st.frozensets(identities, max_size=3))
+    @rule(
+        objects=st.lists(stored_objects, max_size=8), failed=st.frozensets(identities, max_size=3)
+    )
     def store(self, objects: list[StoredObject], failed: frozenset[ObjectIdentity]) -> None:
         before = self.state
         after = track_stored(before, objects, failed)
@@ -256,7 +260,9 @@ class EventReconciliation(RuleBasedStateMachine):
 
     @invariant()
     def published_objects_are_exactly_those_announced_and_not_removed(self) -> None:
-        published = {identity for identity, record in self.state.objects.items() if record.published}
+        published = {
+            identity for identity, record in self.state.objects.items() if record.published
+        }
         assert published == self.told_stored
 
 
@@ -276,7 +282,8 @@ def busy_trackers(draw: st.DrawFn) -> EventTracker:
     for _ in range(draw(st.integers(1, 8))):
         keys = draw(st.lists(st.integers(0, universe), max_size=120))
         state = track_stored(
-            state, [StoredObject(key % 3, key.to_bytes(4, "big"), None, (), 16, "CPU") for key in keys]
+            state,
+            [StoredObject(key % 3, key.to_bytes(4, "big"), None, (), 16, "CPU") for key in keys],
         )
         batch = residency_batch(state, draw(st.integers(1, 64)), draw(st.booleans()))
         answer = draw(st.none() | st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))

@@ -123,9 +123,13 @@ def test_key_space_builds_the_same_keys_as_object_key(
     namespace: str, rank: RankCoord, group_id: int, block_hash: bytes
 ) -> None:
     space = KeySpace(namespace, RankTopology())
-    assert space.key(rank, group_id, block_hash) == object_key(namespace, rank, group_id, block_hash)
+    assert space.key(rank, group_id, block_hash) == object_key(
+        namespace, rank, group_id, block_hash
+    )
     # Memoised prefixes must not change later answers.
-    assert space.key(rank, group_id, block_hash) == object_key(namespace, rank, group_id, block_hash)
+    assert space.key(rank, group_id, block_hash) == object_key(
+        namespace, rank, group_id, block_hash
+    )
 
 
 # ------------------------------------------------------------------ topology
@@ -271,7 +275,9 @@ def _rebuilt(inputs: NamespaceInputs) -> NamespaceInputs:
         revision=None if inputs.revision is None else copy(list(inputs.revision)),
         kv_dtype=copy(list(inputs.kv_dtype)),
         groups=tuple(
-            CacheGroupShape(copy(list(g.kind)), tuple((copy(list(n)), copy(list(v))) for n, v in g.fields))
+            CacheGroupShape(
+                copy(list(g.kind)), tuple((copy(list(n)), copy(list(v))) for n, v in g.fields)
+            )
             for g in inputs.groups
         ),
         block_size=int(str(inputs.block_size)),
@@ -309,7 +315,9 @@ def test_namespace_does_not_depend_on_the_order_of_a_groups_spec_fields(
 
 
 @given(namespace_inputs)
-def test_namespace_fingerprint_is_sixteen_hex_digits_usable_in_keys(inputs: NamespaceInputs) -> None:
+def test_namespace_fingerprint_is_sixteen_hex_digits_usable_in_keys(
+    inputs: NamespaceInputs,
+) -> None:
     namespace = namespace_fingerprint(inputs)
     assert re.fullmatch(r"[0-9a-f]{16}", namespace)
     assert check_namespace_override(namespace) == Success(namespace)
@@ -320,7 +328,9 @@ def test_namespace_is_the_same_in_another_process_with_another_hash_seed() -> No
         model_id="Qwen/Qwen3-0.6B",
         revision=None,
         kv_dtype="auto/bfloat16",
-        groups=(CacheGroupShape("FullAttentionSpec", (("block_size", "16"), ("head_size", "128"))),),
+        groups=(
+            CacheGroupShape("FullAttentionSpec", (("block_size", "16"), ("head_size", "128"))),
+        ),
         block_size=16,
         hash_block_size=16,
         tp_size=2,

@@ -173,6 +173,10 @@ class SlabPoolMachine(RuleBasedStateMachine):
         assert self.pool.lookup(KEYS) == tuple(key in self.model.objects for key in KEYS)
 
     @invariant()
+    def recency_order_matches_the_model(self) -> None:
+        assert self.pool.stored_keys() == tuple(self.model.objects)
+
+    @invariant()
     def pages_are_free_or_owned_once(self) -> None:
         owned = [
             offset // self.pool.page_bytes

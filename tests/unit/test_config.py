@@ -38,10 +38,10 @@ def test_an_empty_config_gives_the_documented_defaults() -> None:
         kv_event_max_objects=65536,
         namespace=None,
         capacity_bytes=1 << 30,
-        page_bytes=256 * 1024,
+        page_bytes=None,
         high_watermark=0.95,
         low_watermark=0.85,
-        store_timeout_s=30.0,
+        lookup_timeout_s=5.0,
     )
 
 
@@ -82,15 +82,15 @@ def test_lookup_workers_is_between_1_and_64(value: int) -> None:
 
 def test_integers_are_accepted_as_floats_and_become_floats() -> None:
     config = parse_connector_config(
-        {"high_watermark": 1, "low_watermark": 0.5, "store_timeout_s": 5}
+        {"high_watermark": 1, "low_watermark": 0.5, "lookup_timeout_s": 5}
     ).unwrap()
-    assert (config.high_watermark, config.low_watermark, config.store_timeout_s) == (1.0, 0.5, 5.0)
-    assert all(type(v) is float for v in (config.high_watermark, config.store_timeout_s))
+    assert (config.high_watermark, config.low_watermark, config.lookup_timeout_s) == (1.0, 0.5, 5.0)
+    assert all(type(v) is float for v in (config.high_watermark, config.lookup_timeout_s))
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0, 0.0, -1.5])
 def test_store_timeout_must_be_a_finite_positive_number(value: float) -> None:
-    assert set(errors_of({"store_timeout_s": value})) == {"store_timeout_s"}
+    assert set(errors_of({"lookup_timeout_s": value})) == {"lookup_timeout_s"}
 
 
 def test_watermarks_need_low_below_high() -> None:
@@ -99,12 +99,18 @@ def test_watermarks_need_low_below_high() -> None:
     assert set(errors_of({"low_watermark": 0.96})) == {"low_watermark"}  # default high 0.95
     assert set(errors_of({"high_watermark": 1.01})) == {"high_watermark"}
     assert set(errors_of({"low_watermark": 0})) == {"low_watermark"}
-    assert parse_connector_config({"low_watermark": 0.5, "high_watermark": 1}).unwrap().high_watermark == 1.0
+    assert (
+        parse_connector_config({"low_watermark": 0.5, "high_watermark": 1}).unwrap().high_watermark
+        == 1.0
+    )
 
 
 @pytest.mark.parametrize("page", [4 << 10, 64 << 10, 64 << 20])
 def test_page_bytes_accepts_powers_of_two_from_4_kib_to_64_mib(page: int) -> None:
-    assert parse_connector_config({"page_bytes": page, "capacity_bytes": 64 << 20}).unwrap().page_bytes == page
+    assert (
+        parse_connector_config({"page_bytes": page, "capacity_bytes": 64 << 20}).unwrap().page_bytes
+        == page
+    )
 
 
 @pytest.mark.parametrize("page", [2 << 10, 128 << 20, 3 << 12, 0, -4096])
@@ -115,8 +121,8 @@ def test_page_bytes_rejects_other_sizes(page: int) -> None:
 def test_capacity_must_hold_at_least_one_page() -> None:
     message = errors_of({"capacity_bytes": 1 << 20, "page_bytes": 2 << 20})["capacity_bytes"]
     assert "page_bytes" in message
-    # The default page size counts when page_bytes is absent.
-    assert set(errors_of({"capacity_bytes": 128 << 10})) == {"capacity_bytes"}
+    # Below the smallest page size whatever page_bytes is.
+    assert set(errors_of({"capacity_bytes": 2 << 10})) == {"capacity_bytes"}
     # A bad page size is reported once, not blamed on the capacity too.
     assert set(errors_of({"capacity_bytes": 1 << 20, "page_bytes": 3})) == {"page_bytes"}
 
@@ -143,7 +149,9 @@ def test_every_bad_entry_is_reported_at_once_in_input_order() -> None:
 
 def test_format_config_errors_names_every_key_with_a_hint() -> None:
     errors = (
-        ConfigError("capacity_byte", "unknown option 'capacity_byte' (did you mean 'capacity_bytes'?)"),
+        ConfigError(
+            "capacity_byte", "unknown option 'capacity_byte' (did you mean 'capacity_bytes'?)"
+        ),
         ConfigError("load_async", "expected a boolean (true/false), got str 'true'"),
     )
     message = format_config_errors(errors)
@@ -186,3 +194,12 @@ def test_load_async_false_is_overridden_with_a_warning_that_says_why(
     load_async, warning = effective_load_async(False, num_groups, has_mamba, has_sparse_indexer)
     assert load_async is True
     assert warning is not None and "load_async=false is ignored" in warning and reason in warning
+
+
+@pytest.mark.parametrize(
+    "name", ["load_async", "lookup_workers", "page_bytes", "lookup_timeout_s", "high_watermark"]
+)
+def test_a_huge_integer_is_reported_not_raised(name: str) -> None:
+    huge = -(10**5000) if name in ("lookup_workers", "page_bytes") else 10**5000
+    assert set(errors_of({name: huge})) == {name}
+    assert name in format_config_errors(parse_connector_config({name: huge}).failure())

@@ -128,7 +128,11 @@ def _is_allowed(module: str) -> bool:
 @pytest.mark.parametrize("path", core_module_files(), ids=lambda path: path.name)
 def test_core_source_imports_only_stdlib_pyrsistent_returns_and_core(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
-    bad = [f"line {line}: {module}" for line, module in _imported_roots(tree) if not _is_allowed(module)]
+    bad = [
+        f"line {line}: {module}"
+        for line, module in _imported_roots(tree)
+        if not _is_allowed(module)
+    ]
     assert not bad, f"{path.name} imports outside the pure core: {bad}"
 
 
@@ -146,7 +150,9 @@ def test_core_source_calls_no_io_builtins(path: Path) -> None:
 
 
 def test_the_import_check_itself_rejects_heavy_and_side_effect_imports() -> None:
-    tree = ast.parse("import torch\nfrom vllm.config import X\nimport logging\nfrom .. import shell\n")
+    tree = ast.parse(
+        "import torch\nfrom vllm.config import X\nimport logging\nfrom .. import shell\n"
+    )
     assert [module for _, module in _imported_roots(tree) if not _is_allowed(module)] == [
         "torch",
         "vllm.config",

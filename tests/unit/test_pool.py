@@ -143,6 +143,13 @@ def test_duplicate_key_within_one_batch_keeps_the_first_payload() -> None:
     assert load(pool, "k", 64) == (LoadStatus.HIT, first)
 
 
+def test_stored_keys_lists_residents_least_recently_used_first() -> None:
+    pool = make_pool()
+    pool.put_batch(["a", "b", "c"], [b"1", b"2", b"3"])
+    load(pool, "a", 1)
+    assert pool.stored_keys() == ("b", "c", "a")
+
+
 def test_lookup_answers_residency_for_a_thousand_keys() -> None:
     pool = SlabPool(2000 * 64, page_bytes=64)
     stored = [f"key-{index}" for index in range(0, 2000, 2)]

@@ -12,12 +12,12 @@ importable as attributes too (``umbp.core.events``).
 from __future__ import annotations
 
 from umbp.core import config, events, identity, lookup, plans, store_events
-from umbp.core.config import *  # noqa: F403
-from umbp.core.events import *  # noqa: F403
-from umbp.core.identity import *  # noqa: F403
-from umbp.core.lookup import *  # noqa: F403
-from umbp.core.plans import *  # noqa: F403
-from umbp.core.store_events import *  # noqa: F403
+from umbp.core.config import *
+from umbp.core.events import *
+from umbp.core.identity import *
+from umbp.core.lookup import *
+from umbp.core.plans import *
+from umbp.core.store_events import *
 
 __all__ = [
     "config",

@@ -58,10 +58,10 @@ class ConnectorConfig:
     kv_event_max_objects: int = 65536
     namespace: str | None = None
     capacity_bytes: int = 1 << 30
-    page_bytes: int = 256 << 10
+    page_bytes: int | None = None
     high_watermark: float = 0.95
     low_watermark: float = 0.85
-    store_timeout_s: float = 30.0
+    lookup_timeout_s: float = 5.0
 
 
 DEFAULT_CONFIG: Final = ConnectorConfig()
@@ -83,11 +83,12 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "namespace": "explicit key namespace (1-128 of letters, digits, '.', '_', '-'); "
         "default: a fingerprint of model, dtype, cache layout and parallel layout",
         "capacity_bytes": "bytes of host memory the pool may use (>= page_bytes)",
-        "page_bytes": "pool page size in bytes, a power of two from 4 KiB to 64 MiB",
+        "page_bytes": "pool page size in bytes, a power of two from 4 KiB to 64 MiB; "
+        "null (default): one page per stored object of the smallest cache group",
         "high_watermark": "fill fraction at which the pool starts evicting (0 < low < high <= 1)",
         "low_watermark": "fill fraction eviction brings the pool back down to (0 < low < high)",
-        "store_timeout_s": "seconds a worker waits for in-flight stores at shutdown or "
-        "preemption (> 0)",
+        "lookup_timeout_s": "seconds the scheduler waits for a lookup answer from a pool in "
+        "another process before counting it a miss (> 0)",
     }
 )
 
@@ -106,11 +107,17 @@ class ConfigError:
 _Check = Callable[[object], "str | None"]
 
 
+def _show(value: object) -> str:
+    """A short repr; never raises (huge ints exceed the int-to-str digit limit)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "(too long to print)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _describe(value: object) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
+    return f"{type(value).__name__} {_show(value)}"
 
 
 def _is_int(value: object) -> bool:
@@ -135,7 +142,7 @@ def _integer(low: int, high: int | None) -> _Check:
             return f"expected an integer {bounds}, got {_describe(value)}"
         assert isinstance(value, int)
         if value < low or (high is not None and value > high):
-            return f"must be {bounds}, got {value}"
+            return f"must be {bounds}, got {_show(value)}"
         return None
 
     return check
@@ -146,8 +153,12 @@ def _number(rule: str, accepts: Callable[[float], bool]) -> _Check:
         if not _is_number(value):
             return f"expected a number {rule}, got {_describe(value)}"
         assert isinstance(value, (int, float))
-        if not math.isfinite(value) or not accepts(float(value)):
-            return f"must be a finite number {rule}, got {value!r}"
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number) or not accepts(number):
+            return f"must be a finite number {rule}, got {_show(value)}"
         return None
 
     return check
@@ -177,11 +188,13 @@ def _namespace(value: object) -> str | None:
 
 def _page_bytes(value: object) -> str | None:
     rule = "a power of two between 4096 (4 KiB) and 67108864 (64 MiB)"
+    if value is None:
+        return None
     if not _is_int(value):
         return f"expected an integer, {rule}, got {_describe(value)}"
     assert isinstance(value, int)
     if not MIN_PAGE_BYTES <= value <= MAX_PAGE_BYTES or value & (value - 1):
-        return f"must be {rule}, got {value}"
+        return f"must be {rule}, got {_show(value)}"
     return None
 
 
@@ -201,7 +214,7 @@ _CHECKS: Final[Mapping[str, _Check]] = MappingProxyType(
         "page_bytes": _page_bytes,
         "high_watermark": _number("in (0, 1]", lambda x: 0.0 < x <= 1.0),
         "low_watermark": _number("in (0, 1)", lambda x: 0.0 < x < 1.0),
-        "store_timeout_s": _number("> 0", lambda x: x > 0.0),
+        "lookup_timeout_s": _number("> 0", lambda x: x > 0.0),
     }
 )
 assert tuple(_CHECKS) == OPTION_NAMES == tuple(OPTION_DOCS)
@@ -211,12 +224,12 @@ _FLOAT_OPTIONS: Final = frozenset(
 
 
 def _unknown_option(key: object) -> ConfigError:
-    name = key if isinstance(key, str) else repr(key)
+    name = key if isinstance(key, str) else _show(key)
     close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
     if close:
-        return ConfigError(name, f"unknown option {name!r} (did you mean {close[0]!r}?)")
+        return ConfigError(name, f"unknown option {_show(name)} (did you mean {close[0]!r}?)")
     return ConfigError(
-        name, f"unknown option {name!r}; valid options: {', '.join(OPTION_NAMES)}"
+        name, f"unknown option {_show(name)}; valid options: {', '.join(OPTION_NAMES)}"
     )
 
 
@@ -274,15 +287,11 @@ def parse_connector_config(
     return Success(replace(DEFAULT_CONFIG, **given))
 
 
-
-
 def format_config_errors(errors: Sequence[ConfigError]) -> str:
     """One message naming every bad key, with the option's documentation as a hint."""
     count = len(errors)
-    lines = [
-        f"invalid UMBP kv_connector_extra_config ({count} "
-        f"{'problem' if count == 1 else 'problems'}):"
-    ]
+    noun = "problem" if count == 1 else "problems"
+    lines = [f"invalid UMBP kv_connector_extra_config ({count} {noun}):"]
     for error in errors:
         lines.append(f"  - {error.key}: {error.message}")
         doc = OPTION_DOCS.get(error.key)

@@ -18,6 +18,11 @@ head ticket that skips the holes left by objects that moved on, so drawing a bat
 costs O(batch log n) amortised, with n up to ``max_objects``. Because serials and
 turns share one clock, "checked longer ago than the oldest pending object was
 stored" is a comparison of two tickets.
+
+Measured at n = 65,536, one 256-object round costs ~3 ms of work; the cyclic GC
+adds up to ~20 ms in a small heap, because pyrsistent's C vectors are traversed
+whole while young. A sharded map (many small pmaps) was tried and was slower
+(more surviving allocations, hence more full collections).
 """
 
 from __future__ import annotations
@@ -184,9 +189,7 @@ def track_stored(
     return edit.finish()
 
 
-def invalidate_removed(
-    state: EventTracker, identities: Iterable[ObjectIdentity]
-) -> EventTracker:
+def invalidate_removed(state: EventTracker, identities: Iterable[ObjectIdentity]) -> EventTracker:
     """Forget objects vLLM itself reported removed; they are only reported again
     after they are stored again."""
     edit = _Edit(state)
@@ -280,7 +283,6 @@ def apply_residency(
                     stored.medium,
                 )
             )
-            record = replace(record, published=True, stored=None)
         edit.rotate(identity, record)
     return edit.finish(), tuple(events)
 
@@ -316,14 +318,7 @@ class _Edit:
     """Batched changes to one tracker, producing the next one. Local mutation of
     evolvers only; nothing is shared with the caller's value."""
 
-    __slots__ = (
-        "_state",
-        "objects",
-        "pending_queue",
-        "rotation",
-        "next_ticket",
-        "suppressed",
-    )
+    __slots__ = ("_state", "next_ticket", "objects", "pending_queue", "rotation", "suppressed")
 
     def __init__(self, state: EventTracker) -> None:
         self._state = state
@@ -342,14 +337,17 @@ class _Edit:
         del self.pending_queue[serial]
 
     def rotate(self, identity: ObjectIdentity, record: TrackedObject) -> None:
-        """Checked and still resident: published, not pending, at the rotation's back."""
+        """Checked and resident (or published and the check failed): published, not
+        pending, at the back of the rotation."""
         if record.pending:
             self.unqueue_pending(record.serial)
         if record.turn >= 0:
             del self.rotation[record.turn]
         turn = self.take_ticket()
         self.rotation[turn] = identity
-        self.objects[identity] = replace(record, pending=False, turn=turn)
+        self.objects[identity] = TrackedObject(
+            record.serial, True, False, None, record.medium, turn
+        )
 
     def forget(self, identity: ObjectIdentity, record: TrackedObject) -> None:
         if record.pending:

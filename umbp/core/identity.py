@@ -87,7 +87,7 @@ def namespace_fingerprint(inputs: NamespaceInputs) -> str:
         f"pp={inputs.pp_size}",
     ]
     for index, group in enumerate(inputs.groups):
-        fields = ",".join(f"{name}={value!r}" for name, value in sorted(group.fields))
+        fields = ",".join(f"{name!r}={value!r}" for name, value in sorted(group.fields))
         parts.append(f"group{index}={group.kind!r}[{fields}]")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

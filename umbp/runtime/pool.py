@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, NamedTuple, Self
 
 import xxhash
 
@@ -49,11 +49,12 @@ __all__ = ["SlabPool"]
 DEFAULT_PAGE_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class _StoredObject:
-    """Where one object lives: its pages in order, its length, its checksum."""
+class _StoredObject(NamedTuple):
+    """Where one object lives and what it must hash to. A NamedTuple rather than a frozen
+    dataclass because one is built per put and a frozen dataclass costs ~1 us to build."""
 
-    pages: tuple[int, ...]
+    regions: tuple[tuple[int, int], ...]
+    """(slab offset, length) of each page-sized piece, in object order."""
     nbytes: int
     checksum: int
 
@@ -217,6 +218,12 @@ class SlabPool:
         with self._lock:
             return len(self._free_pages)
 
+    def stored_keys(self) -> tuple[str, ...]:
+        """Resident keys, least recently used first: lets a fault-injection test pick its
+        victims without knowing what the connector stored."""
+        with self._lock:
+            return tuple(self._objects)
+
     def object_regions(self, key: str) -> tuple[tuple[int, int], ...]:
         """(offset, length) in `slab_view()` of each piece of the object under `key`, in
         object order. Public for fault injection: a test flips bytes there and expects the
@@ -225,10 +232,7 @@ class SlabPool:
             stored = self._objects.get(key)
             if stored is None:
                 raise KeyError(key)
-            return tuple(
-                (page * self._page_bytes, length)
-                for page, length in zip(stored.pages, self._piece_lengths(stored.nbytes))
-            )
+            return stored.regions
 
     def slab_view(self) -> memoryview:
         """A writable view of the whole slab, for fault injection together with
@@ -251,10 +255,11 @@ class SlabPool:
             if pages_needed > self._total_pages:
                 self._counters.put_rejects += 1
                 return False
-            self._make_room(pages_needed)
-            pages = self._take_free_pages(pages_needed)
-            checksum = self._write_pages(pages, source)
-            self._objects[key] = _StoredObject(pages, source.nbytes, checksum)
+            if self._used_pages() + pages_needed > self._high_pages:
+                self._evict_for(pages_needed)
+            regions = self._regions(self._take_free_pages(pages_needed), source.nbytes)
+            checksum = self._write_regions(regions, source)
+            self._objects[key] = _StoredObject(regions, source.nbytes, checksum)
             self._evicted.pop(key, None)
             self._counters.puts += 1
             self._counters.bytes_written += source.nbytes
@@ -270,7 +275,7 @@ class SlabPool:
                 return LoadStatus.MISSING
             if destination.nbytes != stored.nbytes:
                 return LoadStatus.SIZE_MISMATCH
-            if self._read_pages(stored, destination) != stored.checksum:
+            if self._read_regions(stored.regions, destination) != stored.checksum:
                 self._drop(key, stored)
                 self._counters.corrupt_loads += 1
                 return LoadStatus.CORRUPT
@@ -279,68 +284,89 @@ class SlabPool:
             self._counters.bytes_read += stored.nbytes
             return LoadStatus.HIT
 
-    def _make_room(self, pages_needed: int) -> None:
-        """Evict LRU objects when the put would cross the high watermark, down to the low
-        one (counting the incoming object) or until nothing is left to evict."""
-        if self._used_pages() + pages_needed <= self._high_pages:
-            return
+    def _evict_for(self, pages_needed: int) -> None:
+        """Called when a put would cross the high watermark: evict LRU objects until usage
+        including the incoming object is at or below the low watermark, or nothing is left
+        to evict (an object larger than the low watermark then has the pool to itself)."""
         while self._objects and self._used_pages() + pages_needed > self._low_pages:
             key, stored = self._objects.popitem(last=False)
-            self._free_pages.extend(stored.pages)
+            self._release_pages(stored.regions)
             self._evicted[key] = None
             self._counters.evictions += 1
 
     def _take_free_pages(self, count: int) -> tuple[int, ...]:
         assert count <= len(self._free_pages), "eviction left too few free pages"
+        if count == 1:
+            return (self._free_pages.pop(),)
         if count == 0:
             return ()
         pages = tuple(reversed(self._free_pages[-count:]))
         del self._free_pages[-count:]
         return pages
 
+    def _release_pages(self, regions: tuple[tuple[int, int], ...]) -> None:
+        page_bytes = self._page_bytes
+        self._free_pages.extend(offset // page_bytes for offset, _ in regions)
+
     def _drop(self, key: str, stored: _StoredObject) -> None:
         """Remove a resident object that can no longer be trusted; report it as evicted."""
         del self._objects[key]
-        self._free_pages.extend(stored.pages)
+        self._release_pages(stored.regions)
         self._evicted[key] = None
 
-    def _write_pages(self, pages: tuple[int, ...], source: memoryview) -> int:
-        """Copy `source` into `pages` and return the checksum of the bytes now stored,
-        hashing each page right after writing it, while it is still in cache."""
+    def _regions(self, pages: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int], ...]:
+        """(slab offset, length) of each piece of an `nbytes` object laid on `pages`;
+        computed once per put so that loads only walk a tuple."""
+        page_bytes = self._page_bytes
+        if len(pages) == 1:
+            return ((pages[0] * page_bytes, nbytes),)
+        return tuple(
+            (page * page_bytes, min(page_bytes, nbytes - index * page_bytes))
+            for index, page in enumerate(pages)
+        )
+
+    def _write_regions(self, regions: tuple[tuple[int, int], ...], source: memoryview) -> int:
+        """Copy `source` into its regions and return the checksum of the bytes now stored,
+        hashing each piece right after writing it, while it is still in cache."""
+        slab = self._slab_bytes
+        if len(regions) == 1:
+            offset, length = regions[0]
+            stored = slab[offset : offset + length]
+            stored[:] = source
+            return int(xxhash.xxh3_64_intdigest(stored))
         hasher = xxhash.xxh3_64()
-        for page, (start, length) in zip(pages, self._pieces(source.nbytes)):
-            stored = self._page_region(page, length)
+        start = 0
+        for offset, length in regions:
+            stored = slab[offset : offset + length]
             stored[:] = source[start : start + length]
             hasher.update(stored)
+            start += length
         return int(hasher.intdigest())
 
-    def _read_pages(self, stored: _StoredObject, destination: memoryview) -> int:
-        """Copy the object into `destination` and return the checksum of what arrived
-        there (hashed piece by piece while hot), to compare with the stored one."""
+    def _read_regions(self, regions: tuple[tuple[int, int], ...], destination: memoryview) -> int:
+        """Copy an object into `destination` and return the checksum of what arrived there
+        (hashed piece by piece while hot), to compare with the stored one. Streaming and
+        one-shot xxh3 agree, so the single-piece shortcut yields the same value."""
+        slab = self._slab_bytes
+        if len(regions) == 1:
+            offset, length = regions[0]
+            destination[:] = slab[offset : offset + length]
+            return int(xxhash.xxh3_64_intdigest(destination))
         hasher = xxhash.xxh3_64()
-        for page, (start, length) in zip(stored.pages, self._pieces(stored.nbytes)):
+        start = 0
+        for offset, length in regions:
             delivered = destination[start : start + length]
-            delivered[:] = self._page_region(page, length)
+            delivered[:] = slab[offset : offset + length]
             hasher.update(delivered)
+            start += length
         return int(hasher.intdigest())
-
-    def _page_region(self, page: int, length: int) -> memoryview:
-        offset = page * self._page_bytes
-        return self._slab_bytes[offset : offset + length]
-
-    def _pieces(self, nbytes: int) -> list[tuple[int, int]]:
-        """(start, length) of each page-sized piece of an object of `nbytes`."""
-        page_bytes = self._page_bytes
-        return [(start, min(page_bytes, nbytes - start)) for start in range(0, nbytes, page_bytes)]
-
-    def _piece_lengths(self, nbytes: int) -> list[int]:
-        return [length for _, length in self._pieces(nbytes)]
 
     def _used_pages(self) -> int:
         return self._total_pages - len(self._free_pages)
 
     def _forget_everything(self) -> None:
         self._objects.clear()
+        self._evicted.clear()
         self._free_pages = list(range(self._total_pages - 1, -1, -1))
 
     def _require_open(self) -> None:

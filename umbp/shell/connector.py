@@ -31,9 +31,7 @@ def connector_config(vllm_config: Any) -> ConnectorConfig:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     parsed = parse_connector_config(extra)
     if isinstance(parsed, Failure):
-        raise ValueError(
-            "invalid umbp kv_connector_extra_config: " + format_config_errors(parsed.failure())
-        )
+        raise ValueError(format_config_errors(parsed.failure()))
     return parsed.unwrap()
 
 

@@ -92,7 +92,7 @@ class UMBPWorker:
             if layers:
                 self._copiers[group_id] = BlockCopier(layers, num_blocks)
         object_sizes = [copier.object_bytes for copier in self._copiers.values()]
-        page_bytes = self._config.page_bytes or _auto_page_bytes(object_sizes)
+        page_bytes = self._config.page_bytes or auto_page_bytes(object_sizes)
         pool = SlabPool(
             self._config.capacity_bytes,
             page_bytes=page_bytes,
@@ -243,8 +243,8 @@ class UMBPWorker:
         return failed
 
 
-def _auto_page_bytes(object_sizes: Sequence[int]) -> int:
-    """A page holds one whole object of the smallest group (rounded up to 4 KiB):
-    no page is shared, and the smallest objects waste no page space."""
+def auto_page_bytes(object_sizes: Sequence[int]) -> int:
+    """One page per object of the smallest group, rounded up to 4 KiB: its objects
+    waste no page space, larger groups' objects span several pages."""
     smallest = min(object_sizes) if object_sizes else 256 * 1024
     return max(4096, -(-smallest // 4096) * 4096)
