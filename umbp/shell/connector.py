@@ -153,6 +153,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
+    def take_events(self) -> list[Any]:
+        return [] if self._scheduler is None else self._scheduler.take_events()
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 

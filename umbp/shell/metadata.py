@@ -13,55 +13,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from umbp.core.identity import RankCoord
+from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.store_events import StoreEventResult, merge_store_results
 from umbp.runtime.embedded import PoolAddress
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectTransfer:
-    """Objects to move for one request: each is (group, block id, block hash).
-    A worker builds its own rank's key from the group and hash."""
-
-    request_id: str
-    group_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOutcome:
-    """One worker's (or several merged workers') answer for one store event."""
-
-    completed_workers: int
-    failed: frozenset[tuple[int, bytes]]
-
-    def merged(self, other: StoreOutcome) -> StoreOutcome:
-        return StoreOutcome(
-            self.completed_workers + other.completed_workers, self.failed | other.failed
-        )
 
 
 @dataclass
 class UMBPConnectorMetadata(KVConnectorMetadata):
-    loads: list[ObjectTransfer] = field(default_factory=list)
-    stores: list[ObjectTransfer] = field(default_factory=list)
+    """Loads and stores for one step. Each worker builds its own rank's keys
+    from the (group, block hash) identities in the batches."""
+
+    loads: list[BlockLoadBatch] = field(default_factory=list)
+    stores: list[StoreBatch] = field(default_factory=list)
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()
 
 
 @dataclass
 class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
-    store_outcomes: dict[int, StoreOutcome] = field(default_factory=dict)
+    """Per store event, what this worker (or the workers merged so far) did."""
+
+    store_results: dict[int, StoreEventResult] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, UMBPWorkerMetadata):
             return self
-        merged = dict(self.store_outcomes)
-        for event, outcome in other.store_outcomes.items():
+        merged = dict(self.store_results)
+        for event, result in other.store_results.items():
             previous = merged.get(event)
-            merged[event] = outcome if previous is None else previous.merged(outcome)
+            merged[event] = result if previous is None else merge_store_results(previous, result)
         return UMBPWorkerMetadata(merged)
 
 

@@ -23,13 +23,16 @@ from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.runtime.lookup_service import RankedLookup, rank_tag
 from umbp.runtime.embedded import connect_to_pool
 from umbp.shell import vllm_compat
-from umbp.shell.metadata import (
-    ObjectTransfer,
-    StoreOutcome,
-    UMBPConnectorMetadata,
-    UMBPHandshake,
-    UMBPWorkerMetadata,
+from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.store_events import (
+    StoreEvent,
+    StoreEventResult,
+    event_acknowledged,
+    merge_store_results,
+    pinned_block_ids,
 )
+from umbp.shell.kv_events import KVEventPublisher
+from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 
 logger = logging.getLogger("umbp")
 
@@ -91,10 +94,15 @@ class UMBPScheduler:
         self._keyspace: KeySpace | None = None
         self._pending_lookups: dict[str, _PendingLookup] = {}
         self._load_specs: dict[str, LoadSpec] = {}
-        self._pending_loads: dict[str, ObjectTransfer] = {}
+        self._pending_loads: dict[str, BlockLoadBatch] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, core_plans.StoreTracker] = {}
-        self._store_events: dict[int, _StoreEvent] = {}
+        self._store_events: dict[int, tuple[StoreEvent, StoreEventResult]] = {}
+        self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
+        self._kv_events = (
+            KVEventPublisher(config.kv_event_max_objects, self._lookup_executor)
+            if self._events_enabled else None
+        )
         self._next_store_event = 0
         self._gpu_block_pool: Any = None
         self._warned_coordinated = False
@@ -224,9 +232,7 @@ class UMBPScheduler:
             num_external_tokens,
         ):
             case Success(batch):
-                self._pending_loads[request_id] = ObjectTransfer(
-                    request_id, batch.group_ids, batch.block_ids, batch.block_hashes
-                )
+                self._pending_loads[request_id] = batch
                 self.counters.planned_load_blocks += len(batch.block_ids)
             case Failure(reason):
                 raise RuntimeError(f"umbp load plan for request {request_id}: {reason}")
@@ -235,16 +241,16 @@ class UMBPScheduler:
         meta = UMBPConnectorMetadata()
         # In-flight events' objects and this step's plans: stored once.
         reserved = {
-            identity for event in self._store_events.values() for identity in event.identities
+            identity for event, _ in self._store_events.values() for identity in event.identities()
         }
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
-        stores: list[ObjectTransfer] = []
+        stores: list[StoreBatch] = []
         for new in scheduler_output.scheduled_new_reqs:
             transfer = self._plan_new_request(new, scheduler_output, reserved)
             if transfer is not None:
                 stores.append(transfer)
-                reserved.update(_identities(transfer))
+                reserved.update(transfer.identities())
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()))
         for index, request_id in enumerate(cached.req_ids):
@@ -253,7 +259,7 @@ class UMBPScheduler:
             )
             if transfer is not None:
                 stores.append(transfer)
-                reserved.update(_identities(transfer))
+                reserved.update(transfer.identities())
         # Async loads are admitted without scheduled tokens: forward every plan.
         meta.loads = list(self._pending_loads.values())
         self._pending_loads.clear()
@@ -272,7 +278,7 @@ class UMBPScheduler:
 
     def _plan_new_request(
         self, new: Any, scheduler_output: Any, reserved: AbstractSet[tuple[int, bytes]]
-    ) -> ObjectTransfer | None:
+    ) -> StoreBatch | None:
         request_id = new.req_id
         if request_id in self._pending_loads or not self._store_enabled:
             return None
@@ -286,7 +292,7 @@ class UMBPScheduler:
     def _plan_cached_request(
         self, request_id: str, index: int, cached: Any, resumed: bool, scheduler_output: Any,
         reserved: AbstractSet[tuple[int, bytes]],
-    ) -> ObjectTransfer | None:
+    ) -> StoreBatch | None:
         if request_id in self._pending_loads or not self._store_enabled:
             return None
         request = self._requests.get(request_id)
@@ -323,7 +329,7 @@ class UMBPScheduler:
     def _plan_store(
         self, request: Any, table: tuple[tuple[int, ...], ...], total_tokens: int,
         reserved: AbstractSet[tuple[int, bytes]],
-    ) -> ObjectTransfer | None:
+    ) -> StoreBatch | None:
         request_id = request.request_id
         tracker = self._trackers.get(request_id, core_plans.StoreTracker())
         hashes = tuple(request.block_hashes)
@@ -343,12 +349,14 @@ class UMBPScheduler:
                 return None
         resident = self._resident_restored_blocks(tracker, block_ranges, table, hashes)
         batch = core_plans.store_batch(
-            request_id, geometry, block_ranges, table, hashes, resident=resident, reserved=reserved
+            request_id, geometry, block_ranges, table, hashes, resident=resident,
+            reserved=reserved, events_enabled=self._events_enabled,
+            token_ids=request.all_token_ids if self._events_enabled else (),
         )
         if not batch.block_ids:
             return None
         self.counters.planned_store_blocks += len(batch.block_ids)
-        return ObjectTransfer(request_id, batch.group_ids, batch.block_ids, batch.block_hashes)
+        return batch
 
     def _store_mask(self, request: Any, group_id: int, indices: range) -> tuple[bool, ...] | None:
         """vLLM's own rule for which blocks it can later reuse (sliding windows)."""
@@ -390,14 +398,15 @@ class UMBPScheduler:
             return frozenset()
         return core_plans.resident_blocks_from_hits(check, answers)
 
-    def _open_store_event(self, stores: list[ObjectTransfer]) -> int:
+    def _open_store_event(self, stores: list[StoreBatch]) -> int:
         event_id = self._next_store_event
         self._next_store_event += 1
-        event = _StoreEvent(stores)
-        self._store_events[event_id] = event
+        event = StoreEvent(event_id, batches=tuple(stores))
+        self._store_events[event_id] = (event, StoreEventResult())
         if self._gpu_block_pool is not None:
             # Pinned until every worker has copied them out.
-            self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in event.block_ids])
+            pool = self._gpu_block_pool
+            pool.touch([pool.blocks[b] for b in pinned_block_ids(event)])
         return event_id
 
     # -- worker results ---------------------------------------------------------
@@ -406,17 +415,20 @@ class UMBPScheduler:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UMBPWorkerMetadata):
             return
-        for event_id, outcome in meta.store_outcomes.items():
-            event = self._store_events.get(event_id)
-            if event is None:
+        for event_id, reported in meta.store_results.items():
+            entry = self._store_events.get(event_id)
+            if entry is None:
                 continue
-            event.outcome = outcome if event.outcome is None else event.outcome.merged(outcome)
-            if event.outcome.completed_workers < self._num_workers:
+            event, result = entry[0], merge_store_results(entry[1], reported)
+            if not event_acknowledged(result, self._num_workers):
+                self._store_events[event_id] = (event, result)
                 continue
             del self._store_events[event_id]
             if self._gpu_block_pool is not None:
                 pool = self._gpu_block_pool
-                pool.free_blocks(pool.blocks[b] for b in reversed(event.block_ids))
+                pool.free_blocks(pool.blocks[b] for b in reversed(pinned_block_ids(event)))
+            if self._kv_events is not None:
+                self._kv_events.track(event, result)
 
     # -- request lifecycle --------------------------------------------------------
 
@@ -424,8 +436,15 @@ class UMBPScheduler:
         self._forget(request.request_id)
         return False, None
 
+    def take_events(self) -> list[Any]:
+        if self._kv_events is None:
+            return []
+        return self._kv_events.take(self._store, self._keyspace)
+
     def has_pending_push_work(self) -> bool:
-        return bool(self._store_events)
+        return bool(self._store_events) or (
+            self._kv_events is not None and self._kv_events.has_pending()
+        )
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
@@ -435,7 +454,10 @@ class UMBPScheduler:
             self._drop_pending_lookup(request_id)
         self._load_specs.clear()
         self._pending_loads.clear()
-        return True if self._store is None else self._store.clear()
+        cleared = True if self._store is None else self._store.clear()
+        if cleared and self._kv_events is not None:
+            self._kv_events.clear()
+        return cleared
 
     def close(self) -> None:
         self._lookup_executor.shutdown(wait=False, cancel_futures=True)
@@ -463,21 +485,6 @@ class UMBPScheduler:
                 "umbp: this model's KV cache groups need vLLM's hybrid coordinator for "
                 "external hits, which this umbp version does not drive yet; lookups are off"
             )
-
-
-class _StoreEvent:
-    """Blocks pinned for one step's stores until every worker acknowledged."""
-
-    __slots__ = ("block_ids", "identities", "outcome")
-
-    def __init__(self, stores: list[ObjectTransfer]) -> None:
-        self.block_ids = tuple(dict.fromkeys(b for t in stores for b in t.block_ids))
-        self.identities = frozenset(i for t in stores for i in _identities(t))
-        self.outcome: StoreOutcome | None = None
-
-
-def _identities(transfer: ObjectTransfer) -> frozenset[tuple[int, bytes]]:
-    return frozenset(zip(transfer.group_ids, transfer.block_hashes))
 
 
 def _table(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:

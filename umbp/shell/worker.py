@@ -19,19 +19,15 @@ import torch
 
 from umbp.core.config import ConnectorConfig
 from umbp.core.identity import KeySpace, RankCoord, resolve_namespace
+from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.store_events import StoreEventResult
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import allocate_staging
 from umbp.runtime.contract import LoadStatus, WorkerStore
 from umbp.runtime.embedded import EmbeddedPool, open_embedded_pool
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
-from umbp.shell.metadata import (
-    ObjectTransfer,
-    StoreOutcome,
-    UMBPConnectorMetadata,
-    UMBPHandshake,
-    UMBPWorkerMetadata,
-)
+from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 
 logger = logging.getLogger("umbp")
 
@@ -72,7 +68,7 @@ class UMBPWorker:
         self._load_error_blocks: set[int] = set()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
-        self._store_outcomes: dict[int, StoreOutcome] = {}
+        self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
         self.counters = WorkerCounters()
 
@@ -130,7 +126,7 @@ class UMBPWorker:
         for transfer in meta.stores:
             failed.update(self._store_objects(transfer))
         with self._lock:
-            self._store_outcomes[meta.store_event] = StoreOutcome(1, frozenset(failed))
+            self._store_results[meta.store_event] = StoreEventResult(1, frozenset(failed))
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids; failed ones are also finished, as vLLM
@@ -153,8 +149,8 @@ class UMBPWorker:
 
     def take_worker_metadata(self) -> UMBPWorkerMetadata | None:
         with self._lock:
-            outcomes, self._store_outcomes = self._store_outcomes, {}
-        return UMBPWorkerMetadata(outcomes) if outcomes else None
+            results, self._store_results = self._store_results, {}
+        return UMBPWorkerMetadata(results) if results else None
 
     def shutdown(self) -> None:
         if self._embedded is not None:
@@ -162,19 +158,19 @@ class UMBPWorker:
             self._embedded = None
             self._store = None
 
-    def _keys(self, transfer: ObjectTransfer, rows: Iterable[int]) -> list[str]:
+    def _keys(self, transfer: BlockLoadBatch | StoreBatch, rows: Iterable[int]) -> list[str]:
         return [
             self._keyspace.key(self._rank, transfer.group_ids[row], transfer.block_hashes[row])
             for row in rows
         ]
 
-    def _rows_by_group(self, transfer: ObjectTransfer) -> dict[int, list[int]]:
+    def _rows_by_group(self, transfer: BlockLoadBatch | StoreBatch) -> dict[int, list[int]]:
         rows: dict[int, list[int]] = {}
         for row, group_id in enumerate(transfer.group_ids):
             rows.setdefault(group_id, []).append(row)
         return rows
 
-    def _load(self, transfer: ObjectTransfer) -> set[int]:
+    def _load(self, transfer: BlockLoadBatch | StoreBatch) -> set[int]:
         """Load every object of the transfer; returns the block ids that failed."""
         failed: set[int] = set()
         for group_id, rows in self._rows_by_group(transfer).items():
@@ -215,7 +211,7 @@ class UMBPWorker:
             statuses = tuple(LoadStatus.UNAVAILABLE for _ in keys)
         return statuses, staging
 
-    def _store_objects(self, transfer: ObjectTransfer) -> set[tuple[int, bytes]]:
+    def _store_objects(self, transfer: BlockLoadBatch | StoreBatch) -> set[tuple[int, bytes]]:
         """Store every object of the transfer; returns the identities that failed."""
         failed: set[tuple[int, bytes]] = set()
         for group_id, rows in self._rows_by_group(transfer).items():

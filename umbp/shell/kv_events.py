@@ -1,0 +1,122 @@
+"""KV cache events for routers: BlockStored when an object became resident in
+the pool on every rank, BlockRemoved when a published object left it.
+
+umbp.core.events decides; this module only draws residency batches, asks the
+pool off the scheduler thread, and turns core's event values into vLLM's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+from umbp.core import events as core_events
+from umbp.core.identity import KeySpace
+from umbp.core.plans import StoreBatch
+from umbp.core.store_events import StoreEvent, StoreEventResult
+from umbp.runtime.contract import SchedulerStore
+
+CHECK_BATCH = 256
+RECHECK_PUBLISHED_EVERY_S = 1.0
+POOL_MEDIUM = "CPU"
+
+
+class KVEventPublisher:
+    def __init__(self, max_objects: int, executor: Executor,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._state = core_events.new_event_tracker(max_objects)
+        self._executor = executor
+        self._clock = clock
+        self._next_recheck = 0.0
+        self._inflight: tuple[tuple[core_events.ResidencyCandidate, ...],
+                              Future[tuple[bool, ...]], int] | None = None
+
+    @property
+    def suppressed(self) -> int:
+        return self._state.suppressed
+
+    def track(self, event: StoreEvent, result: StoreEventResult) -> None:
+        """Every worker stored ``event``: its objects become candidates for BlockStored."""
+        objects = [obj for batch in event.batches for obj in _stored_objects(batch)]
+        self._state = core_events.track_stored(self._state, objects, result.failed)
+
+    def take(self, store: SchedulerStore | None, keyspace: KeySpace | None) -> list[Any]:
+        """Events decided since the last call; starts the next residency check."""
+        decided: list[Any] = []
+        if self._inflight is not None and self._inflight[1].done():
+            batch, answer, ranks = self._inflight
+            self._inflight = None
+            self._state, events = core_events.apply_residency(
+                self._state, batch, _fold(answer, len(batch), ranks)
+            )
+            decided = [_to_vllm(event) for event in events]
+        if self._inflight is None and store is not None and keyspace is not None:
+            self._start_check(store, keyspace)
+        return decided
+
+    def has_pending(self) -> bool:
+        return self._inflight is not None or core_events.has_pending(self._state)
+
+    def clear(self) -> None:
+        if self._inflight is not None:
+            self._inflight[1].cancel()
+            self._inflight = None
+        self._state = core_events.clear(self._state)
+
+    def _start_check(self, store: SchedulerStore, keyspace: KeySpace) -> None:
+        now = self._clock()
+        recheck = now >= self._next_recheck
+        if recheck:
+            self._next_recheck = now + RECHECK_PUBLISHED_EVERY_S
+        batch = core_events.residency_batch(self._state, CHECK_BATCH, recheck)
+        if not batch:
+            return
+        keys = [key for (group_id, block_hash), _ in batch
+                for key in keyspace.rank_keys(group_id, block_hash)]
+        ranks = keyspace.topology.rank_count
+        self._inflight = (batch, self._executor.submit(store.lookup, keys), ranks)
+
+
+def _fold(answer: Future[tuple[bool, ...]], objects: int, ranks: int) -> list[bool] | None:
+    """Per object: resident on every rank. None when the check failed."""
+    try:
+        hits = answer.result()
+    except Exception:
+        return None
+    if len(hits) != objects * ranks:
+        return None
+    return [all(hits[i * ranks:(i + 1) * ranks]) for i in range(objects)]
+
+
+def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:
+    return [
+        core_events.StoredObject(group_id, block_hash, parent, tokens, block_size, POOL_MEDIUM)
+        for group_id, block_hash, parent, tokens, block_size in zip(
+            batch.group_ids, batch.block_hashes, batch.parent_hashes, batch.token_ids,
+            batch.block_sizes,
+        )
+    ]
+
+
+def _to_vllm(event: core_events.KvEvent) -> Any:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = [maybe_convert_block_hash(h) for h in event.block_hashes]
+    if isinstance(event, core_events.BlockRemovedEvent):
+        return BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=event.group_id,
+                            locality="LOCAL")
+    parent = event.parent_block_hash
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+        token_ids=list(event.token_ids),
+        block_size=event.block_size,
+        lora_id=None,
+        medium=event.medium,
+        lora_name=None,
+        group_idx=event.group_id,
+        locality="LOCAL",
+    )
