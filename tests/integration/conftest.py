@@ -3,38 +3,11 @@ umbp.testing.scenario). Models are written once per test session."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from umbp.testing.models import ModelRecipe, llama_recipe, write_random_model
-
-REPO = Path(__file__).resolve().parents[2]
-SCENARIO_TIMEOUT_S = 600
-
-
-def run_scenario(spec: dict[str, Any], *, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one scenario process; fail with its output if it did not report."""
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    process = subprocess.run(
-        [sys.executable, "-m", "umbp.testing.scenario", json.dumps(spec)],
-        capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, env=environment, cwd=REPO,
-    )
-    for line in process.stdout.splitlines():
-        if line.startswith("UMBP-SCENARIO "):
-            report: dict[str, Any] = json.loads(line.removeprefix("UMBP-SCENARIO "))
-            report["stderr"] = process.stderr
-            return report
-    raise AssertionError(
-        f"scenario exited {process.returncode} without a report\n"
-        f"--- stdout ---\n{process.stdout[-5000:]}\n--- stderr ---\n{process.stderr[-15000:]}"
-    )
-
 
 def _model(tmp_path_factory: pytest.TempPathFactory, name: str, recipe: ModelRecipe) -> str:
     return str(write_random_model(recipe, tmp_path_factory.getbasetemp() / name))

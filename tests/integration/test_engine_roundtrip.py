@@ -12,7 +12,7 @@ import pytest
 
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
 
-from .conftest import run_scenario
+from tests.integration.harness import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
