@@ -59,6 +59,8 @@ __all__ = [
     "store_candidate_ranges",
     "store_token_limit",
     "stores_this_step",
+    "transfer_batch",
+    "transfer_batches",
 ]
 
 Identity: TypeAlias = tuple[int, bytes]
@@ -578,6 +580,28 @@ def boundary_state_plans(
                 )
             )
     return tuple(plans), tuple(dropped)
+
+
+def transfer_batch(request_id: str, plans: Sequence[BlockTransferPlan]) -> StoreBatch:
+    """Transfer plans of one request as a store batch (whole pages, no token ids:
+    a state page is not token-addressable)."""
+    return StoreBatch(
+        request_id,
+        tuple(plan.group_id for plan in plans),
+        tuple(plan.block_id for plan in plans),
+        tuple(plan.block_hash for plan in plans),
+        tuple(plan.parent_hash for plan in plans),
+        tuple(() for _ in plans),
+        tuple(plan.block_size for plan in plans),
+    )
+
+
+def transfer_batches(plans: Sequence[BlockTransferPlan]) -> tuple[StoreBatch, ...]:
+    """One store batch per request, in first-seen request order."""
+    by_request: dict[str, list[BlockTransferPlan]] = {}
+    for plan in plans:
+        by_request.setdefault(plan.request_id, []).append(plan)
+    return tuple(transfer_batch(request_id, group) for request_id, group in by_request.items())
 
 
 def finished_partial_tail_plans(

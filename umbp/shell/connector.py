@@ -145,6 +145,14 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        return self.scheduler.register_finished_partial_tail(
+            request, block_ids, partial_tail_offloads
+        )
+
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 

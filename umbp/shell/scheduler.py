@@ -105,6 +105,12 @@ class UMBPScheduler:
         )
         self._next_store_event = 0
         self._gpu_block_pool: Any = None
+        # Finished requests' last boundary pages, pinned until the next step's event.
+        self._pending_finished_stores: dict[str, StoreBatch] = {}
+        self._full_attention_groups = frozenset(
+            group_id for group_id in self._geometry.group_ids
+            if vllm_compat.is_plain_full_attention(groups[group_id].kv_cache_spec)
+        )
         self._warned_coordinated = False
         self.counters = SchedulerCounters()
 
@@ -271,10 +277,43 @@ class UMBPScheduler:
             if request_id in self._trackers:
                 self._trackers[request_id] = self._trackers[request_id].reset()
         meta.preempted_request_ids = preempted
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None)
+        if self._store_enabled and offloads:
+            stores.extend(self._boundary_stores(
+                offloads, set(scheduler_output.finished_req_ids), set(preempted)
+            ))
+        finished, self._pending_finished_stores = self._pending_finished_stores, {}
+        stores.extend(finished.values())
         if stores:
             meta.stores = stores
             meta.store_event = self._open_store_event(stores)
+        if finished and self._gpu_block_pool is not None:
+            # The event pins them now; release the pins taken at request finish.
+            pool = self._gpu_block_pool
+            pool.free_blocks(pool.blocks[b] for batch in finished.values() for b in batch.block_ids)
         return meta
+
+    def _boundary_stores(
+        self, offloads: Mapping[str, Any], finished: set[str], preempted: set[str]
+    ) -> tuple[StoreBatch, ...]:
+        """Mamba "align" groups: store only the boundary states vLLM handed off."""
+        tracked = {
+            request_id: tuple(request.block_hashes)
+            for request_id in offloads
+            if request_id in self._trackers
+            and (request := self._requests.get(request_id)) is not None
+        }
+        geometry = self._geometry
+        plans, dropped = core_plans.boundary_state_plans(
+            offloads, finished, preempted, tracked, frozenset(geometry.group_ids),
+            geometry.hash_block_size, dict(zip(geometry.group_ids, geometry.group_block_sizes)),
+            self._events_enabled,
+        )
+        for drop in dropped:
+            logger.debug("umbp boundary offloads dropped request=%s entries=%d: %s",
+                         drop.request_id, drop.entries, drop.reason.value)
+        return core_plans.transfer_batches(plans)
 
     def _plan_new_request(
         self, new: Any, scheduler_output: Any, reserved: AbstractSet[tuple[int, bytes]]
@@ -432,6 +471,34 @@ class UMBPScheduler:
 
     # -- request lifecycle --------------------------------------------------------
 
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: tuple[list[int], ...],
+        offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        """Pin a finished request's last boundary pages for next step's store.
+        Returns False: vLLM may clean the request up now, the pins keep the pages."""
+        pool = self._gpu_block_pool
+        request_id = request.request_id
+        if (not self._store_enabled or pool is None or not offloads
+                or request_id in self._pending_finished_stores
+                or request_id not in self._trackers):
+            return False
+        geometry = self._geometry
+        plans = core_plans.finished_partial_tail_plans(
+            request_id, geometry, offloads, _table(block_ids[g] for g in geometry.group_ids),
+            tuple(request.block_hashes), request.num_computed_tokens,
+            int(getattr(request, "num_in_flight_tokens", 0)), self._full_attention_groups,
+            len(pool.blocks), frozenset({pool.null_block.block_id}), self._events_enabled,
+        )
+        if isinstance(plans, Failure):
+            logger.debug("umbp partial tail of request %s not stored: %s", request_id,
+                         plans.failure())
+            return False
+        batch = core_plans.transfer_batch(request_id, plans.unwrap())
+        pool.touch([pool.blocks[b] for b in dict.fromkeys(batch.block_ids)])
+        self._pending_finished_stores[request_id] = batch
+        return False
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
         return False, None
@@ -442,13 +509,13 @@ class UMBPScheduler:
         return self._kv_events.take(self._store, self._keyspace)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._store_events) or (
+        return bool(self._store_events) or bool(self._pending_finished_stores) or (
             self._kv_events is not None and self._kv_events.has_pending()
         )
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
-        if self._store_events:
+        if self._store_events or self._pending_finished_stores:
             return False
         for request_id in list(self._pending_lookups):
             self._drop_pending_lookup(request_id)

@@ -1,0 +1,85 @@
+"""Tiny random-weight models whose KV cache has several groups, for
+:func:`umbp.testing.models.write_random_model`.
+
+* :func:`gemma3_text_recipe`: sliding-window and full-attention layers
+  (``layer_types``); with prefix caching and a ``SupportsHMA`` connector vLLM
+  keeps two groups, ``SlidingWindowSpec`` and ``FullAttentionSpec``.
+* :func:`lfm2_recipe`: short-convolution and full-attention layers; two groups,
+  ``MambaSpec`` (``mamba_cache_mode="align"`` with prefix caching) and
+  ``FullAttentionSpec``.
+
+Both respect the CPU backend's limits (head_dim 32, block size a multiple of 32)
+and start an in-process vLLM 0.32 engine with
+``make_llm(dir, connector=None, block_size=32)``.
+"""
+
+from __future__ import annotations
+
+from umbp.testing.models import ModelRecipe
+
+
+def gemma3_text_recipe(
+    *,
+    hidden_size: int = 128,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention"),
+    sliding_window: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    dtype: str = "float32",
+) -> ModelRecipe:
+    """Gemma 3 text model; ``layer_types`` entries are ``"sliding_attention"`` or
+    ``"full_attention"``. A window shorter than a few blocks makes the sliding
+    group's hits differ visibly from the full group's."""
+    head_dim = hidden_size // heads
+    return ModelRecipe(
+        "gemma3_text",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": len(layer_types),
+            "layer_types": list(layer_types),
+            "sliding_window": sliding_window,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "query_pre_attn_scalar": head_dim,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+        dtype=dtype,
+    )
+
+
+def lfm2_recipe(
+    *,
+    hidden_size: int = 128,
+    layer_types: tuple[str, ...] = ("conv", "full_attention"),
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    dtype: str = "float32",
+) -> ModelRecipe:
+    """LFM2; ``layer_types`` entries are ``"conv"`` (short convolution, a Mamba-
+    style state in vLLM) or ``"full_attention"``."""
+    return ModelRecipe(
+        "lfm2",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate,
+            "block_auto_adjust_ff_dim": False,
+            "num_hidden_layers": len(layer_types),
+            "layer_types": list(layer_types),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+        dtype=dtype,
+    )
