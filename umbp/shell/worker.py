@@ -193,7 +193,9 @@ class UMBPWorker:
                     self.counters.count_load_failure(status)
             failed.update(block_ids[index] for index, status in enumerate(statuses)
                           if status is not LoadStatus.HIT)
-            if good:
+            if len(good) == len(block_ids):
+                copier.scatter(block_ids, staging)
+            elif good:  # rare: only the objects that loaded intact reach the KV cache
                 index = torch.tensor(good, dtype=torch.long)
                 copier.scatter([block_ids[i] for i in good], staging.index_select(0, index))
                 self.counters.loaded_blocks += len(good)

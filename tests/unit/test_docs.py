@@ -1,0 +1,26 @@
+"""The documents a user relies on stay true to the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from umbp.core.config import OPTION_NAMES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_configuration_reference_documents_every_option() -> None:
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    missing = [name for name in OPTION_NAMES if f"`{name}`" not in reference]
+    assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_readme_first_screen_gives_the_demo_and_test_commands() -> None:
+    first_screen = "\n".join((REPO / "README.md").read_text().splitlines()[:12])
+    assert "make demo" in first_screen and "make test" in first_screen
+    makefile = (REPO / "Makefile").read_text()
+    assert "\ndemo:" in makefile and "\ntest:" in makefile
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    assert "make test" in (REPO / ".ci" / "run").read_text()
