@@ -1,0 +1,121 @@
+"""Lookups of a pool in another process: the socket service, its client, and
+routing keys to the pool of the rank named in them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from umbp.core.identity import KeySpace, RankCoord, RankTopology
+from umbp.runtime.contract import StoreUnavailable
+from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup, rank_tag
+from umbp.runtime.pool import SlabPool
+
+
+class _Known:
+    """A store that knows a fixed key set (the routing tests need no bytes)."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+        self.asked: list[str] = []
+        self.cleared = False
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        self.asked.extend(keys)
+        return tuple(key in self.keys for key in keys)
+
+    def clear(self) -> bool:
+        self.cleared = True
+        return True
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def pool() -> Iterator[SlabPool]:
+    with SlabPool(1 << 20, page_bytes=4096) as pool:
+        yield pool
+
+
+def test_client_answers_what_the_pool_holds_and_clears_it(pool: SlabPool) -> None:
+    assert pool.put_batch(["a", "b"], [memoryview(b"x" * 10), memoryview(b"y" * 10)]) == (True, True)
+    service = LookupService(pool)
+    client = LookupClient(service.path, timeout_s=5.0)
+    try:
+        assert client.lookup(["a", "zz", "b", "a"]) == (True, False, True, True)
+        assert client.lookup([]) == ()
+        assert client.clear()
+        assert client.lookup(["a", "b"]) == (False, False)
+    finally:
+        client.close()
+        service.close()
+
+
+def test_socket_is_owner_only(pool: SlabPool) -> None:
+    service = LookupService(pool)
+    try:
+        assert stat.S_IMODE(os.stat(service.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(service.path)).st_mode) == 0o700
+    finally:
+        service.close()
+
+
+def _serve_in_child(path_out: "multiprocessing.Queue[str]", stop: "multiprocessing.Event") -> None:  # type: ignore[type-arg]
+    with SlabPool(1 << 20, page_bytes=4096) as pool:
+        pool.put_batch(["k1"], [memoryview(b"z" * 100)])
+        service = LookupService(pool)
+        path_out.put(service.path)
+        stop.wait(30)
+        service.close()
+
+
+def test_client_reaches_a_pool_in_another_process() -> None:
+    context = multiprocessing.get_context("spawn")
+    paths: multiprocessing.Queue[str] = context.Queue()
+    stop = context.Event()
+    child = context.Process(target=_serve_in_child, args=(paths, stop))
+    child.start()
+    try:
+        client = LookupClient(paths.get(timeout=60), timeout_s=5.0)
+        assert client.lookup(["k1", "k2"]) == (True, False)
+        client.close()
+    finally:
+        stop.set()
+        child.join(30)
+
+
+def test_a_vanished_service_raises_store_unavailable(pool: SlabPool) -> None:
+    service = LookupService(pool)
+    client = LookupClient(service.path, timeout_s=1.0)
+    service.close()
+    with pytest.raises(StoreUnavailable):
+        client.lookup(["a"])
+
+
+def test_ranked_lookup_asks_each_key_of_the_pool_of_its_rank() -> None:
+    keyspace = KeySpace("ns1", RankTopology(tp_size=2))
+    rank0, rank1 = RankCoord(0, 0, 0, 0), RankCoord(1, 0, 0, 0)
+    h1, h2 = b"\x01" * 8, b"\x02" * 8
+    store0 = _Known({keyspace.key(rank0, 0, h1), keyspace.key(rank0, 0, h2)})
+    store1 = _Known({keyspace.key(rank1, 0, h1)})
+    ranked = RankedLookup({rank_tag(keyspace.key(rank0, 0, b"")): store0,
+                           rank_tag(keyspace.key(rank1, 0, b"")): store1})
+    keys = [*keyspace.rank_keys(0, h1), *keyspace.rank_keys(0, h2)]
+    assert ranked.lookup(keys) == (True, True, True, False)
+    assert all(":tp0:" in key for key in store0.asked)
+    assert all(":tp1:" in key for key in store1.asked)
+    assert ranked.clear() and store0.cleared and store1.cleared
+
+
+def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
+    keyspace = KeySpace("ns1", RankTopology(tp_size=2))
+    store0 = _Known({keyspace.key(RankCoord(0, 0, 0, 0), 0, b"\x01")})
+    other = _Known(set())
+    ranked = RankedLookup({rank_tag(keyspace.key(RankCoord(0, 0, 0, 0), 0, b"")): store0,
+                           "umbp:1:elsewhere:tp9:pcp0:dcp0:pp0": other})
+    assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
