@@ -28,10 +28,11 @@ def _prompts() -> list[list[int]]:
 
 def _scenario(model_dir: str, *, block_size: int, dtype: str, connector: dict[str, Any],
               multiprocess: bool = False, steps: list[str] | None = None,
-              prompts: list[list[int]] | None = None) -> dict[str, Any]:
+              prompts: list[list[int]] | None = None,
+              engine: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "model_dir": model_dir,
-        "engine": {"block_size": block_size, "dtype": dtype},
+        "engine": {"block_size": block_size, "dtype": dtype, **(engine or {})},
         "multiprocess": multiprocess,
         "prompts": prompts or _prompts(),
         "max_tokens": 12,
@@ -56,14 +57,21 @@ def _assert_restored_exactly(report: dict[str, Any], block_size: int, prompts: l
 
 
 @pytest.mark.parametrize(
-    ("model", "dtype", "block_size"),
-    [("llama_fp32", "float32", 32), ("llama_bf16", "bfloat16", 64)],
+    ("model", "dtype", "block_size", "options", "engine"),
+    [
+        ("llama_fp32", "float32", 32, {}, {}),
+        # Synchronous loads, and chunked prefill: stores planned across several steps.
+        ("llama_bf16", "bfloat16", 64, {"load_async": False}, {"max_num_batched_tokens": 128}),
+    ],
+    ids=["fp32-block32-async-load", "bf16-block64-sync-load-chunked"],
 )
 def test_in_process_engine_restores_prefixes_with_identical_tokens(
-    request: pytest.FixtureRequest, model: str, dtype: str, block_size: int
+    request: pytest.FixtureRequest, model: str, dtype: str, block_size: int,
+    options: dict[str, Any], engine: dict[str, Any],
 ) -> None:
     model_dir = request.getfixturevalue(model)
-    report = run_scenario(_scenario(model_dir, block_size=block_size, dtype=dtype, connector=EMBEDDED))
+    report = run_scenario(_scenario(model_dir, block_size=block_size, dtype=dtype,
+                                    connector={**EMBEDDED, **options}, engine=engine))
     _assert_restored_exactly(report, block_size, _prompts())
     stats = report["engines"][1][3]
     (pool,) = stats["pools"]
@@ -72,9 +80,10 @@ def test_in_process_engine_restores_prefixes_with_identical_tokens(
 
 
 def test_multi_process_engine_restores_prefixes_with_identical_tokens(llama_fp32: str) -> None:
-    report = run_scenario(
-        _scenario(llama_fp32, block_size=32, dtype="float32", connector=EMBEDDED, multiprocess=True)
-    )
+    # What users run: the engine core in its own process. Lookups on background threads.
+    report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32",
+                                    connector={**EMBEDDED, "lookup_async": True},
+                                    multiprocess=True))
     _assert_restored_exactly(report, 32, _prompts())
 
 
@@ -117,3 +126,29 @@ def test_bad_config_fails_engine_start_naming_the_key(llama_fp32: str) -> None:
     assert "capacity_bytes" in first["error"]  # the suggestion
     assert not second["started"] and "capacity_bytes" in second["error"]
     assert not third["started"] and "load_async" in third["error"]
+
+
+def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -> None:
+    # 8 objects fit. Set A (3 blocks) is stored and announced; set B (40 blocks)
+    # then evicts it, and the evictions the pool made on its own are announced too.
+    small = {"mode": "embedded", "capacity_bytes": 8 * 32 * 1024}
+    spec = {
+        "model_dir": llama_fp32,
+        "engine": {"block_size": 32,
+                   "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}},
+        "prompts": unique_prompts(1, 100, seed=23),
+        "prompts_b": unique_prompts(4, 330, seed=29),
+        "max_tokens": 4,
+        "engines": [{"connector": small, "record_kv_events": True,
+                     "steps": ["generate", "idle", "kv_events", "generate_b", "idle",
+                               "kv_events"]}],
+    }
+    (_, after_a, _, after_b), = run_scenario(spec)["engines"]  # idle steps report nothing
+    stored_a = [e for e in after_a["events"] if e["type"] == "BlockStored"]
+    assert len(stored_a) == 3 and all(e["medium"] == "CPU" for e in stored_a)
+    assert not [e for e in after_a["events"] if e["type"] == "BlockRemoved"]
+    removed = {h for e in after_b["events"] if e["type"] == "BlockRemoved" for h in e["hashes"]}
+    announced_a = {h for e in stored_a for h in e["hashes"]}
+    assert announced_a <= removed, "an eviction of a published object was not announced"
+    stored_total = {h for e in after_b["events"] if e["type"] == "BlockStored" for h in e["hashes"]}
+    assert removed <= stored_total | announced_a, "removed an object never announced"

@@ -24,6 +24,9 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     from the (group, block hash) identities in the batches."""
 
     loads: list[BlockLoadBatch] = field(default_factory=list)
+    # Requests waiting in WAITING_FOR_REMOTE_KVS: vLLM expects them back as finished
+    # receives; synchronous loads must not be reported so.
+    async_loads: frozenset[str] = frozenset()
     stores: list[StoreBatch] = field(default_factory=list)
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()

@@ -94,6 +94,7 @@ class UMBPScheduler:
         self._keyspace: KeySpace | None = None
         self._pending_lookups: dict[str, _PendingLookup] = {}
         self._load_specs: dict[str, LoadSpec] = {}
+        self._async_loads: set[str] = set()
         self._pending_loads: dict[str, BlockLoadBatch] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, core_plans.StoreTracker] = {}
@@ -207,9 +208,12 @@ class UMBPScheduler:
             return 0, False
         self._load_specs[request_id] = spec
         self.counters.hit_tokens += spec.num_tokens_to_load
-        return spec.num_tokens_to_load, core_lookup.load_runs_async(
-            self._load_async, spec, self._geometry
-        )
+        load_async = core_lookup.load_runs_async(self._load_async, spec, self._geometry)
+        if load_async:
+            self._async_loads.add(request_id)
+        else:
+            self._async_loads.discard(request_id)
+        return spec.num_tokens_to_load, load_async
 
     # -- allocation and per-step metadata ----------------------------------------
 
@@ -225,6 +229,7 @@ class UMBPScheduler:
             self._trackers[request_id] = tracker
             self._pending_loads.pop(request_id, None)
             self._load_specs.pop(request_id, None)
+            self._async_loads.discard(request_id)
             return
         spec = self._load_specs.get(request_id)
         if spec is None or spec.num_tokens_to_load != num_external_tokens:
@@ -268,9 +273,13 @@ class UMBPScheduler:
                 reserved.update(transfer.identities())
         # Async loads are admitted without scheduled tokens: forward every plan.
         meta.loads = list(self._pending_loads.values())
+        meta.async_loads = frozenset(
+            batch.request_id for batch in meta.loads if batch.request_id in self._async_loads
+        )
         self._pending_loads.clear()
-        for request_id in meta.loads:
-            self._load_specs.pop(request_id.request_id, None)
+        for batch in meta.loads:
+            self._load_specs.pop(batch.request_id, None)
+            self._async_loads.discard(batch.request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         for request_id in preempted:
             self._load_specs.pop(request_id, None)
@@ -534,6 +543,7 @@ class UMBPScheduler:
             self._store = None
 
     def _forget(self, request_id: str) -> None:
+        self._async_loads.discard(request_id)
         self._pending_loads.pop(request_id, None)
         self._load_specs.pop(request_id, None)
         self._trackers.pop(request_id, None)

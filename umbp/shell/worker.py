@@ -118,10 +118,11 @@ class UMBPWorker:
             failed_blocks = self._load(transfer)
             self.counters.load_seconds += time.perf_counter() - started
             with self._lock:
-                if failed_blocks:
-                    self._load_error_blocks.update(failed_blocks)
-                    self._failed_loads.add(transfer.request_id)
-                self._finished_loads.add(transfer.request_id)
+                self._load_error_blocks.update(failed_blocks)
+                if transfer.request_id in meta.async_loads:
+                    self._finished_loads.add(transfer.request_id)
+                    if failed_blocks:
+                        self._failed_loads.add(transfer.request_id)
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
         if meta.store_event is None:
@@ -198,8 +199,8 @@ class UMBPWorker:
             elif good:  # rare: only the objects that loaded intact reach the KV cache
                 index = torch.tensor(good, dtype=torch.long)
                 copier.scatter([block_ids[i] for i in good], staging.index_select(0, index))
-                self.counters.loaded_blocks += len(good)
-                self.counters.loaded_bytes += len(good) * copier.object_bytes
+            self.counters.loaded_blocks += len(good)
+            self.counters.loaded_bytes += len(good) * copier.object_bytes
         if failed:
             logger.warning(
                 "umbp load for request %s: %d of %d blocks failed; vLLM recomputes them",

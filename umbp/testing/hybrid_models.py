@@ -73,6 +73,10 @@ def lfm2_recipe(
             "hidden_size": hidden_size,
             "intermediate_size": intermediate,
             "block_auto_adjust_ff_dim": False,
+            # vLLM's LFM2 reads these (the hub's configs carry them);
+            # transformers derives both from hidden_size.
+            "conv_dim": hidden_size,
+            "block_dim": hidden_size,
             "num_hidden_layers": len(layer_types),
             "layer_types": list(layer_types),
             "num_attention_heads": heads,

@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -48,15 +49,44 @@ def _local_stats() -> dict[str, Any]:
     return {"pools": pools, "worker": counters}
 
 
+def _record_kv_events(llm: Any) -> list[Any]:
+    """Keep a copy of every KV event umbp hands to vLLM (in-process engines)."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    recorded: list[Any] = []
+    take = connector.take_events
+
+    def take_and_record() -> list[Any]:
+        events = list(take())
+        recorded.extend(events)
+        return events
+
+    connector.take_events = take_and_record
+    return recorded
+
+
+def _event_summary(event: Any) -> dict[str, Any]:
+    return {"type": type(event).__name__, "group": event.group_idx, "medium": event.medium,
+            "hashes": [bytes(h).hex() if isinstance(h, bytes) else str(h)
+                       for h in event.block_hashes]}
+
+
 def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any]]:
     from umbp.testing.engine import generate, make_llm
 
-    llm = make_llm(spec["model_dir"], connector=engine.get("connector"), **spec.get("engine", {}))
+    engine_args = dict(spec.get("engine", {}))
+    engine_args.update(engine.get("engine", {}))
+    if "kv_events_config" in engine_args:
+        from vllm.config import KVEventsConfig
+
+        engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
+    llm = make_llm(spec["model_dir"], connector=engine.get("connector"), **engine_args)
+    events = _record_kv_events(llm) if engine.get("record_kv_events") else []
     results: list[dict[str, Any]] = []
     try:
         for step in engine["steps"]:
-            if step == "generate":
-                completions = generate(llm, spec["prompts"], spec.get("max_tokens", 8))
+            if step in ("generate", "generate_b"):
+                prompts = spec["prompts"] if step == "generate" else spec["prompts_b"]
+                completions = generate(llm, prompts, spec.get("max_tokens", 8))
                 results.append({
                     "step": step,
                     "tokens": [list(c.token_ids) for c in completions],
@@ -68,6 +98,12 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, 
                 results.append({"step": step, "flipped": _corrupt_local_pools()})
             elif step == "stats":
                 results.append({"step": step, **_local_stats()})
+            elif step == "idle":  # engine steps with no requests: lets KV events settle
+                for _ in range(60):  # > 2 s: published objects are re-checked once a second
+                    llm.llm_engine.step()
+                    time.sleep(0.05)
+            elif step == "kv_events":
+                results.append({"step": step, "events": [_event_summary(e) for e in events]})
             else:
                 raise ValueError(f"unknown scenario step {step!r}")
     finally:
