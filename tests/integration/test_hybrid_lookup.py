@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 from umbp.core import lookup as core_lookup
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
+from umbp.shell.hybrid_lookup import HybridLookup, coordinator_arguments
 
 pytestmark = pytest.mark.integration
 
 vllm_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
-
-from umbp.shell.hybrid_lookup import HybridLookup, coordinator_arguments  # noqa: E402
 
 BLOCK = 32
 WINDOW = 64
@@ -47,7 +46,9 @@ def vllm_config() -> Any:
 def _spec(kind: str, block_size: int = BLOCK) -> Any:
     import torch
 
-    attention = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    attention = {
+        "block_size": block_size, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32,
+    }
     if kind == FULL:
         return vllm_interface.FullAttentionSpec(**attention)
     if kind == SLIDING:

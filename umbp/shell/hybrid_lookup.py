@@ -46,14 +46,22 @@ class _LookupBlockPool:
     The coordinator's managers read only ``hash_block_size``, ``null_block`` and
     ``get_cached_block`` while finding a hit; this pool answers the last from the
     hit sets of the call in progress. ``kv_cache_group_ids`` are positions in the
-    lookup coordinator's group list (the prefix-cacheable groups in order).
+    lookup coordinator's group list (the prefix-cacheable groups in order). One
+    lookup at a time: the scheduler calls from its own thread only.
     """
 
     def __init__(self, hash_block_size: int) -> None:
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.core.kv_cache_utils import (
+            KVCacheBlock,
+            get_block_hash,
+            make_block_hash_with_group_id,
+        )
 
         self.hash_block_size = hash_block_size
         self.null_block: Any = KVCacheBlock(block_id=0, is_null=True)
+        self._new_block: Callable[..., Any] = KVCacheBlock
+        self._hash_with_group: Callable[[bytes, int], Any] = make_block_hash_with_group_id
+        self._hash_of_key: Callable[[Any], bytes] = get_block_hash
         self._hits: tuple[frozenset[bytes], ...] = ()
 
     @property
@@ -67,31 +75,28 @@ class _LookupBlockPool:
     def clear_hits(self) -> None:
         self._hits = ()
 
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[Any] | None:
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[Any] | None:
         """One block per group if every group holds ``block_hash``, else None
         (``BlockPool.get_cached_block``'s contract)."""
         hits = self._hits
         for position in kv_cache_group_ids:
             if position >= len(hits) or block_hash not in hits[position]:
                 return None
-        return [_hit_block(block_hash, position) for position in kv_cache_group_ids]
+        return [self._hit_block(block_hash, position) for position in kv_cache_group_ids]
 
+    def _hit_block(self, block_hash: bytes, position: int) -> Any:
+        block = self._new_block(block_id=_HIT_BLOCK_ID)
+        block.set_block_hash(self._hash_with_group(block_hash, position))
+        return block
 
-def _hit_block(block_hash: bytes, position: int) -> Any:
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
-
-    block = KVCacheBlock(block_id=_HIT_BLOCK_ID)
-    block.set_block_hash(make_block_hash_with_group_id(block_hash, position))
-    return block
-
-
-def _block_hash_of(block: Any) -> bytes | None:
-    """The object a hit block stands for; None for a null (skipped) block."""
-    from vllm.v1.core.kv_cache_utils import get_block_hash
-
-    if block.is_null or block.block_hash is None:
-        return None
-    return bytes(get_block_hash(block.block_hash))
+    def object_hash(self, block: Any) -> bytes | None:
+        """The object a block of the coordinator's answer stands for; None for a
+        null (skipped) block."""
+        if block.is_null or block.block_hash is None:
+            return None
+        return bytes(self._hash_of_key(block.block_hash))
 
 
 def coordinator_arguments(
@@ -138,7 +143,9 @@ class HybridLookup:
         )
         model_config = getattr(vllm_config, "model_config", None)
         max_model_len = int(
-            getattr(model_config, "max_model_len", kv_cache_config.num_blocks * geometry.block_size)
+            getattr(
+                model_config, "max_model_len", kv_cache_config.num_blocks * geometry.block_size
+            )
         )
         required: dict[str, object] = {
             "kv_cache_config": lookup_config,
@@ -148,9 +155,9 @@ class HybridLookup:
             "enable_caching": True,
             "enable_kv_cache_events": False,
             "dcp_world_size": vllm_compat.parallel_sizes(vllm_config)[2],
-            # As vLLM's scheduler builds its own coordinator: the hybrid
-            # coordinator rejects PCP > 1 for non-full-attention groups, and
-            # vLLM's own never sees it.
+            # 1, as vLLM's scheduler builds its own coordinator. (The reference
+            # passed the PCP size, which the hybrid coordinator rejects for
+            # groups that are not full attention.)
             "pcp_world_size": 1,
             "scheduler_block_size": geometry.block_size,
             "hash_block_size": geometry.hash_block_size,
@@ -222,7 +229,10 @@ class HybridLookup:
             )
         try:
             local_hits = tuple(
-                [block_hash for block_hash in group_objects if has_local_block(group_id, block_hash)]
+                [
+                    block_hash for block_hash in group_objects
+                    if has_local_block(group_id, block_hash)
+                ]
                 for group_id, group_objects in zip(
                     geometry.group_ids,
                     core_lookup.local_object_hashes(geometry, request_hashes, query.local_tokens),
@@ -233,7 +243,7 @@ class HybridLookup:
             found = self._coordinator.find_longest_cache_hit(hashes, query.max_hit_end)
             hit_blocks, hit_length = found[0], int(found[1])
             block_hashes_by_group = tuple(
-                tuple(_block_hash_of(block) for block in group_blocks)
+                tuple(map(self._pool.object_hash, group_blocks))
                 for group_blocks in hit_blocks
             )
         finally:

@@ -31,6 +31,7 @@ from umbp.core.store_events import (
     merge_store_results,
     pinned_block_ids,
 )
+from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 
@@ -68,7 +69,14 @@ class UMBPScheduler:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
         self._config = config
         self._kv_cache_config = kv_cache_config
-        self._geometry = _geometry(vllm_config, kv_cache_config, config)
+        geometry = _geometry(vllm_config, kv_cache_config, config)
+        # Several cache groups (or one that is not plain full attention): vLLM's own
+        # coordinator decides the hit window from umbp's answers.
+        self._hybrid = (
+            HybridLookup(vllm_config, kv_cache_config, geometry, config.enable_partial_hash_hits)
+            if geometry.coordinated else None
+        )
+        self._geometry = geometry if self._hybrid is None else self._hybrid.geometry
         groups = kv_cache_config.kv_cache_groups
         self._boundary_groups = frozenset(
             group_id for group_id, group in enumerate(groups)
@@ -112,7 +120,6 @@ class UMBPScheduler:
             group_id for group_id in self._geometry.group_ids
             if vllm_compat.is_plain_full_attention(groups[group_id].kv_cache_spec)
         )
-        self._warned_coordinated = False
         self.counters = SchedulerCounters()
 
     # -- start-up -----------------------------------------------------------
@@ -144,9 +151,6 @@ class UMBPScheduler:
         request_id = request.request_id
         store, keyspace = self._store, self._keyspace
         if store is None or keyspace is None:
-            return 0, False
-        if self._geometry.coordinated:
-            self._warn_coordinated_once()
             return 0, False
         hashes = request.block_hashes
         context = _LookupContext(request, local_tokens, request.num_tokens, len(hashes))
@@ -203,7 +207,7 @@ class UMBPScheduler:
         folded = None if answers is None else core_lookup.fold_rank_hits(query, answers)
         if folded is None:
             return 0, False
-        spec = core_lookup.single_group_load_spec(self._geometry, query, folded)
+        spec = self._hit_window(query, folded)
         if spec is None:
             return 0, False
         self._load_specs[request_id] = spec
@@ -214,6 +218,20 @@ class UMBPScheduler:
         else:
             self._async_loads.discard(request_id)
         return spec.num_tokens_to_load, load_async
+
+    def _hit_window(self, query: LookupQuery, folded: Any) -> LoadSpec | None:
+        if self._hybrid is None:
+            return core_lookup.single_group_load_spec(self._geometry, query, folded)
+        try:
+            return self._hybrid.window(query, folded, query.request_hashes, self._has_local_block)
+        except Exception as error:  # vLLM's coordinator refusing must not fail the request
+            self.counters.lookup_failures += 1
+            logger.warning("umbp hybrid hit window failed, counted as a miss: %s", error)
+            return None
+
+    def _has_local_block(self, group_id: int, block_hash: bytes) -> bool:
+        pool = self._gpu_block_pool
+        return pool is not None and pool.get_cached_block(block_hash, [group_id]) is not None
 
     # -- allocation and per-step metadata ----------------------------------------
 
@@ -554,14 +572,6 @@ class UMBPScheduler:
         pending = self._pending_lookups.pop(request_id, None)
         if pending is not None:
             pending.answer.cancel()
-
-    def _warn_coordinated_once(self) -> None:
-        if not self._warned_coordinated:
-            self._warned_coordinated = True
-            logger.warning(
-                "umbp: this model's KV cache groups need vLLM's hybrid coordinator for "
-                "external hits, which this umbp version does not drive yet; lookups are off"
-            )
 
 
 def _table(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
