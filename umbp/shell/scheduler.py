@@ -77,6 +77,14 @@ class UMBPScheduler:
             if geometry.coordinated else None
         )
         self._geometry = geometry if self._hybrid is None else self._hybrid.geometry
+        if self._hybrid is not None:
+            # Restores of several cache groups are not yet proven bit-exact on real
+            # engines: never risk a wrong hit. Stores continue, so objects are ready.
+            logger.warning(
+                "umbp: this model has %d KV cache groups (or a non-full-attention group); "
+                "umbp stores its KV but reports no hits until multi-group restores are "
+                "verified exact for it", len(geometry.group_ids),
+            )
         groups = kv_cache_config.kv_cache_groups
         self._boundary_groups = frozenset(
             group_id for group_id, group in enumerate(groups)
@@ -150,7 +158,7 @@ class UMBPScheduler:
     def get_num_new_matched_tokens(self, request: Any, local_tokens: int) -> tuple[int | None, bool]:
         request_id = request.request_id
         store, keyspace = self._store, self._keyspace
-        if store is None or keyspace is None:
+        if store is None or keyspace is None or self._hybrid is not None:
             return 0, False
         hashes = request.block_hashes
         context = _LookupContext(request, local_tokens, request.num_tokens, len(hashes))
