@@ -36,6 +36,7 @@ from umbp.core.identity import KeySpace, RankCoord, RankTopology
 from umbp.core.lookup import LookupGeometry, LookupQuery, build_lookup_query
 from umbp.runtime.lookup_service import LookupClient, LookupService
 from umbp.runtime.pool import SlabPool
+from umbp.testing.table import format_table
 
 KEYS = 1000
 OBJECT_BYTES = 256
@@ -184,12 +185,7 @@ def print_table(rows: Sequence[Row], rounds: int) -> None:
     header = ("mode", "keys", "us/batch", "us/key", "x direct")
     cells = [(LABELS[r.name], str(r.keys), f"{r.us_per_batch:.1f}", f"{r.us_per_key:.3f}",
               f"{r.ratio_to_direct:.2f}") for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
-                    for i, (h, w) in enumerate(zip(header, widths))))
-    for row in cells:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))))
+    print(format_table(header, cells))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

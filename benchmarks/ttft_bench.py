@@ -34,6 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from umbp.testing.table import format_table  # noqa: E402
+
 MODES = ("recomputed", "vllm_hit", "restored")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 8192
@@ -216,12 +218,7 @@ def print_table(results: Sequence[SetResult]) -> None:
          "yes" if r.identical else "NO")
         for r in results
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    print(format_table(header, rows))
     print(f"goal: restored/hit <= {GOAL_RESTORED_OVER_HIT}")
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umbp.testing.table import format_table
+
 DEMO_CAPACITY = 512 << 20
 REPEATS = 3
 
@@ -131,12 +133,7 @@ def _print_table(results: Sequence[PromptResult]) -> None:
          f"{r.ttft_cold / r.ttft_restored:.2f}x", "yes" if r.identical else "NO")
         for i, r in enumerate(results)
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
-    _say(line)
-    _say("-" * len(line))
-    for row in rows:
-        _say("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    _say(format_table(header, rows))
 
 
 if __name__ == "__main__":
