@@ -677,3 +677,23 @@ def test_stored_identities_exclude_every_failed_identity(
     stored = stored_identities(event, StoreEventResult(1, failed))
     assert not set(stored) & failed
     assert set(stored) | (set(event.identities()) & failed) == set(event.identities())
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=30),
+    st.integers(min_value=0, max_value=40 * 32),
+    st.integers(min_value=0, max_value=40 * 32),
+)
+def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
+    table: list[int], start: int, length: int
+) -> None:
+    from umbp.core.lookup import LookupGeometry
+    from umbp.core.plans import NULL_BLOCK_ID, window_block_ids
+
+    geometry = LookupGeometry((0,), (32,), (32,), 32, 32)
+    end = start + length
+    blocks = window_block_ids(geometry, start, end, (tuple(table),))
+    expected = {b for b in table[start // 32 : -(-end // 32)] if b != NULL_BLOCK_ID}
+    assert set(blocks) == expected
+    assert len(blocks) == len(set(blocks))
+    assert NULL_BLOCK_ID not in blocks

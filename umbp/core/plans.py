@@ -61,6 +61,7 @@ __all__ = [
     "stores_this_step",
     "transfer_batch",
     "transfer_batches",
+    "window_block_ids",
 ]
 
 Identity: TypeAlias = tuple[int, bytes]
@@ -144,6 +145,18 @@ def load_batch(
     return Success(
         BlockLoadBatch(request_id, tuple(group_ids), tuple(block_ids), tuple(block_hashes))
     )
+
+
+def window_block_ids(
+    geometry: LookupGeometry, local_tokens: int, end_tokens: int, block_table: BlockTable
+) -> tuple[int, ...]:
+    """The non-null blocks holding tokens ``[local_tokens, end_tokens)`` in any group:
+    what vLLM must recompute when a load cannot even be planned."""
+    blocks: dict[int, None] = {}
+    for block_size, table in zip(geometry.group_block_sizes, block_table):
+        first, last = local_tokens // block_size, -(-end_tokens // block_size)
+        blocks.update(dict.fromkeys(b for b in table[first:last] if b != NULL_BLOCK_ID))
+    return tuple(blocks)
 
 
 def _coordinated_loads(

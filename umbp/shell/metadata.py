@@ -27,6 +27,8 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     # Requests waiting in WAITING_FOR_REMOTE_KVS: vLLM expects them back as finished
     # receives; synchronous loads must not be reported so.
     async_loads: frozenset[str] = frozenset()
+    # Loads that could not be planned: their blocks are reported failed at once.
+    unplanned_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stores: list[StoreBatch] = field(default_factory=list)
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()

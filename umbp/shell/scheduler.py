@@ -112,6 +112,7 @@ class UMBPScheduler:
         self._load_specs: dict[str, LoadSpec] = {}
         self._async_loads: set[str] = set()
         self._pending_loads: dict[str, BlockLoadBatch] = {}
+        self._unplanned_loads: dict[str, tuple[int, ...]] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, core_plans.StoreTracker] = {}
         self._store_events: dict[int, tuple[StoreEvent, StoreEventResult]] = {}
@@ -272,7 +273,12 @@ class UMBPScheduler:
                 self._pending_loads[request_id] = batch
                 self.counters.planned_load_blocks += len(batch.block_ids)
             case Failure(reason):
-                raise RuntimeError(f"umbp load plan for request {request_id}: {reason}")
+                # Cannot happen for a table vLLM allocated for this window; if it does,
+                # the window's blocks are reported failed and vLLM recomputes them.
+                logger.error("umbp load plan for request %s: %s; recomputing", request_id, reason)
+                self._unplanned_loads[request_id] = core_plans.window_block_ids(
+                    self._geometry, spec.local_tokens, spec.external_tokens, block_table
+                )
 
     def build_connector_meta(self, scheduler_output: Any) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
@@ -299,13 +305,13 @@ class UMBPScheduler:
                 reserved.update(transfer.identities())
         # Async loads are admitted without scheduled tokens: forward every plan.
         meta.loads = list(self._pending_loads.values())
-        meta.async_loads = frozenset(
-            batch.request_id for batch in meta.loads if batch.request_id in self._async_loads
-        )
+        meta.unplanned_loads, self._unplanned_loads = self._unplanned_loads, {}
+        loading = [batch.request_id for batch in meta.loads] + list(meta.unplanned_loads)
+        meta.async_loads = frozenset(r for r in loading if r in self._async_loads)
         self._pending_loads.clear()
-        for batch in meta.loads:
-            self._load_specs.pop(batch.request_id, None)
-            self._async_loads.discard(batch.request_id)
+        for request_id in loading:
+            self._load_specs.pop(request_id, None)
+            self._async_loads.discard(request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         for request_id in preempted:
             self._load_specs.pop(request_id, None)
@@ -354,7 +360,7 @@ class UMBPScheduler:
         self, new: Any, scheduler_output: Any, reserved: AbstractSet[tuple[int, bytes]]
     ) -> StoreBatch | None:
         request_id = new.req_id
-        if request_id in self._pending_loads or not self._store_enabled:
+        if not self._store_enabled:
             return None
         request = self._requests.get(request_id)
         if request is None:
@@ -367,7 +373,10 @@ class UMBPScheduler:
         self, request_id: str, index: int, cached: Any, resumed: bool, scheduler_output: Any,
         reserved: AbstractSet[tuple[int, bytes]],
     ) -> StoreBatch | None:
-        if request_id in self._pending_loads or not self._store_enabled:
+        # A request loading synchronously this step is planned too: the load lands
+        # before the forward pass, the store reads after it, and restored blocks
+        # still in the pool are skipped by the residency check.
+        if not self._store_enabled:
             return None
         request = self._requests.get(request_id)
         tracker = self._trackers.get(request_id)
@@ -570,6 +579,7 @@ class UMBPScheduler:
 
     def _forget(self, request_id: str) -> None:
         self._async_loads.discard(request_id)
+        self._unplanned_loads.pop(request_id, None)
         self._pending_loads.pop(request_id, None)
         self._load_specs.pop(request_id, None)
         self._trackers.pop(request_id, None)

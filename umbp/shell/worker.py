@@ -113,16 +113,23 @@ class UMBPWorker:
         return UMBPHandshake(self.namespace, self._rank, self._embedded.address)
 
     def start_loads(self, meta: UMBPConnectorMetadata) -> None:
+        for request_id, block_ids in meta.unplanned_loads.items():
+            self._record_load(request_id, set(block_ids), request_id in meta.async_loads)
         for transfer in meta.loads:
             started = time.perf_counter()
             failed_blocks = self._load(transfer)
             self.counters.load_seconds += time.perf_counter() - started
-            with self._lock:
-                self._load_error_blocks.update(failed_blocks)
-                if transfer.request_id in meta.async_loads:
-                    self._finished_loads.add(transfer.request_id)
-                    if failed_blocks:
-                        self._failed_loads.add(transfer.request_id)
+            self._record_load(
+                transfer.request_id, failed_blocks, transfer.request_id in meta.async_loads
+            )
+
+    def _record_load(self, request_id: str, failed_blocks: set[int], is_async: bool) -> None:
+        with self._lock:
+            self._load_error_blocks.update(failed_blocks)
+            if is_async:
+                self._finished_loads.add(request_id)
+                if failed_blocks:
+                    self._failed_loads.add(request_id)
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
         if meta.store_event is None:
