@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
 from umbp.shell.scheduler import UMBPScheduler
+from umbp.shell.stats import StatsDelta, UMBPConnectorStats
 from umbp.shell.worker import UMBPWorker
 
 logger = logging.getLogger("umbp")
@@ -49,6 +50,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         config = connector_config(vllm_config)
         self._scheduler: UMBPScheduler | None = None
         self._worker: UMBPWorker | None = None
+        self._stats = StatsDelta("worker_" if role == KVConnectorRole.WORKER else "scheduler_")
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
             self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, config)
@@ -99,6 +101,15 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_error_blocks()
+
+    def get_kv_connector_stats(self) -> UMBPConnectorStats | None:
+        if self._worker is not None:
+            return self._stats.take(self._worker.counters)
+        return self._stats.take(self.scheduler.counters)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UMBPConnectorStats:
+        return UMBPConnectorStats(data=dict(data or {}))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_worker_metadata()

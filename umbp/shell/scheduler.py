@@ -63,6 +63,7 @@ class SchedulerCounters:
     queried_tokens: int = 0
     planned_load_blocks: int = 0
     planned_store_blocks: int = 0
+    kv_events_suppressed: int = 0
 
 
 class UMBPScheduler:
@@ -550,7 +551,9 @@ class UMBPScheduler:
     def take_events(self) -> list[Any]:
         if self._kv_events is None:
             return []
-        return self._kv_events.take(self._store, self._keyspace)
+        events = self._kv_events.take(self._store, self._keyspace)
+        self.counters.kv_events_suppressed = self._kv_events.suppressed
+        return events
 
     def has_pending_push_work(self) -> bool:
         return bool(self._store_events) or bool(self._pending_finished_stores) or (

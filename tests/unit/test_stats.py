@@ -1,0 +1,37 @@
+"""Counters reach vLLM's KV-connector stats as deltas that add up across workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from umbp.shell.stats import StatsDelta, UMBPConnectorStats
+
+
+@dataclass
+class _Counters:
+    loaded_blocks: int = 0
+    load_failures: dict[str, int] = field(default_factory=dict)
+
+
+def test_each_report_carries_only_what_changed_since_the_last() -> None:
+    counters = _Counters()
+    delta = StatsDelta("worker_")
+    assert delta.take(counters) is None
+    counters.loaded_blocks = 5
+    counters.load_failures["corrupt"] = 1
+    first = delta.take(counters)
+    assert first is not None
+    assert first.data == {"worker_loaded_blocks": 5.0, "worker_load_failures_corrupt": 1.0}
+    counters.loaded_blocks = 7
+    second = delta.take(counters)
+    assert second is not None and second.data == {"worker_loaded_blocks": 2.0}
+    assert delta.take(counters) is None
+
+
+def test_reports_of_several_workers_add_up() -> None:
+    total = UMBPConnectorStats(data={"worker_loaded_blocks": 2.0})
+    total.aggregate(UMBPConnectorStats(data={"worker_loaded_blocks": 3.0, "worker_stored_blocks": 1.0}))
+    assert total.reduce() == {"worker_loaded_blocks": 5.0, "worker_stored_blocks": 1.0}
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty()
