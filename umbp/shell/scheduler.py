@@ -443,7 +443,8 @@ class UMBPScheduler:
         return batch
 
     def _store_mask(self, request: Any, group_id: int, indices: range) -> tuple[bool, ...] | None:
-        """vLLM's own rule for which blocks it can later reuse (sliding windows)."""
+        """vLLM's own rule for which blocks it can later reuse (sliding windows),
+        with the boundaries vLLM's ``cache_blocks`` passes it."""
         if not indices:
             return ()
         from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -459,6 +460,11 @@ class UMBPScheduler:
             kv_cache_spec=spec,
             use_eagle=self._geometry.use_eagle,
             retention_interval=self._kv_cache_config.prefix_cache_retention_interval,
+            # Without them a sparse-retention group (sliding window, retention
+            # interval 0) keeps no block at all, so nothing it stores can hit.
+            reachable_boundaries=vllm_compat.reachable_boundaries(
+                request, self._geometry.block_size, self._geometry.use_eagle
+            ),
             dcp_world_size=self._topology.dcp_size,
         )
         return None if mask is None else tuple(bool(m) for m in mask)

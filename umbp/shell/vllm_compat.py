@@ -200,3 +200,22 @@ def is_align_mamba(spec: Any) -> bool:
 def is_sparse_indexer(spec: Any) -> bool:
     role = getattr(spec, "cache_role", None)
     return role is not None and getattr(role, "name", "") == "INDEXER"
+
+
+def reachable_boundaries(request: Any, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
+    """Token positions a later request can resume this prompt at, as vLLM's own
+    ``cache_blocks`` hands them to ``reachable_block_mask``: the replay boundaries
+    of the prompt (``replay_boundaries``) and the shared-prefix junction vLLM
+    detected, if any. With sparse retention (``prefix_cache_retention_interval``
+    0, the default) a sliding-window or Mamba group keeps blocks only at these
+    boundaries; without them its mask keeps nothing."""
+    from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+
+    num_prompt_tokens = getattr(request, "num_prompt_tokens", None)
+    if num_prompt_tokens is None:
+        return ()
+    boundaries = list(replay_boundaries(int(num_prompt_tokens), scheduler_block_size, use_eagle))
+    junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
+    if junction > 0:
+        boundaries.append(junction)
+    return tuple(boundaries)
