@@ -152,3 +152,20 @@ def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -
     assert announced_a <= removed, "an eviction of a published object was not announced"
     stored_total = {h for e in after_b["events"] if e["type"] == "BlockStored" for h in e["hashes"]}
     assert removed <= stored_total | announced_a, "removed an object never announced"
+
+
+def test_tensor_parallel_2_restores_each_ranks_shard_with_identical_tokens(llama_fp32: str) -> None:
+    # Workers in their own processes, each owning its rank's pool; the scheduler asks
+    # both pools over their lookup sockets and a block hits only if both ranks have it.
+    report = run_scenario(
+        _scenario(llama_fp32, block_size=32, dtype="float32", connector=EMBEDDED,
+                  multiprocess=True, steps=["generate", "reset", "generate"],
+                  engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    (baseline,), (first, reset, restored) = report["engines"]
+    assert reset["ok"]
+    assert first["tokens"] == baseline["tokens"]
+    assert restored["tokens"] == baseline["tokens"]
+    for prompt, cached in zip(_prompts(), restored["cached"]):
+        assert (cached > 0) == (len(prompt) > 32)

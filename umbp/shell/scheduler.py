@@ -78,15 +78,14 @@ class UMBPScheduler:
             if geometry.coordinated else None
         )
         self._geometry = geometry if self._hybrid is None else self._hybrid.geometry
-        if self._hybrid is not None:
-            # Restores of several cache groups are not yet proven bit-exact on real
-            # engines: never risk a wrong hit. Stores continue, so objects are ready.
-            logger.warning(
-                "umbp: this model has %d KV cache groups (or a non-full-attention group); "
-                "umbp stores its KV but reports no hits until multi-group restores are "
-                "verified exact for it", len(geometry.group_ids),
-            )
         groups = kv_cache_config.kv_cache_groups
+        # The drafter recomputes the last block of its groups: their masks drop it.
+        explicit_eagle = frozenset(
+            g for g, group in enumerate(groups) if getattr(group, "is_eagle_group", False)
+        )
+        self._eagle_store_groups = explicit_eagle or (
+            frozenset(self._geometry.group_ids) if self._geometry.use_eagle else frozenset()
+        )
         self._boundary_groups = frozenset(
             group_id for group_id, group in enumerate(groups)
             if vllm_compat.is_align_mamba(group.kv_cache_spec)
@@ -160,7 +159,7 @@ class UMBPScheduler:
     def get_num_new_matched_tokens(self, request: Any, local_tokens: int) -> tuple[int | None, bool]:
         request_id = request.request_id
         store, keyspace = self._store, self._keyspace
-        if store is None or keyspace is None or self._hybrid is not None:
+        if store is None or keyspace is None:
             return 0, False
         hashes = request.block_hashes
         context = _LookupContext(request, local_tokens, request.num_tokens, len(hashes))
@@ -458,7 +457,7 @@ class UMBPScheduler:
             end_block=indices.stop,
             alignment_tokens=self._geometry.block_size,
             kv_cache_spec=spec,
-            use_eagle=self._geometry.use_eagle,
+            use_eagle=group_id in self._eagle_store_groups,
             retention_interval=self._kv_cache_config.prefix_cache_retention_interval,
             # Without them a sparse-retention group (sliding window, retention
             # interval 0) keeps no block at all, so nothing it stores can hit.
