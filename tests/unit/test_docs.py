@@ -24,3 +24,14 @@ def test_readme_first_screen_gives_the_demo_and_test_commands() -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_model_support_matrix_names_only_tests_that_exist() -> None:
+    import re
+
+    matrix = (REPO / "docs" / "models.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", matrix)
+    assert named, "docs/models.md names no tests"
+    for path, test in named:
+        source = (REPO / path).read_text()
+        assert f"def {test}(" in source, f"docs/models.md names a missing test {path}::{test}"
