@@ -109,14 +109,17 @@ def _to_vllm(event: core_events.KvEvent) -> Any:
         return BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=event.group_id,
                             locality="LOCAL")
     parent = event.parent_block_hash
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-        token_ids=list(event.token_ids),
-        block_size=event.block_size,
-        lora_id=None,
-        medium=event.medium,
-        lora_name=None,
-        group_idx=event.group_id,
-        locality="LOCAL",
-    )
+    fields: dict[str, Any] = {
+        "block_hashes": hashes,
+        "parent_block_hash": None if parent is None else maybe_convert_block_hash(parent),
+        "token_ids": list(event.token_ids),
+        "block_size": event.block_size,
+        "lora_id": None,
+        "medium": event.medium,
+        "lora_name": None,
+        "group_idx": event.group_id,
+        "locality": "LOCAL",
+    }
+    if "lookahead_token_ids" in getattr(BlockStored, "__struct_fields__", ()):
+        fields["lookahead_token_ids"] = []  # vLLM 0.33: a stored block has no lookahead
+    return BlockStored(**fields)
