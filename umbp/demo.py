@@ -6,6 +6,10 @@ time to first token when the prefix is recomputed, when vLLM's own prefix
 cache hits, and when vLLM's cache is empty and umbp restores the prefix. It
 checks that restored generations are token-for-token identical to recomputed
 ones and reports what the pool holds.
+
+The embedded pool lives inside the engine and goes away with it, so "restored"
+means: the same engine with vLLM's own prefix cache emptied
+(``reset_prefix_cache()``), where only umbp can serve the prefix.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def run_demo(workdir: str | None, prompts: int, prefix_tokens: int) -> int:
             identical=list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids),
         ))
     stats = [pool.stats() for pool in local_pools()]
-    _say("[4/4] results\n")
+    _say("[4/4] results (TTFT umbp: vLLM's own prefix cache emptied first, so only umbp "
+         "can serve the prefix)\n")
     _print_table(results)
     objects = sum(s.objects for s in stats)
     used = sum(s.used_bytes for s in stats)
