@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,35 @@ def _median_seconds(action: Callable[[], Any], before: Callable[[], Any] | None 
     return statistics.median(samples)
 
 
+def _generate(llm: Any, prompt: Sequence[int], max_tokens: int, recompute: bool = False) -> Any:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False,
+                            ignore_eos=True, skip_reading_prefix_cache=recompute or None)
+    return llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params,
+                        use_tqdm=False)[0]
+
+
+def _measure(llm: Any, prompt: Sequence[int]) -> PromptResult:
+    """TTFT recomputed, on vLLM's own hit and restored from umbp; outputs compared."""
+    reference = _generate(llm, prompt, 16, recompute=True)  # also stores it in umbp
+    ttft_cold = _median_seconds(partial(_generate, llm, prompt, 1, recompute=True))
+    ttft_hit = _median_seconds(partial(_generate, llm, prompt, 1))
+    ttft_restored = _median_seconds(partial(_generate, llm, prompt, 1),
+                                    before=llm.reset_prefix_cache)
+    llm.reset_prefix_cache()
+    restored = _generate(llm, prompt, 16)
+    return PromptResult(
+        tokens=len(prompt),
+        restored=int(restored.num_cached_tokens or 0),
+        ttft_cold=ttft_cold,
+        ttft_restored=ttft_restored,
+        ttft_vllm_hit=ttft_hit,
+        identical=list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids),
+    )
+
+
 def run_demo(workdir: str | None, prompts: int, prefix_tokens: int) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # pool stats in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -74,9 +104,6 @@ def run_demo(workdir: str | None, prompts: int, prefix_tokens: int) -> int:
     model_dir = str(write_random_model(recipe, root / "llama-random"))
     _say("[2/4] starting a vLLM engine with umbp (embedded pool, "
          f"{DEMO_CAPACITY >> 20} MiB); importing vLLM takes ~10 s ...")
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from umbp.runtime.embedded import local_pools
     from umbp.testing.engine import make_llm
 
@@ -89,31 +116,10 @@ def run_demo(workdir: str | None, prompts: int, prefix_tokens: int) -> int:
     _say(f"      engine ready in {time.perf_counter() - started:.1f} s")
     batch = _demo_prompts(prompts, prefix_tokens, vocab=500)
 
-    def run(prompt: Sequence[int], max_tokens: int, recompute: bool = False) -> Any:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False,
-                                ignore_eos=True, skip_reading_prefix_cache=recompute or None)
-        return llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params,
-                            use_tqdm=False)[0]
-
-    run(batch[0][:64], 1, recompute=True)  # warm-up: first-call costs are not the prefix's
+    _generate(llm, batch[0][:64], 1, recompute=True)  # warm-up: first-call costs
     _say(f"[3/4] serving {len(batch)} prompts of {len(batch[0])} tokens "
          f"({prefix_tokens}-token document prefixes), {REPEATS} timings each ...")
-    results = []
-    for prompt in batch:
-        reference = run(prompt, 16, recompute=True)  # also stores the prefix in umbp
-        ttft_cold = _median_seconds(lambda: run(prompt, 1, recompute=True))
-        ttft_hit = _median_seconds(lambda: run(prompt, 1))
-        ttft_restored = _median_seconds(lambda: run(prompt, 1), before=llm.reset_prefix_cache)
-        llm.reset_prefix_cache()
-        restored = run(prompt, 16)
-        results.append(PromptResult(
-            tokens=len(prompt),
-            restored=int(restored.num_cached_tokens or 0),
-            ttft_cold=ttft_cold,
-            ttft_restored=ttft_restored,
-            ttft_vllm_hit=ttft_hit,
-            identical=list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids),
-        ))
+    results = [_measure(llm, prompt) for prompt in batch]
     stats = [pool.stats() for pool in local_pools()]
     _say("[4/4] results (TTFT umbp: vLLM's own prefix cache emptied first, so only umbp "
          "can serve the prefix)\n")

@@ -3,11 +3,10 @@ umbp.testing.scenario). Models are written once per test session."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from umbp.testing.models import ModelRecipe, llama_recipe, write_random_model
+
 
 def _model(tmp_path_factory: pytest.TempPathFactory, name: str, recipe: ModelRecipe) -> str:
     return str(write_random_model(recipe, tmp_path_factory.getbasetemp() / name))
