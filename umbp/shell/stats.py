@@ -27,14 +27,28 @@ class UMBPConnectorStats(KVConnectorStats):
 
 
 def flat_counters(counters: Any) -> dict[str, float]:
-    """A counters dataclass as flat numbers (nested dicts become name_key)."""
+    """A counters dataclass as flat numbers (nested dicts become name_key).
+
+    Runs every engine step for each role: reads the fields directly rather than
+    through ``dataclasses.asdict``, which deep-copies."""
     flat: dict[str, float] = {}
-    for name, value in dataclasses.asdict(counters).items():
+    for name in _field_names(type(counters)):
+        value = getattr(counters, name)
         if isinstance(value, dict):
             flat.update({f"{name}_{key}": float(v) for key, v in value.items()})
         else:
             flat[name] = float(value)
     return flat
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 class StatsDelta:
@@ -46,6 +60,8 @@ class StatsDelta:
 
     def take(self, counters: Any) -> UMBPConnectorStats | None:
         current = flat_counters(counters)
+        if current == self._previous:
+            return None
         delta = {
             f"{self._prefix}{name}": value - self._previous.get(name, 0.0)
             for name, value in current.items()
