@@ -1,6 +1,6 @@
 """SlabPool throughput against plain memcpy, measured side by side in one run.
 
-    python benchmarks/pool_bench.py [--json FILE] [--gib 1.0] [--repeats 5]
+    python benchmarks/pool_bench.py [--json FILE] [--gib 1.0] [--repeats 5] [--quick]
 
 For 64 KiB and 1 MiB objects it moves `--gib` GiB through `SlabPool.put_batch` and
 `SlabPool.get_batch_into` (checksums included), and copies the same bytes with numpy, object
@@ -67,7 +67,11 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB moved per case")
     parser.add_argument("--repeats", type=int, default=5, help="passes per figure (best)")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="1/8 GiB per case, 2 passes")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.gib, arguments.repeats = min(arguments.gib, 0.125), min(arguments.repeats, 2)
+    return arguments
 
 
 def prefaulted(objects: int, object_bytes: int) -> Any:

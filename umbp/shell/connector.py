@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
 from umbp.shell.scheduler import UMBPScheduler
-from umbp.shell.stats import StatsDelta, UMBPConnectorStats
+from umbp.shell.stats import StatsDelta, UMBPConnectorStats, UMBPPromMetrics
 from umbp.shell.worker import UMBPWorker
 
 logger = logging.getLogger("umbp")
@@ -110,6 +110,16 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UMBPConnectorStats:
         return UMBPConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UMBPPromMetrics:
+        return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_worker_metadata()

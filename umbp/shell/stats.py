@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 
 @dataclasses.dataclass
@@ -27,14 +30,28 @@ class UMBPConnectorStats(KVConnectorStats):
 
 
 def flat_counters(counters: Any) -> dict[str, float]:
-    """A counters dataclass as flat numbers (nested dicts become name_key)."""
+    """A counters dataclass as flat numbers (nested dicts become name_key).
+
+    Runs every engine step for each role: reads the fields directly rather than
+    through ``dataclasses.asdict``, which deep-copies."""
     flat: dict[str, float] = {}
-    for name, value in dataclasses.asdict(counters).items():
+    for name in _field_names(type(counters)):
+        value = getattr(counters, name)
         if isinstance(value, dict):
             flat.update({f"{name}_{key}": float(v) for key, v in value.items()})
         else:
             flat[name] = float(value)
     return flat
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 class StatsDelta:
@@ -46,6 +63,8 @@ class StatsDelta:
 
     def take(self, counters: Any) -> UMBPConnectorStats | None:
         current = flat_counters(counters)
+        if current == self._previous:
+            return None
         delta = {
             f"{self._prefix}{name}": value - self._previous.get(name, 0.0)
             for name, value in current.items()
@@ -53,3 +72,65 @@ class StatsDelta:
         }
         self._previous = current
         return UMBPConnectorStats(data=delta) if delta else None
+
+
+# -- Prometheus -------------------------------------------------------------------
+
+# What the counters mean, by the key they carry in the stats (role prefix + field).
+COUNTER_DOCS: dict[str, str] = {
+    "worker_loaded_blocks": "KV blocks restored from the umbp pool into vLLM's KV cache",
+    "worker_loaded_bytes": "bytes restored from the umbp pool",
+    "worker_stored_blocks": "KV blocks written to the umbp pool",
+    "worker_stored_bytes": "bytes written to the umbp pool",
+    "worker_store_failures": "KV blocks the umbp pool did not accept",
+    "worker_load_seconds": "seconds spent restoring from the umbp pool",
+    "worker_store_seconds": "seconds spent storing to the umbp pool",
+    "scheduler_lookups": "requests looked up in the umbp pool",
+    "scheduler_lookup_failures": "umbp lookups that failed and counted as a miss",
+    "scheduler_hit_tokens": "prompt tokens umbp offered to restore",
+    "scheduler_queried_tokens": "prompt tokens looked up in umbp (beyond vLLM's own hits)",
+    "scheduler_planned_load_blocks": "KV blocks umbp planned to restore",
+    "scheduler_planned_store_blocks": "KV blocks umbp planned to store",
+    "scheduler_kv_events_suppressed": "umbp KV events not published (tracking bound reached)",
+}
+LOAD_FAILURES_KEY = "worker_load_failures_"
+LOAD_FAILURE_REASONS = ("missing", "corrupt", "size_mismatch", "unavailable")
+
+
+class UMBPPromMetrics(KVConnectorPromMetrics):
+    """umbp's counters as Prometheus counters ``umbp_<role>_<counter>_total`` with
+    vLLM's label names (failed loads also by ``reason``). ``observe`` receives the
+    summed deltas the workers and the scheduler reported."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, documentation in COUNTER_DOCS.items():
+            metric = self._counter_cls(name=f"umbp_{key}", documentation=documentation,
+                                       labelnames=labelnames)
+            self._counters[key] = {
+                engine: metric.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+            }
+        failures = self._counter_cls(
+            name="umbp_worker_load_failures",
+            documentation="KV blocks whose restore failed (vLLM recomputed them), by reason",
+            labelnames=[*labelnames, "reason"],
+        )
+        for reason in LOAD_FAILURE_REASONS:
+            self._counters[LOAD_FAILURES_KEY + reason] = {
+                engine: failures.labels(*values, reason)
+                for engine, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            counter = self._counters.get(key, {}).get(engine_idx)
+            if counter is not None and value > 0:
+                counter.inc(value)
