@@ -128,6 +128,31 @@ def test_bad_config_fails_engine_start_naming_the_key(llama_fp32: str) -> None:
     assert not third["started"] and "load_async" in third["error"]
 
 
+def test_unsupported_setups_fail_engine_start_saying_what_to_change(llama_fp32: str) -> None:
+    # Prefix caching switched off by the user: umbp keys blocks by vLLM's block hashes.
+    # Pipeline parallelism (2 worker processes): not supported by this version.
+    spec = {
+        "model_dir": llama_fp32,
+        "engine": {"block_size": 32},
+        "bad_starts": [
+            {"connector": EMBEDDED, "engine": {"enable_prefix_caching": False}},
+            {"connector": EMBEDDED,
+             "engine": {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}},
+        ],
+    }
+    no_prefix_cache, pipeline = run_scenario(
+        spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    )["bad_starts"]
+    assert not no_prefix_cache["started"]
+    assert no_prefix_cache["error"].startswith("ValueError: umbp needs vLLM's prefix caching")
+    assert "enable prefix caching" in no_prefix_cache["error"]
+    assert not pipeline["started"]
+    assert "umbp does not support pipeline parallelism (pipeline_parallel_size=2)" in (
+        pipeline["error"]
+    )
+    assert "set pipeline_parallel_size=1" in pipeline["error"]
+
+
 def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -> None:
     # 8 objects fit. Set A (3 blocks) is stored and announced; set B (40 blocks)
     # then evicts it, and the evictions the pool made on its own are announced too.
