@@ -179,18 +179,29 @@ def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -
     assert removed <= stored_total | announced_a, "removed an object never announced"
 
 
-def test_tensor_parallel_2_restores_each_ranks_shard_with_identical_tokens(llama_fp32: str) -> None:
+def test_tensor_parallel_2_restores_each_ranks_shard_and_one_missing_rank_makes_a_miss(
+    llama_fp32: str,
+) -> None:
     # Workers in their own processes, each owning its rank's pool; the scheduler asks
     # both pools over their lookup sockets and a block hits only if both ranks have it.
+    # Then rank 1's pool is emptied (rank 0 keeps everything): nothing may be restored.
+    steps = ["generate", "reset", "generate", "clear_tp_rank_1", "reset", "generate"]
     report = run_scenario(
         _scenario(llama_fp32, block_size=32, dtype="float32", connector=EMBEDDED,
-                  multiprocess=True, steps=["generate", "reset", "generate"],
+                  multiprocess=True, steps=steps,
                   engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    (baseline,), (first, reset, restored) = report["engines"]
-    assert reset["ok"]
+    (baseline,), (first, reset, restored, cleared, reset_again, after) = report["engines"]
+    assert reset["ok"] and reset_again["ok"]
     assert first["tokens"] == baseline["tokens"]
     assert restored["tokens"] == baseline["tokens"]
     for prompt, cached in zip(_prompts(), restored["cached"]):
         assert (cached > 0) == (len(prompt) > 32)
+    rank0_dropped, rank1_dropped = cleared["dropped_per_worker"]
+    assert rank0_dropped == 0 and rank1_dropped > 0
+    assert after["tokens"] == baseline["tokens"]
+    # Exactly what the cold first round got from vLLM's own cache (siblings in the
+    # batch share the first prompt's blocks): umbp restored nothing.
+    assert after["cached"] == first["cached"], "a block missing on rank 1 was restored"
+    assert after["cached"][0] == 0 and after["cached"][3] == 0
