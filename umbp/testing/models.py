@@ -107,3 +107,40 @@ def deepseek_v2_recipe(*, hidden_size: int = 128, layers: int = 2, heads: int = 
             "tie_word_embeddings": False,
         },
     )
+
+
+def write_random_eagle_draft(target: ModelRecipe, directory: Path, *, seed: int = 4321) -> Path:
+    """A one-layer EAGLE draft for a llama ``target`` in vLLM's Llama EAGLE layout
+    (``EagleLlamaForCausalLM``): the target's hidden size and vocabulary, an ``fc``
+    projection of [embedding, target hidden state], no input norm on its first layer,
+    no final norm; the target's ``lm_head`` is shared. Random weights; written once."""
+    directory = Path(directory)
+    marker = directory / _DONE_MARKER
+    identity = {"eagle_draft_of": target.identity(), "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == identity:
+        return directory
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(
+        target.model_type, **{**target.fields, "num_hidden_layers": 1},
+        initializer_range=0.1, torch_dtype=target.dtype,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    dtype = getattr(torch, target.dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    weights = {
+        name.removeprefix("model."): tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if name.startswith("model.layers.") or name == "model.embed_tokens.weight"
+        if name != "model.layers.0.input_layernorm.weight"
+    }
+    hidden = int(config.hidden_size)
+    weights["fc.weight"] = (torch.randn(hidden, 2 * hidden) * 0.1).to(dtype)
+    save_file(weights, str(directory / "model.safetensors"))
+    config.save_pretrained(directory)
+    marker.write_text(json.dumps(identity))
+    return directory
