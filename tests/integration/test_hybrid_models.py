@@ -26,7 +26,7 @@ import pytest
 
 from tests.integration.harness import run_scenario
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
-from umbp.testing.hybrid_models import gemma3_text_recipe, lfm2_recipe
+from umbp.testing.hybrid_models import gemma3_text_recipe, lfm2_recipe, qwen3_next_recipe
 from umbp.testing.models import write_random_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -93,3 +93,33 @@ def test_lfm2_restores_a_shared_prefix_junction_state(lfm2_model: str) -> None:
     first, second, third = shared_prefix_prompts(3, 200, 57)
     report = run_scenario(_scenario(lfm2_model, [first, second], "generate_b", [third]))
     _check(report, [192])
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = Path(tmp_path_factory.getbasetemp()) / "qwen3-next"
+    return str(write_random_model(qwen3_next_recipe(), directory))
+
+
+def test_qwen3_next_linear_attention_states_restore_with_identical_tokens(
+    qwen3_next_model: str,
+) -> None:
+    # vLLM raises the block to 288 tokens: a 700-token prompt restores two blocks,
+    # the gated delta-net state at 576 and the attention pages before it.
+    prompt = unique_prompts(1, 700, seed=3)
+    spec = _scenario(qwen3_next_model, prompt, "generate")
+    spec["engine"]["dtype"] = "bfloat16"
+    _check(run_scenario(spec), [576])
+
+
+def test_lfm2_restores_a_shorter_shared_prefix_with_retention_interval_and_chunked_prefill(
+    lfm2_model: str,
+) -> None:
+    # With prefix_cache_retention_interval=64 and 64-token chunks, vLLM hands off a
+    # Mamba state every 64 tokens; a prompt sharing 200 tokens with a stored one
+    # resumes from the state at 192, as vLLM's own cache would.
+    first = unique_prompts(1, 300, seed=41)[0]
+    second = first[:200] + unique_prompts(1, 90, seed=43)[0]
+    spec = _scenario(lfm2_model, [first], "generate_b", prompts_b=[second])
+    spec["engine"].update({"prefix_cache_retention_interval": 64, "max_num_batched_tokens": 64})
+    _check(run_scenario(spec), [192])

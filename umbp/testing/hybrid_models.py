@@ -87,3 +87,38 @@ def lfm2_recipe(
         },
         dtype=dtype,
     )
+
+
+def qwen3_next_recipe(*, hidden_size: int = 128, vocab: int = 512,
+                      max_positions: int = 4096) -> ModelRecipe:
+    """Qwen3-Next: a gated delta-net linear-attention layer (a Mamba-style state in
+    vLLM, "align" mode) and a full-attention layer, with a tiny mixture of experts.
+    vLLM needs bfloat16 and linear head dim 128 on CPU, and raises the block size
+    so that one attention page matches the state page (288 tokens here)."""
+    return ModelRecipe(
+        "qwen3_next",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+        dtype="bfloat16",
+    )
