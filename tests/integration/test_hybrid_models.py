@@ -26,7 +26,12 @@ import pytest
 
 from tests.integration.harness import run_scenario
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
-from umbp.testing.hybrid_models import gemma3_text_recipe, lfm2_recipe, qwen3_next_recipe
+from umbp.testing.hybrid_models import (
+    gemma3_text_recipe,
+    lfm2_recipe,
+    llama4_text_recipe,
+    qwen3_next_recipe,
+)
 from umbp.testing.models import write_random_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -123,3 +128,16 @@ def test_lfm2_restores_a_shorter_shared_prefix_with_retention_interval_and_chunk
     spec = _scenario(lfm2_model, [first], "generate_b", prompts_b=[second])
     spec["engine"].update({"prefix_cache_retention_interval": 64, "max_num_batched_tokens": 64})
     _check(run_scenario(spec), [192])
+
+
+@pytest.fixture(scope="session")
+def llama4_text_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = Path(tmp_path_factory.getbasetemp()) / "llama4-text"
+    return str(write_random_model(llama4_text_recipe(), directory))
+
+
+def test_llama4_chunked_attention_restores_with_identical_tokens(llama4_text_model: str) -> None:
+    # Chunked local attention (64-token chunks) + full attention: the restore reaches
+    # what vLLM's own prefix cache reaches for the same prompts (288 of 300 tokens).
+    spec = _scenario(llama4_text_model, unique_prompts(2, 300, seed=3), "generate")
+    _check(run_scenario(spec), [288, 288])

@@ -122,3 +122,31 @@ def qwen3_next_recipe(*, hidden_size: int = 128, vocab: int = 512,
         },
         dtype="bfloat16",
     )
+
+
+def llama4_text_recipe(*, hidden_size: int = 128, chunk: int = 64, vocab: int = 512,
+                       max_positions: int = 4096) -> ModelRecipe:
+    """Llama 4 text: a chunked local-attention layer (attention within 64-token
+    chunks) and a full-attention layer; dense MLPs (no MoE layers)."""
+    return ModelRecipe(
+        "llama4_text",
+        {
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "intermediate_size_mlp": 2 * hidden_size,
+            "num_hidden_layers": 2,
+            "layer_types": ["chunked_attention", "full_attention"],
+            "no_rope_layers": [1, 0],
+            "attention_chunk_size": chunk,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": hidden_size // 4,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_layers": [],
+            "interleave_moe_layer_step": 0,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": False,
+        },
+    )
