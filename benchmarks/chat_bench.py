@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -33,10 +32,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from umbp.testing.engine_processes import EngineProcesses
 from umbp.testing.table import format_table
 
 BLOCK_SIZE = 32
@@ -200,38 +199,19 @@ def serve_engine(name: str, model_dir: str, workload: Workload, threads: int,
     del llm
 
 
-class Engines:
+class Engines(EngineProcesses):
     def __init__(self, model_dir: str, workload: Workload, threads: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conns: dict[str, Connection] = {}
-        self._procs: list[Any] = []
-        for name in ENGINES:
-            parent, child = context.Pipe()
-            proc = context.Process(target=serve_engine,
-                                   args=(name, model_dir, workload, threads, child), daemon=True)
-            proc.start()
-            if parent.recv() != "ready":
-                raise RuntimeError(f"engine {name} did not start")
-            self.conns[name] = parent
-            self._procs.append(proc)
+        super().__init__(ENGINES, serve_engine, (model_dir, workload, threads))
 
     def run(self, name: str, prompts: list[list[int]]) -> BatchRun:
-        self.conns[name].send(("run", prompts))
-        result = self.conns[name].recv()
+        result = self.call(name, "run", prompts)
         assert isinstance(result, BatchRun)
         return result
 
     def pool(self, name: str) -> dict[str, int]:
-        self.conns[name].send(("pool",))
-        result = self.conns[name].recv()
+        result = self.call(name, "pool")
         assert isinstance(result, dict)
         return result
-
-    def close(self) -> None:
-        for conn in self.conns.values():
-            conn.send(("stop",))
-        for proc in self._procs:
-            proc.join(timeout=60)
 
 
 # ------------------------------------------------------------------ workload

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -43,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from umbp.testing.engine_processes import EngineProcesses
 from umbp.testing.table import format_table
 
 BLOCK_SIZE = 32
@@ -151,38 +151,19 @@ def umbp_counters(connector: Any) -> dict[str, float]:
 # ------------------------------------------------------------------ driving
 
 
-class Engines:
+class Engines(EngineProcesses):
     def __init__(self, model_dir: str, threads: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conns: dict[str, Connection] = {}
-        self._procs: list[Any] = []
-        for name in ENGINES:  # started one after the other: start-up is CPU-bound
-            parent, child = context.Pipe()
-            proc = context.Process(target=serve_engine, args=(name, model_dir, threads, child),
-                                   daemon=True)
-            proc.start()
-            if parent.recv() != "ready":
-                raise RuntimeError(f"engine {name} did not start")
-            self._conns[name] = parent
-            self._procs.append(proc)
+        super().__init__(ENGINES, serve_engine, (model_dir, threads))
 
     def run(self, name: str, prompts: list[list[int]], max_tokens: int) -> PhaseRun:
-        self._conns[name].send(("run", prompts, max_tokens))
-        result = self._conns[name].recv()
+        result = self.call(name, "run", prompts, max_tokens)
         assert isinstance(result, PhaseRun)
         return result
 
     def counters(self, name: str) -> dict[str, float]:
-        self._conns[name].send(("counters",))
-        result = self._conns[name].recv()
+        result = self.call(name, "counters")
         assert isinstance(result, dict)
         return result
-
-    def close(self) -> None:
-        for conn in self._conns.values():
-            conn.send(("stop",))
-        for proc in self._procs:
-            proc.join(timeout=60)
 
 
 def unique(rng: random.Random, count: int, tokens: int) -> list[list[int]]:
