@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from umbp.runtime.contract import LoadStatus
 from umbp.shell.connector import UMBPStoreConnector
 from umbp.shell.scheduler import SchedulerCounters
-from umbp.shell.stats import COUNTER_DOCS, LOAD_FAILURE_REASONS, flat_counters
+from umbp.shell.stats import COUNTER_DOCS, GAUGE_DOCS, LOAD_FAILURE_REASONS, flat_counters
 from umbp.shell.worker import WorkerCounters
 
 LABELS = ["model_name", "engine"]
@@ -21,7 +21,11 @@ def _metric_types(registry: CollectorRegistry) -> dict[type[Any], type[Any]]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, registry=registry, **kwargs)
 
-    return {Gauge: Gauge, Counter: RegisteredCounter, Histogram: Histogram}
+    class RegisteredGauge(Gauge):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    return {Gauge: RegisteredGauge, Counter: RegisteredCounter, Histogram: Histogram}
 
 
 def _metrics(registry: CollectorRegistry) -> Any:
@@ -34,7 +38,8 @@ def _metrics(registry: CollectorRegistry) -> Any:
 def test_every_counter_has_a_metric() -> None:
     keys = {f"worker_{k}" for k in flat_counters(WorkerCounters())}
     keys |= {f"scheduler_{k}" for k in flat_counters(SchedulerCounters())}
-    assert keys == set(COUNTER_DOCS)
+    assert keys == set(COUNTER_DOCS) | set(GAUGE_DOCS)
+    assert not set(COUNTER_DOCS) & set(GAUGE_DOCS)
     assert set(LOAD_FAILURE_REASONS) == {s.name.lower() for s in LoadStatus if s is not LoadStatus.HIT}
 
 
@@ -54,3 +59,13 @@ def test_observe_adds_deltas_per_engine_with_vllm_labels() -> None:
     assert value("umbp_worker_load_failures_total", "0", reason="corrupt") == 1.0
     assert value("umbp_worker_load_failures_total", "0", reason="missing") == 0.0
     assert value("umbp_worker_stored_blocks_total", "1") == 0.0
+
+
+def test_pool_levels_follow_their_deltas_up_and_down() -> None:
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    metrics.observe({"worker_pool_used_bytes": 4096.0, "worker_pool_objects": 2.0}, 0)
+    metrics.observe({"worker_pool_used_bytes": -1024.0, "worker_pool_objects": -1.0}, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("umbp_worker_pool_used_bytes", labels) == 3072.0
+    assert registry.get_sample_value("umbp_worker_pool_objects", labels) == 1.0

@@ -122,6 +122,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> UMBPConnectorStats | None:
         if self._worker is not None:
+            self._worker.refresh_pool_counters()
             return self._stats.take(self._worker.counters)
         return self._stats.take(self.scheduler.counters)
 

@@ -64,6 +64,7 @@ class SchedulerCounters:
     planned_load_blocks: int = 0
     planned_store_blocks: int = 0
     kv_events_suppressed: int = 0
+    kv_events_published: int = 0
 
 
 class UMBPScheduler:
@@ -566,6 +567,7 @@ class UMBPScheduler:
             return []
         events = self._kv_events.take(self._store, self._keyspace)
         self.counters.kv_events_suppressed = self._kv_events.suppressed
+        self.counters.kv_events_published += len(events)
         return events
 
     def has_pending_push_work(self) -> bool:

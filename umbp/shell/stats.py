@@ -92,6 +92,13 @@ COUNTER_DOCS: dict[str, str] = {
     "scheduler_planned_load_blocks": "KV blocks umbp planned to restore",
     "scheduler_planned_store_blocks": "KV blocks umbp planned to store",
     "scheduler_kv_events_suppressed": "umbp KV events not published (tracking bound reached)",
+    "scheduler_kv_events_published": "BlockStored/BlockRemoved events umbp published",
+    "worker_pool_evictions": "objects the umbp pool evicted to make room",
+}
+# Levels rather than counts: their reported deltas move a Prometheus gauge up and down.
+GAUGE_DOCS: dict[str, str] = {
+    "worker_pool_used_bytes": "bytes of the umbp DRAM pool in use (summed over workers)",
+    "worker_pool_objects": "objects held in the umbp DRAM pool (summed over workers)",
 }
 LOAD_FAILURES_KEY = "worker_load_failures_"
 LOAD_FAILURE_REASONS = ("missing", "corrupt", "size_mismatch", "unavailable")
@@ -123,6 +130,13 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             documentation="KV blocks whose restore failed (vLLM recomputed them), by reason",
             labelnames=[*labelnames, "reason"],
         )
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for key, documentation in GAUGE_DOCS.items():
+            gauge = self._gauge_cls(name=f"umbp_{key}", documentation=documentation,
+                                    labelnames=labelnames)
+            self._gauges[key] = {
+                engine: gauge.labels(*values) for engine, values in per_engine_labelvalues.items()
+            }
         for reason in LOAD_FAILURE_REASONS:
             self._counters[LOAD_FAILURES_KEY + reason] = {
                 engine: failures.labels(*values, reason)
@@ -134,3 +148,6 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(key, {}).get(engine_idx)
             if counter is not None and value > 0:
                 counter.inc(value)
+            gauge = self._gauges.get(key, {}).get(engine_idx)
+            if gauge is not None:
+                gauge.inc(value)

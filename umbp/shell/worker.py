@@ -45,6 +45,10 @@ class WorkerCounters:
     store_failures: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
+    # The pool's own figures, refreshed when stats are reported.
+    pool_evictions: int = 0
+    pool_used_bytes: int = 0
+    pool_objects: int = 0
 
     def count_load_failure(self, status: LoadStatus) -> None:
         name = status.name.lower()
@@ -112,6 +116,14 @@ class UMBPWorker:
             self._rank, self.namespace, len(self._copiers), object_sizes,
             self._config.capacity_bytes >> 20, page_bytes >> 10,
         )
+
+    def refresh_pool_counters(self) -> None:
+        pool = self.pool
+        if pool is not None:
+            stats = pool.stats()
+            self.counters.pool_evictions = stats.evictions
+            self.counters.pool_used_bytes = stats.used_bytes
+            self.counters.pool_objects = stats.objects
 
     def handshake(self) -> UMBPHandshake | None:
         if self._embedded is None:
