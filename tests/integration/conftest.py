@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from umbp.testing.models import ModelRecipe, llama_recipe, write_random_model
+from umbp.testing.hybrid_models import (
+    gemma3_text_recipe,
+    lfm2_recipe,
+    llama4_text_recipe,
+    qwen3_next_recipe,
+)
+from umbp.testing.models import ModelRecipe, deepseek_v2_recipe, llama_recipe, write_random_model
 
 
 def _model(tmp_path_factory: pytest.TempPathFactory, name: str, recipe: ModelRecipe) -> str:
@@ -20,3 +26,28 @@ def llama_fp32(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _model(tmp_path_factory, "llama-bf16", llama_recipe(dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_text_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "gemma3-text", gemma3_text_recipe())
+
+
+@pytest.fixture(scope="session")
+def lfm2_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "lfm2", lfm2_recipe())
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "qwen3-next", qwen3_next_recipe())
+
+
+@pytest.fixture(scope="session")
+def llama4_text_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "llama4-text", llama4_text_recipe())
+
+
+@pytest.fixture(scope="session")
+def deepseek_v2_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "deepseek-v2", deepseek_v2_recipe())

@@ -19,37 +19,17 @@ unrelated prompts, and a single prompt restored from a shared-prefix junction.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.harness import run_scenario
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
-from umbp.testing.hybrid_models import (
-    gemma3_text_recipe,
-    lfm2_recipe,
-    llama4_text_recipe,
-    qwen3_next_recipe,
-)
-from umbp.testing.models import write_random_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 BLOCK = 32
 EMBEDDED = {"mode": "embedded", "capacity_bytes": 64 << 20}
-
-
-@pytest.fixture(scope="session")
-def gemma3_text_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = Path(tmp_path_factory.getbasetemp()) / "gemma3-text"
-    return str(write_random_model(gemma3_text_recipe(), directory))
-
-
-@pytest.fixture(scope="session")
-def lfm2_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = Path(tmp_path_factory.getbasetemp()) / "lfm2"
-    return str(write_random_model(lfm2_recipe(), directory))
 
 
 def _scenario(model_dir: str, prompts: list[list[int]], restore_step: str,
@@ -100,12 +80,6 @@ def test_lfm2_restores_a_shared_prefix_junction_state(lfm2_model: str) -> None:
     _check(report, [192])
 
 
-@pytest.fixture(scope="session")
-def qwen3_next_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = Path(tmp_path_factory.getbasetemp()) / "qwen3-next"
-    return str(write_random_model(qwen3_next_recipe(), directory))
-
-
 def test_qwen3_next_linear_attention_states_restore_with_identical_tokens(
     qwen3_next_model: str,
 ) -> None:
@@ -128,12 +102,6 @@ def test_lfm2_restores_a_shorter_shared_prefix_with_retention_interval_and_chunk
     spec = _scenario(lfm2_model, [first], "generate_b", prompts_b=[second])
     spec["engine"].update({"prefix_cache_retention_interval": 64, "max_num_batched_tokens": 64})
     _check(run_scenario(spec), [192])
-
-
-@pytest.fixture(scope="session")
-def llama4_text_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = Path(tmp_path_factory.getbasetemp()) / "llama4-text"
-    return str(write_random_model(llama4_text_recipe(), directory))
 
 
 def test_llama4_chunked_attention_restores_with_identical_tokens(llama4_text_model: str) -> None:

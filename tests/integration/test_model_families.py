@@ -18,10 +18,8 @@ import pytest
 from tests.integration.harness import run_scenario
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
 from umbp.testing.models import (
-    deepseek_v2_recipe,
     llama_recipe,
     write_random_eagle_draft,
-    write_random_model,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -29,12 +27,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 BLOCK = 32
 EMBEDDED = {"mode": "embedded", "capacity_bytes": 64 << 20}
 ROUNDS = ["generate", "reset", "generate", "stats"]
-
-
-@pytest.fixture(scope="session")
-def deepseek_v2_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = Path(tmp_path_factory.getbasetemp()) / "deepseek-v2"
-    return str(write_random_model(deepseek_v2_recipe(), directory))
 
 
 def _prompts() -> list[list[int]]:

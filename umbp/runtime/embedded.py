@@ -87,12 +87,6 @@ class _Borrowed:
         return None
 
 
-def find_local_pool(token: str) -> SlabPool | None:
-    """For tests and the demo: the pool of a worker in this process."""
-    with _POOLS_LOCK:
-        return _POOLS.get(token)
-
-
 def local_pools() -> tuple[SlabPool, ...]:
     with _POOLS_LOCK:
         return tuple(_POOLS.values())

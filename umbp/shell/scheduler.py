@@ -23,6 +23,7 @@ from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.runtime.lookup_service import RankedLookup, rank_tag
 from umbp.runtime.embedded import connect_to_pool
 from umbp.shell import vllm_compat
+from umbp.shell.vllm_compat import RequestLike
 from umbp.core.plans import BlockLoadBatch, StoreBatch
 from umbp.core.store_events import (
     StoreEvent,
@@ -30,6 +31,7 @@ from umbp.core.store_events import (
     event_acknowledged,
     merge_store_results,
     pinned_block_ids,
+    reserved_identities,
 )
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.kv_events import KVEventPublisher
@@ -38,19 +40,11 @@ from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorker
 logger = logging.getLogger("umbp")
 
 
-@dataclass(frozen=True, slots=True)
-class _LookupContext:
-    """What a lookup was computed for; a change means the answer is stale."""
-
-    request: object
-    local_tokens: int
-    num_tokens: int
-    num_hashes: int
-
-
 @dataclass(slots=True)
 class _PendingLookup:
-    context: _LookupContext
+    """A lookup running off the scheduler thread, for the request it was built for."""
+
+    request: object
     query: LookupQuery
     answer: Future[tuple[bool, ...]]
 
@@ -165,15 +159,17 @@ class UMBPScheduler:
 
     # -- lookup ---------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, local_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: RequestLike, local_tokens: int) -> tuple[int | None, bool]:
         request_id = request.request_id
         store, keyspace = self._store, self._keyspace
         if store is None or keyspace is None:
             return 0, False
         hashes = request.block_hashes
-        context = _LookupContext(request, local_tokens, request.num_tokens, len(hashes))
         pending = self._pending_lookups.get(request_id)
-        if pending is not None and pending.context != context:
+        if pending is not None and (
+            pending.request is not request
+            or not pending.query.describes(local_tokens, request.num_tokens, hashes)
+        ):
             self._drop_pending_lookup(request_id)
             pending = None
         skip = core_lookup.lookup_skip_reason(
@@ -191,7 +187,7 @@ class UMBPScheduler:
             )
             if self._config.lookup_async:
                 answer = self._lookup_executor.submit(store.lookup, query.keys)
-                self._pending_lookups[request_id] = _PendingLookup(context, query, answer)
+                self._pending_lookups[request_id] = _PendingLookup(request, query, answer)
                 return None, False
             answers = self._lookup(store, query)
         else:
@@ -253,7 +249,7 @@ class UMBPScheduler:
 
     # -- allocation and per-step metadata ----------------------------------------
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestLike, blocks: Any, num_external_tokens: int) -> None:
         request_id = request.request_id
         self._requests[request_id] = request
         block_table = _table(blocks.get_block_ids(group_ids=self._geometry.group_ids))
@@ -292,9 +288,7 @@ class UMBPScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
         # In-flight events' objects and this step's plans: stored once.
-        reserved = {
-            identity for event, _ in self._store_events.values() for identity in event.identities()
-        }
+        reserved = set(reserved_identities(event for event, _ in self._store_events.values()))
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
         stores: list[StoreBatch] = []
@@ -419,7 +413,7 @@ class UMBPScheduler:
         return self._plan_store(request, tracker.block_table, total, reserved)
 
     def _plan_store(
-        self, request: Any, table: tuple[tuple[int, ...], ...], total_tokens: int,
+        self, request: RequestLike, table: tuple[tuple[int, ...], ...], total_tokens: int,
         reserved: AbstractSet[tuple[int, bytes]],
     ) -> StoreBatch | None:
         request_id = request.request_id
@@ -450,7 +444,7 @@ class UMBPScheduler:
         self.counters.planned_store_blocks += len(batch.block_ids)
         return batch
 
-    def _store_mask(self, request: Any, group_id: int, indices: range) -> tuple[bool, ...] | None:
+    def _store_mask(self, request: RequestLike, group_id: int, indices: range) -> tuple[bool, ...] | None:
         """vLLM's own rule for which blocks it can later reuse (sliding windows),
         with the boundaries vLLM's ``cache_blocks`` passes it."""
         if not indices:
@@ -531,7 +525,7 @@ class UMBPScheduler:
     # -- request lifecycle --------------------------------------------------------
 
     def register_finished_partial_tail(
-        self, request: Any, block_ids: tuple[list[int], ...],
+        self, request: RequestLike, block_ids: tuple[list[int], ...],
         offloads: list[tuple[int, int, int]],
     ) -> bool:
         """Pin a finished request's last boundary pages for next step's store.
@@ -558,7 +552,7 @@ class UMBPScheduler:
         self._pending_finished_stores[request_id] = batch
         return False
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: RequestLike) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
         return False, None
 

@@ -17,25 +17,9 @@ from umbp.core.identity import CacheGroupShape, NamespaceInputs, RankCoord, Rank
 from umbp.core.support import SupportInputs
 
 
-class KVCacheSpecLike(Protocol):
-    block_size: int
-
-
-class KVCacheGroupLike(Protocol):
-    layer_names: list[str]
-    kv_cache_spec: Any
-    is_eagle_group: bool
-
-
-class KVCacheConfigLike(Protocol):
-    num_blocks: int
-    kv_cache_groups: list[Any]
-
-    @property
-    def prefix_cacheable_group_ids(self) -> Any: ...
-
-
 class RequestLike(Protocol):
+    """The attributes of vLLM's ``Request`` the scheduler role reads."""
+
     request_id: str
     block_hashes: Sequence[bytes]
     num_computed_tokens: int
