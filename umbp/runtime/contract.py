@@ -30,12 +30,21 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
     "LoadStatus",
     "PoolStats",
+    "RegistersHostMemory",
     "SchedulerStore",
     "StoreUnavailable",
+    "TierAware",
     "WorkerStore",
 ]
+
+MEDIUM_CPU = "CPU"
+"""Where an object lives, as vLLM's KV events name it: host memory..."""
+MEDIUM_DISK = "DISK"
+"""...or a disk tier."""
 
 
 class StoreUnavailable(Exception):
@@ -109,7 +118,7 @@ class SchedulerStore(Protocol):
 
 @runtime_checkable
 class WorkerStore(Protocol):
-    """What a worker process needs: move KV bytes in and out, learn about evictions."""
+    """What a worker process needs: move KV bytes in and out."""
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[memoryview]) -> tuple[bool, ...]:
         """Store `payloads[i]` under `keys[i]`; one result per key. A key already resident
@@ -128,12 +137,6 @@ class WorkerStore(Protocol):
         """Same as `SchedulerStore.lookup`."""
         ...
 
-    def take_evicted_keys(self) -> tuple[str, ...]:
-        """Keys that left the store (evicted, dropped as corrupt) since the last call and
-        are not resident now; drains the queue. Keys removed by `clear` are not reported:
-        the caller asked for that."""
-        ...
-
     def stats(self) -> PoolStats:
         """A snapshot of occupancy and counters."""
         ...
@@ -144,4 +147,30 @@ class WorkerStore(Protocol):
 
     def close(self) -> None:
         """Release the handle and its memory (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class TierAware(Protocol):
+    """Optional: a store with several tiers says where each object is, so that KV events
+    can name the medium (`MEDIUM_CPU`, `MEDIUM_DISK`)."""
+
+    def where(self, keys: Sequence[str]) -> tuple[str | None, ...]:
+        """The medium holding each key, None when it is not resident. Raises
+        `StoreUnavailable` like `lookup`."""
+        ...
+
+
+@runtime_checkable
+class RegistersHostMemory(Protocol):
+    """Optional: a store whose transport moves bytes only from registered memory
+    (Mooncake, MORI). The worker registers its long-lived staging buffers, so puts and
+    gets whose buffers lie inside a registered range need no bounce copy."""
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        """Register [address, address + nbytes). Raises OSError when the transport refuses."""
+        ...
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Forget a range registered at `address` (before its memory is freed)."""
         ...

@@ -148,7 +148,8 @@ class SlabPool:
 
     def take_evicted_keys(self) -> tuple[str, ...]:
         """Keys evicted or dropped as corrupt since the last call, oldest first, that are
-        not resident now (a key stored again meanwhile is not reported)."""
+        not resident now (a key stored again meanwhile is not reported). Not part of the
+        contract (KV events poll residency instead): it lets tests observe eviction order."""
         with self._lock:
             evicted = tuple(self._evicted)
             self._evicted.clear()
