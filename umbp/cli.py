@@ -1,9 +1,11 @@
 """The ``umbp`` command. ``umbp demo`` is the main job; ``umbp bench`` runs the
-benchmarks of a repository checkout."""
+benchmarks of a repository checkout; ``umbp serve`` runs a node-local store server and
+``umbp stats`` shows its figures."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -18,6 +20,8 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "ttft_bench.py",
     "miss-cost": "miss_cost_bench.py",
     "chat": "chat_bench.py",
+    "server": "server_bench.py",
+    "ssd": "ssd_bench.py",
 }
 
 
@@ -64,6 +68,82 @@ def run_bench(scenario: str, json_file: str | None, quick: bool, extra: Sequence
     return subprocess.run(command, cwd=script.parents[1], check=False).returncode
 
 
+def _byte_count(text: str) -> int:
+    """A byte count, with an optional binary suffix: 1073741824, 1G, 512M, 64K."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if cleaned and cleaned[-1] in units:
+            return int(float(cleaned[:-1]) * units[cleaned[-1]])
+        return int(cleaned)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+
+
+def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = commands.add_parser(
+        "serve", help="run a node-local store server in the foreground (SIGTERM stops it)"
+    )
+    serve.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
+    serve.add_argument("--capacity", required=True, type=_byte_count,
+                       help="bytes of the shared-memory DRAM tier (e.g. 8G)")
+    serve.add_argument("--page-bytes", type=_byte_count, default=65536)
+    serve.add_argument("--high-watermark", type=float, default=0.95)
+    serve.add_argument("--low-watermark", type=float, default=0.85)
+    serve.add_argument("--ssd-dir", default=None, help="directory of the SSD tier")
+    serve.add_argument("--ssd-capacity", type=_byte_count, default=0,
+                       help="bytes of the SSD tier (needs --ssd-dir)")
+    serve.add_argument("--persist-on-exit", action="store_true",
+                       help="on SIGTERM/SIGINT copy DRAM objects to the SSD tier first")
+    stats = commands.add_parser("stats", help="print a running server's figures")
+    stats.add_argument("--socket", required=True)
+    stats.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    stats.add_argument("--timeout", type=float, default=5.0)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from umbp.runtime.server.server import ServerConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.ssd_capacity and args.ssd_dir is None:
+        print("umbp serve: --ssd-capacity needs --ssd-dir", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        socket_path=args.socket,
+        capacity_bytes=args.capacity,
+        page_bytes=args.page_bytes,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        ssd_dir=args.ssd_dir,
+        ssd_capacity_bytes=args.ssd_capacity,
+        persist_on_exit=args.persist_on_exit,
+    )
+    try:
+        return serve(config)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"umbp serve: {error}", file=sys.stderr)
+        return 1
+
+
+def run_stats(socket_path: str, as_json: bool, timeout_s: float) -> int:
+    from umbp.runtime.contract import StoreUnavailable
+    from umbp.runtime.server.client import ServerStore
+    from umbp.runtime.server.stats import format_stats
+
+    store = ServerStore(socket_path, io_timeout_s=timeout_s)
+    try:
+        figures = store.server_stats()
+    except StoreUnavailable as error:
+        print(f"umbp stats: {error}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(json.dumps(figures, indent=2) if as_json else format_stats(figures))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="umbp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -81,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="the benchmark's short variant")
     bench.add_argument("extra", nargs=argparse.REMAINDER,
                        help="further options for the script, after --")
+    _add_server_commands(commands)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "stats":
+        return run_stats(args.socket, args.json, args.timeout)
     if args.command == "bench":
         extra = list(args.extra)
         if extra[:1] == ["--"]:

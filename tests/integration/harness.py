@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,23 @@ def run_scenario(spec: dict[str, Any], *, env: dict[str, str] | None = None) -> 
         f"scenario exited {process.returncode} without a report\n"
         f"--- stdout ---\n{process.stdout[-5000:]}\n--- stderr ---\n{process.stderr[-15000:]}"
     )
+
+
+def start_scenario(spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """Run a scenario in the background (with ``mark``/``hold`` steps: an engine that
+    stays alive while the test runs another)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "umbp.testing.scenario", json.dumps(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def wait_for_mark(mark: Path, process: subprocess.Popen[str]) -> None:
+    """Wait until the background scenario's ``mark`` step created ``mark``."""
+    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+    while not mark.exists():
+        if process.poll() is not None:
+            raise AssertionError("the background engine ended early:\n" + process.communicate()[1])
+        assert time.monotonic() < deadline, "the background engine never got to its mark"
+        time.sleep(0.2)

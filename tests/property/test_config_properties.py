@@ -38,16 +38,44 @@ DEFAULTS: dict[str, object] = {
     "high_watermark": 0.95,
     "low_watermark": 0.85,
     "lookup_timeout_s": 5.0,
+    "endpoint": None,
+    "auto_start": False,
+    "ssd_dir": None,
+    "ssd_capacity_bytes": 0,
+    "io_timeout_s": 5.0,
+    "reconnect_interval_s": 1.0,
+    "mooncake_master": None,
+    "mooncake_protocol": "tcp",
+    "mooncake_device": "",
+    "mooncake_local_hostname": None,
+    "mooncake_metadata_server": "P2PHANDSHAKE",
+    "mooncake_buffer_bytes": 256 << 20,
+    "mori_deployment": "embedded",
+    "mori_address": None,
 }
+# Options that belong to one back-end (the reference's "applies to" column); the
+# properties below draw valid configs in the default, embedded mode.
+OTHER_MODE_OPTIONS = (
+    "endpoint", "auto_start", "ssd_dir", "ssd_capacity_bytes", "io_timeout_s",
+    "reconnect_interval_s", "mooncake_master", "mooncake_protocol", "mooncake_device",
+    "mooncake_local_hostname", "mooncake_metadata_server", "mooncake_buffer_bytes",
+    "mori_deployment", "mori_address",
+)
 BOOLEAN_OPTIONS = (
     "load_async",
     "enable_lookup",
     "lookup_async",
     "save_decode_cache",
     "enable_partial_hash_hits",
+    "auto_start",
 )
-INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "page_bytes")
-FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s")
+INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "page_bytes",
+                   "ssd_capacity_bytes", "mooncake_buffer_bytes")
+FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s", "io_timeout_s",
+                 "reconnect_interval_s")
+STRING_OPTIONS = ("endpoint", "ssd_dir", "mooncake_master", "mooncake_protocol",
+                  "mooncake_device", "mooncake_local_hostname", "mooncake_metadata_server",
+                  "mori_deployment", "mori_address")
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PAGE_SIZES = tuple(1 << shift for shift in range(12, 27))
 
@@ -73,7 +101,7 @@ def _number(low: float, high: float, *, low_open: bool, high_open: bool) -> st.S
 
 VALID: dict[str, st.SearchStrategy[Any]] = {
     "mode": st.just("embedded"),
-    **{name: st.booleans() for name in BOOLEAN_OPTIONS},
+    **{name: st.booleans() for name in BOOLEAN_OPTIONS if name not in OTHER_MODE_OPTIONS},
     "lookup_workers": st.integers(1, 64),
     "kv_event_max_objects": st.integers(1, 1 << 40),
     "namespace": st.none() | st.from_regex(NAMESPACE, fullmatch=True),
@@ -104,10 +132,13 @@ WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
         for name in FLOAT_OPTIONS
     },
     "namespace": st.booleans() | st.integers() | st.floats() | st.lists(st.text(), max_size=2),
+    **{
+        name: st.booleans() | st.integers() | st.floats() | st.lists(st.text(), max_size=2)
+        for name in STRING_OPTIONS
+    },
 }
 
 OUT_OF_RANGE: dict[str, st.SearchStrategy[Any]] = {
-    "mode": st.sampled_from(["server", "mooncake", "mori", "Embedded", ""]) | st.text(max_size=12),
     "lookup_workers": st.integers(max_value=0) | st.integers(min_value=65),
     "kv_event_max_objects": st.integers(max_value=0),
     "namespace": st.text(max_size=140)
@@ -121,6 +152,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy[Any]] = {
     "lookup_timeout_s": st.floats(max_value=0)
     | st.sampled_from([math.nan, math.inf])
     | st.integers(max_value=0),
+    "mode": st.sampled_from(["Embedded", "local", "redis", ""]) | st.text(max_size=12),
 }
 
 
@@ -128,7 +160,9 @@ def _valid_alone(name: str, value: object) -> bool:
     """The option's own rule, as the configuration reference states it."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if name == "mode":
-        return value == "embedded"
+        return value in ("embedded", "server", "mooncake", "mori")
+    if name in STRING_OPTIONS:
+        return isinstance(value, str)
     if name == "namespace":
         return value is None or (isinstance(value, str) and NAMESPACE.fullmatch(value) is not None)
     if name == "page_bytes":
@@ -158,11 +192,12 @@ def _consistent(config: dict[str, object]) -> bool:
 
 
 valid_configs = st.fixed_dictionaries({}, optional=VALID).filter(_consistent)
+EMBEDDED_OPTIONS = tuple(sorted(set(DEFAULTS) - set(OTHER_MODE_OPTIONS)))
 unknown_names = st.text(min_size=1, max_size=30).filter(lambda name: name not in DEFAULTS)
 
 
 def test_the_option_table_matches_the_config_fields() -> None:
-    assert set(OPTION_NAMES) == set(DEFAULTS) == set(VALID)
+    assert set(OPTION_NAMES) == set(DEFAULTS) == set(VALID) | set(OTHER_MODE_OPTIONS)
     assert {name: getattr(DEFAULT_CONFIG, name) for name in OPTION_NAMES} == DEFAULTS
 
 
@@ -185,7 +220,7 @@ def test_every_valid_config_is_accepted_with_its_values_and_defaults_elsewhere(
 @st.composite
 def configs_with_bad_entries(draw: st.DrawFn) -> tuple[dict[str, object], set[str]]:
     extra = dict(draw(valid_configs))
-    corrupted = draw(st.sets(st.sampled_from(sorted(DEFAULTS))))
+    corrupted = draw(st.sets(st.sampled_from(EMBEDDED_OPTIONS)))
     for name in sorted(corrupted):
         kinds = [WRONG_TYPE[name]] + ([OUT_OF_RANGE[name]] if name in OUT_OF_RANGE else [])
         value = draw(st.one_of(kinds).filter(lambda v, name=name: not _valid_alone(name, v)))
@@ -280,3 +315,18 @@ def test_an_unknown_key_far_from_every_option_lists_the_valid_options(name: str)
 def test_a_valid_config_parses_the_same_twice(extra: dict[str, object]) -> None:
     assert parse_connector_config(extra) == parse_connector_config(dict(extra))
     assert isinstance(parse_connector_config(extra).unwrap(), ConnectorConfig)
+
+
+@given(st.sampled_from(OTHER_MODE_OPTIONS), st.data())
+def test_an_option_of_another_mode_is_named_and_never_ignored(
+    name: str, data: st.DataObject
+) -> None:
+    modes = {"embedded": {}, "server": {"endpoint": "/run/umbp.sock"},
+             "mooncake": {"mooncake_master": "10.0.0.1:50051"}, "mori": {}}
+    owner = name.split("_")[0] if name.startswith(("mooncake_", "mori_")) else "server"
+    mode = data.draw(st.sampled_from(sorted(set(modes) - {owner})))
+    value = DEFAULTS[name] if DEFAULTS[name] is not None else "x:1"
+    result = parse_connector_config({"mode": mode, **modes[mode], name: value})
+    assert isinstance(result, Failure)
+    assert [(e.key, f"applies to mode {owner!r} only" in e.message)
+            for e in result.failure()] == [(name, True)]

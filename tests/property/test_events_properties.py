@@ -342,3 +342,21 @@ def test_an_answer_of_the_wrong_length_counts_as_a_failed_check(
 def test_an_empty_tracker_draws_an_empty_batch() -> None:
     assert residency_batch(new_event_tracker(), 256, True) == ()
     assert residency_batch(new_event_tracker(), 0, True) == ()
+
+
+@given(stored_objects, st.lists(st.sampled_from(["CPU", "DISK"]), min_size=1, max_size=5))
+def test_with_tier_media_stored_names_where_the_object_is_and_removed_the_last_tier_seen(
+    stored: StoredObject, seen: list[str]
+) -> None:
+    state = track_stored(new_event_tracker(8), [stored], frozenset())
+    announced: list[KvEvent] = []
+    for medium in seen:  # the object moves between tiers: never an event of its own
+        batch = residency_batch(state, 8, True)
+        state, events = apply_residency(state, batch, [True], [medium])
+        announced.extend(events)
+    state, events = apply_residency(state, residency_batch(state, 8, True), [False], ["CPU"])
+    announced.extend(events)
+    assert [type(event) for event in announced] == [BlockStoredEvent, BlockRemovedEvent]
+    assert announced[0].medium == seen[0]
+    assert announced[1].medium == seen[-1]
+    assert tracked_count(state) == 0

@@ -42,6 +42,20 @@ def test_an_empty_config_gives_the_documented_defaults() -> None:
         high_watermark=0.95,
         low_watermark=0.85,
         lookup_timeout_s=5.0,
+        endpoint=None,
+        auto_start=False,
+        ssd_dir=None,
+        ssd_capacity_bytes=0,
+        io_timeout_s=5.0,
+        reconnect_interval_s=1.0,
+        mooncake_master=None,
+        mooncake_protocol="tcp",
+        mooncake_device="",
+        mooncake_local_hostname=None,
+        mooncake_metadata_server="P2PHANDSHAKE",
+        mooncake_buffer_bytes=256 << 20,
+        mori_deployment="embedded",
+        mori_address=None,
     )
 
 
@@ -57,17 +71,51 @@ def test_an_unknown_option_names_the_nearest_valid_one() -> None:
     }
 
 
-def test_a_later_mode_is_reported_as_not_available_yet() -> None:
-    assert errors_of({"mode": "server"}) == {
-        "mode": "mode 'server' is not available in this version; available: embedded"
-    }
-    for mode in ("mooncake", "mori"):
-        assert "not available in this version" in errors_of({"mode": mode})["mode"]
-
-
 def test_an_invalid_mode_lists_the_valid_values() -> None:
-    message = errors_of({"mode": "local"})["mode"]
-    assert "'local'" in message and "valid values: embedded" in message
+    assert errors_of({"mode": "local"}) == {
+        "mode": "'local' is not valid; valid values: embedded, server, mooncake, mori"
+    }
+
+
+def test_each_mode_names_the_option_it_cannot_do_without() -> None:
+    assert errors_of({"mode": "server"}) == {"endpoint": "mode 'server' needs endpoint"}
+    assert errors_of({"mode": "mooncake"}) == {
+        "mooncake_master": "mode 'mooncake' needs mooncake_master"
+    }
+    assert errors_of({"mode": "mori", "mori_deployment": "distributed"}) == {
+        "mori_address": "mori_deployment 'distributed' needs mori_address"
+    }
+
+
+def test_an_option_of_another_mode_is_an_error_not_ignored() -> None:
+    assert errors_of({"endpoint": "/run/umbp.sock"}) == {
+        "endpoint": "endpoint applies to mode 'server' only, not to mode 'embedded'; remove it"
+    }
+    assert set(errors_of({"mode": "mooncake", "mooncake_master": "10.0.0.1:50051",
+                          "page_bytes": 4096, "mori_address": "x"})) == {
+        "page_bytes", "mori_address"}
+
+
+def test_server_pool_options_need_auto_start() -> None:
+    base = {"mode": "server", "endpoint": "/run/umbp.sock"}
+    assert set(errors_of({**base, "ssd_dir": "/ssd", "capacity_bytes": 1 << 30})) == {
+        "ssd_dir", "capacity_bytes"}
+    started = parse_connector_config({**base, "auto_start": True, "ssd_dir": "/ssd",
+                                      "ssd_capacity_bytes": 1 << 30}).unwrap()
+    assert (started.auto_start, started.ssd_dir, started.ssd_capacity_bytes) == (
+        True, "/ssd", 1 << 30)
+    assert errors_of({**base, "auto_start": True, "ssd_capacity_bytes": 1 << 30}) == {
+        "ssd_dir": "ssd_capacity_bytes > 0 needs ssd_dir"}
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", "host:", ":50051", "host:70000", "host:x"])
+def test_the_mooncake_master_is_host_and_port(address: str) -> None:
+    message = errors_of({"mode": "mooncake", "mooncake_master": address})["mooncake_master"]
+    assert message.startswith("must be 'host:port'")
+
+
+def test_a_bad_mode_does_not_blame_the_options_of_the_intended_mode() -> None:
+    assert set(errors_of({"mode": "srever", "endpoint": "/run/umbp.sock"})) == {"mode"}
 
 
 @pytest.mark.parametrize("value", [True, 2.0, "2", None])
@@ -137,7 +185,7 @@ def test_namespace_follows_the_key_namespace_rule() -> None:
 
 def test_every_bad_entry_is_reported_at_once_in_input_order() -> None:
     result = parse_connector_config(
-        {"capacity_byte": 1, "load_async": "true", "mode": "server", "lookup_workers": 0}
+        {"capacity_byte": 1, "load_async": "true", "mode": "serve", "lookup_workers": 0}
     )
     assert [error.key for error in result.failure()] == [
         "capacity_byte",

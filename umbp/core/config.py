@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Final, cast
@@ -21,9 +21,9 @@ from returns.result import Failure, Result, Success
 from umbp.core.identity import check_namespace_override
 
 __all__ = [
-    "AVAILABLE_MODES",
     "DEFAULT_CONFIG",
-    "FUTURE_MODES",
+    "MODES",
+    "MODE_OPTIONS",
     "MAX_PAGE_BYTES",
     "MIN_PAGE_BYTES",
     "OPTION_DOCS",
@@ -35,10 +35,9 @@ __all__ = [
     "parse_connector_config",
 ]
 
-AVAILABLE_MODES: Final = ("embedded",)
-# Accepted by later versions; named so that a user gets "not available yet"
-# rather than "invalid".
-FUTURE_MODES: Final = ("server", "mooncake", "mori")
+MODES: Final = ("embedded", "server", "mooncake", "mori")
+MOONCAKE_PROTOCOLS: Final = ("tcp", "rdma")
+MORI_DEPLOYMENTS: Final = ("embedded", "standalone", "distributed")
 MIN_PAGE_BYTES: Final = 4 << 10
 MAX_PAGE_BYTES: Final = 64 << 20
 MAX_LOOKUP_WORKERS: Final = 64
@@ -62,6 +61,20 @@ class ConnectorConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     lookup_timeout_s: float = 5.0
+    endpoint: str | None = None
+    auto_start: bool = False
+    ssd_dir: str | None = None
+    ssd_capacity_bytes: int = 0
+    io_timeout_s: float = 5.0
+    reconnect_interval_s: float = 1.0
+    mooncake_master: str | None = None
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_local_hostname: str | None = None
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    mooncake_buffer_bytes: int = 256 << 20
+    mori_deployment: str = "embedded"
+    mori_address: str | None = None
 
 
 DEFAULT_CONFIG: Final = ConnectorConfig()
@@ -69,7 +82,9 @@ OPTION_NAMES: Final = tuple(option.name for option in fields(ConnectorConfig))
 
 OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
     {
-        "mode": "where the pool lives; this version offers 'embedded' (in the engine process)",
+        "mode": "where the pool lives: 'embedded' (in each worker process), 'server' (a "
+        "node-local `umbp serve` shared by engines, DRAM then SSD), 'mooncake' (Mooncake "
+        "Store across nodes), 'mori' (AMD MORI UMBP)",
         "load_async": "restore KV from the pool while the request waits, off the model step "
         "(forced on for several KV cache groups, Mamba-style or sparse-indexer layers)",
         "enable_lookup": "look up prompt prefixes in the pool and restore the hits",
@@ -82,13 +97,38 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "KV events (>= 1)",
         "namespace": "explicit key namespace (1-128 of letters, digits, '.', '_', '-'); "
         "default: a fingerprint of model, dtype, cache layout and parallel layout",
-        "capacity_bytes": "bytes of host memory the pool may use (>= page_bytes)",
+        "capacity_bytes": "bytes of host memory the pool may use (>= page_bytes): per worker "
+        "(embedded), of the auto-started server (server), the segment each worker "
+        "contributes (mooncake), the DRAM tier (mori)",
         "page_bytes": "pool page size in bytes, a power of two from 4 KiB to 64 MiB; "
         "null (default): one page per stored object of the smallest cache group",
         "high_watermark": "fill fraction at which the pool starts evicting (0 < low < high <= 1)",
         "low_watermark": "fill fraction eviction brings the pool back down to (0 < low < high)",
         "lookup_timeout_s": "seconds the scheduler waits for a lookup answer from a pool in "
         "another process before counting it a miss (> 0)",
+        "endpoint": "server: path of the `umbp serve` Unix socket (required)",
+        "auto_start": "server: start `umbp serve` at endpoint when none answers there "
+        "(it outlives the engine, so others and later engines share it)",
+        "ssd_dir": "server with auto_start: directory of the SSD tier's slot file",
+        "ssd_capacity_bytes": "server with auto_start: bytes of the SSD tier (>= 0; "
+        "0 = no SSD tier; needs ssd_dir)",
+        "io_timeout_s": "server: seconds a worker waits for the server before a load "
+        "fails (and is recomputed) or a store is dropped (> 0)",
+        "reconnect_interval_s": "server: least seconds between attempts to reach a server "
+        "that went away (> 0)",
+        "mooncake_master": "mooncake: the master's 'host:port' (required)",
+        "mooncake_protocol": "mooncake: transport, 'tcp' or 'rdma'",
+        "mooncake_device": "mooncake: RDMA device names, comma-separated ('' for tcp)",
+        "mooncake_local_hostname": "mooncake: the address other nodes reach this node at; "
+        "default: this host's name",
+        "mooncake_metadata_server": "mooncake: transfer-engine metadata service "
+        "('P2PHANDSHAKE' needs none)",
+        "mooncake_buffer_bytes": "mooncake: each worker's registered transfer buffer "
+        "(>= 1 MiB)",
+        "mori_deployment": "mori: 'embedded', 'standalone' (a umbp_standalone_server on this "
+        "node) or 'distributed' (a umbp_master cluster)",
+        "mori_address": "mori: the standalone server's 'unix://' socket or the "
+        "distributed master's address (required unless embedded)",
     }
 )
 
@@ -164,18 +204,33 @@ def _number(rule: str, accepts: Callable[[float], bool]) -> _Check:
     return check
 
 
-def _mode(value: object) -> str | None:
-    if not isinstance(value, str):
-        return f"expected a string, one of {', '.join(AVAILABLE_MODES)}; got {_describe(value)}"
-    if value in AVAILABLE_MODES:
+def _choice(valid: tuple[str, ...]) -> _Check:
+    def check(value: object) -> str | None:
+        if not isinstance(value, str):
+            return f"expected a string, one of {', '.join(valid)}; got {_describe(value)}"
+        if value in valid:
+            return None
+        return f"{_show(value)} is not valid; valid values: {', '.join(valid)}"
+
+    return check
+
+
+def _text(rule: str, accepts: Callable[[str], bool], *, nullable: bool) -> _Check:
+    def check(value: object) -> str | None:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, str):
+            return f"expected {rule}, got {_describe(value)}"
+        if not accepts(value):
+            return f"must be {rule}, got {_show(value)}"
         return None
-    available = ", ".join(AVAILABLE_MODES)
-    if value in FUTURE_MODES:
-        return f"mode {value!r} is not available in this version; available: {available}"
-    return (
-        f"mode {value!r} is not a valid mode; valid values: {available} "
-        f"({', '.join(FUTURE_MODES)} come in later versions)"
-    )
+
+    return check
+
+
+def _host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _namespace(value: object) -> str | None:
@@ -200,7 +255,7 @@ def _page_bytes(value: object) -> str | None:
 
 _CHECKS: Final[Mapping[str, _Check]] = MappingProxyType(
     {
-        "mode": _mode,
+        "mode": _choice(MODES),
         "load_async": _boolean,
         "enable_lookup": _boolean,
         "lookup_async": _boolean,
@@ -215,6 +270,38 @@ _CHECKS: Final[Mapping[str, _Check]] = MappingProxyType(
         "high_watermark": _number("in (0, 1]", lambda x: 0.0 < x <= 1.0),
         "low_watermark": _number("in (0, 1)", lambda x: 0.0 < x < 1.0),
         "lookup_timeout_s": _number("> 0", lambda x: x > 0.0),
+        "endpoint": _text("a non-empty socket path", bool, nullable=True),
+        "auto_start": _boolean,
+        "ssd_dir": _text("a non-empty directory path", bool, nullable=True),
+        "ssd_capacity_bytes": _integer(0, None),
+        "io_timeout_s": _number("> 0", lambda x: x > 0.0),
+        "reconnect_interval_s": _number("> 0", lambda x: x > 0.0),
+        "mooncake_master": _text("'host:port'", _host_port, nullable=True),
+        "mooncake_protocol": _choice(MOONCAKE_PROTOCOLS),
+        "mooncake_device": _text("a string", lambda _: True, nullable=False),
+        "mooncake_local_hostname": _text("a non-empty host name or address", bool,
+                                         nullable=True),
+        "mooncake_metadata_server": _text("a non-empty string", bool, nullable=False),
+        "mooncake_buffer_bytes": _integer(1 << 20, None),
+        "mori_deployment": _choice(MORI_DEPLOYMENTS),
+        "mori_address": _text("a non-empty address", bool, nullable=True),
+    }
+)
+# Options that mean something only for some modes; given with another mode they are an
+# error, never silently ignored.
+MODE_OPTIONS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "page_bytes": ("embedded", "server"),
+        "high_watermark": ("embedded", "server"),
+        "low_watermark": ("embedded", "server"),
+        "endpoint": ("server",),
+        "auto_start": ("server",),
+        "ssd_dir": ("server",),
+        "ssd_capacity_bytes": ("server",),
+        "io_timeout_s": ("server",),
+        "reconnect_interval_s": ("server",),
+        **{name: ("mooncake",) for name in OPTION_NAMES if name.startswith("mooncake_")},
+        **{name: ("mori",) for name in OPTION_NAMES if name.startswith("mori_")},
     }
 )
 assert tuple(_CHECKS) == OPTION_NAMES == tuple(OPTION_DOCS)
@@ -231,6 +318,39 @@ def _unknown_option(key: object) -> ConfigError:
     return ConfigError(
         name, f"unknown option {_show(name)}; valid options: {', '.join(OPTION_NAMES)}"
     )
+
+
+def _mode_errors(
+    given: Mapping[str, object], mode: object, present: Collection[object]
+) -> list[ConfigError]:
+    """Options of another mode, and the options a mode cannot do without (``given``: the
+    valid entries; ``present``: every key the user wrote, valid or not)."""
+    if not isinstance(mode, str):
+        return []
+    errors = [
+        ConfigError(name, f"{name} applies to mode {' or '.join(map(repr, modes))} only, "
+                    f"not to mode {mode!r}; remove it")
+        for name, modes in MODE_OPTIONS.items()
+        if name in given and mode not in modes
+    ]
+    required = {"server": "endpoint", "mooncake": "mooncake_master"}.get(mode)
+    if required is not None and required not in present:
+        errors.append(ConfigError(required, f"mode {mode!r} needs {required}"))
+    if mode == "mori" and given.get("mori_deployment", "embedded") != "embedded" \
+            and "mori_address" not in present:
+        errors.append(ConfigError("mori_address", "mori_deployment "
+                                  f"{given.get('mori_deployment')!r} needs mori_address"))
+    if mode == "server" and given.get("ssd_capacity_bytes", 0) and "ssd_dir" not in present:
+        errors.append(ConfigError("ssd_dir", "ssd_capacity_bytes > 0 needs ssd_dir"))
+    if mode == "server" and not given.get("auto_start", False):
+        errors.extend(
+            ConfigError(name, f"{name} configures an auto-started server; set auto_start: "
+                        "true, or give it to `umbp serve` instead")
+            for name in ("ssd_dir", "ssd_capacity_bytes", "capacity_bytes", "page_bytes",
+                         "high_watermark", "low_watermark")
+            if name in given
+        )
+    return errors
 
 
 def _cross_field_errors(values: Mapping[str, object]) -> tuple[ConfigError, ...]:
@@ -274,6 +394,9 @@ def parse_connector_config(
             errors.append(ConfigError(key, message))
             continue
         given[key] = float(cast(float, value)) if key in _FLOAT_OPTIONS else value
+    mode_given_but_bad = "mode" in extra and "mode" not in given
+    if not mode_given_but_bad:
+        errors.extend(_mode_errors(given, given.get("mode", DEFAULT_CONFIG.mode), extra.keys()))
     # Cross rules see defaults for absent options, and skip options already wrong.
     bad = {error.key for error in errors}
     merged = {

@@ -242,8 +242,14 @@ def apply_residency(
     state: EventTracker,
     batch: Sequence[ResidencyCandidate],
     resident: Sequence[bool] | None,
+    media: Sequence[str] | None = None,
 ) -> tuple[EventTracker, tuple[KvEvent, ...]]:
     """Fold one residency answer (per object, all ranks folded) into the tracker.
+
+    ``media``, from a store with several tiers, says where each resident object is
+    now: BlockStored names that medium, and BlockRemoved the last one seen (a move
+    between tiers is not an event: the object is still resident). Without it, the
+    medium recorded at store time is used.
 
     ``resident`` is None when the check failed; an answer of the wrong length
     counts as failed. A failed check keeps published objects (checked again later)
@@ -252,6 +258,8 @@ def apply_residency(
     """
     if resident is not None and len(resident) != len(batch):
         resident = None
+    if media is not None and len(media) != len(batch):
+        media = None
     edit = _Edit(state)
     events: list[KvEvent] = []
     for index, (identity, serial) in enumerate(batch):
@@ -260,7 +268,7 @@ def apply_residency(
             continue
         if resident is None:
             if record.published:
-                edit.rotate(identity, record)
+                edit.rotate(identity, record, record.medium)
             else:
                 edit.forget(identity, record)
             continue
@@ -270,6 +278,7 @@ def apply_residency(
                 events.append(BlockRemovedEvent(group_id, (block_hash,), record.medium))
             edit.forget(identity, record)
             continue
+        medium = record.medium if media is None else media[index]
         if not record.published:
             stored = record.stored
             assert stored is not None, "an unpublished object keeps its payload"
@@ -280,10 +289,10 @@ def apply_residency(
                     stored.parent_block_hash,
                     stored.token_ids,
                     stored.block_size,
-                    stored.medium,
+                    medium,
                 )
             )
-        edit.rotate(identity, record)
+        edit.rotate(identity, record, medium)
     return edit.finish(), tuple(events)
 
 
@@ -336,7 +345,7 @@ class _Edit:
     def unqueue_pending(self, serial: int) -> None:
         del self.pending_queue[serial]
 
-    def rotate(self, identity: ObjectIdentity, record: TrackedObject) -> None:
+    def rotate(self, identity: ObjectIdentity, record: TrackedObject, medium: str) -> None:
         """Checked and resident (or published and the check failed): published, not
         pending, at the back of the rotation."""
         if record.pending:
@@ -346,7 +355,7 @@ class _Edit:
         turn = self.take_ticket()
         self.rotation[turn] = identity
         self.objects[identity] = TrackedObject(
-            record.serial, True, False, None, record.medium, turn
+            record.serial, True, False, None, medium, turn
         )
 
     def forget(self, identity: ObjectIdentity, record: TrackedObject) -> None:

@@ -16,11 +16,14 @@ from umbp.core import events as core_events
 from umbp.core.identity import KeySpace
 from umbp.core.plans import StoreBatch
 from umbp.core.store_events import StoreEvent, StoreEventResult
-from umbp.runtime.contract import SchedulerStore
+from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
 
 CHECK_BATCH = 256
 RECHECK_PUBLISHED_EVERY_S = 1.0
-POOL_MEDIUM = "CPU"
+POOL_MEDIUM = MEDIUM_CPU
+
+# Per key: resident or not (`lookup`), or the medium holding it (`TierAware.where`).
+_Answer = tuple[bool, ...] | tuple[str | None, ...]
 
 
 class KVEventPublisher:
@@ -31,7 +34,7 @@ class KVEventPublisher:
         self._clock = clock
         self._next_recheck = 0.0
         self._inflight: tuple[tuple[core_events.ResidencyCandidate, ...],
-                              Future[tuple[bool, ...]], int] | None = None
+                              Future[_Answer], int] | None = None
 
     @property
     def suppressed(self) -> int:
@@ -48,8 +51,9 @@ class KVEventPublisher:
         if self._inflight is not None and self._inflight[1].done():
             batch, answer, ranks = self._inflight
             self._inflight = None
+            resident, media = _fold(answer, len(batch), ranks)
             self._state, events = core_events.apply_residency(
-                self._state, batch, _fold(answer, len(batch), ranks)
+                self._state, batch, resident, media
             )
             decided = [_to_vllm(event) for event in events]
         if self._inflight is None and store is not None and keyspace is not None:
@@ -76,18 +80,30 @@ class KVEventPublisher:
         keys = [key for (group_id, block_hash), _ in batch
                 for key in keyspace.rank_keys(group_id, block_hash)]
         ranks = keyspace.topology.rank_count
-        self._inflight = (batch, self._executor.submit(store.lookup, keys), ranks)
+        ask: Callable[[list[str]], _Answer] = (
+            store.where if isinstance(store, TierAware) else store.lookup
+        )
+        self._inflight = (batch, self._executor.submit(ask, keys), ranks)
 
 
-def _fold(answer: Future[tuple[bool, ...]], objects: int, ranks: int) -> list[bool] | None:
-    """Per object: resident on every rank. None when the check failed."""
+def _fold(
+    answer: Future[_Answer], objects: int, ranks: int
+) -> tuple[list[bool] | None, list[str] | None]:
+    """Per object: resident on every rank, and (from a tiered store) its medium: DISK
+    when any rank's shard is on disk. (None, None) when the check failed."""
     try:
-        hits = answer.result()
+        per_key = answer.result()
     except Exception:
-        return None
-    if len(hits) != objects * ranks:
-        return None
-    return [all(hits[i * ranks:(i + 1) * ranks]) for i in range(objects)]
+        return None, None
+    if len(per_key) != objects * ranks:
+        return None, None
+    shards = [per_key[i * ranks:(i + 1) * ranks] for i in range(objects)]
+    resident = [all(shard is not None and shard is not False for shard in keys)
+                for keys in shards]
+    if not any(isinstance(value, str) for value in per_key):
+        return resident, None
+    media = [MEDIUM_DISK if MEDIUM_DISK in keys else MEDIUM_CPU for keys in shards]
+    return resident, media
 
 
 def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:

@@ -53,8 +53,8 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class UMBPHandshake(KVConnectorHandshakeMetadata):
     """What only a worker knows, for the scheduler: the namespace it stores
-    under, its rank, and how to reach its pool for lookups."""
+    under, its rank, and (embedded mode) how to reach its pool for lookups."""
 
     namespace: str
     rank: RankCoord
-    pool: PoolAddress
+    pool: PoolAddress | None

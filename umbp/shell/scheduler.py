@@ -20,8 +20,8 @@ from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import LookupGeometry, LookupQuery, LoadSpec
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
-from umbp.runtime.lookup_service import RankedLookup, rank_tag
-from umbp.runtime.embedded import connect_to_pool
+from umbp.runtime.backends import open_scheduler_store
+from umbp.runtime.lookup_service import rank_tag
 from umbp.shell import vllm_compat
 from umbp.shell.vllm_compat import RequestLike
 from umbp.core.plans import BlockLoadBatch, StoreBatch
@@ -149,11 +149,10 @@ class UMBPScheduler:
         if missing:
             raise RuntimeError(f"umbp: no worker reported for ranks {missing}")
         keyspace = KeySpace(namespaces.pop(), self._topology)
-        self._store = RankedLookup({
-            rank_tag(keyspace.key(rank, 0, b"")): connect_to_pool(
-                by_rank[rank].pool, self._config.lookup_timeout_s
-            )
+        self._store = open_scheduler_store(self._config, {
+            rank_tag(keyspace.key(rank, 0, b"")): address
             for rank in self._topology.coords()
+            if (address := by_rank[rank].pool) is not None
         })
         self._keyspace = keyspace
 

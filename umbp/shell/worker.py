@@ -24,8 +24,8 @@ from umbp.core.plans import BlockLoadBatch, StoreBatch
 from umbp.core.store_events import StoreEventResult
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import allocate_staging
-from umbp.runtime.contract import LoadStatus, WorkerStore
-from umbp.runtime.embedded import EmbeddedPool, open_embedded_pool
+from umbp.runtime.backends import WorkerBackend, open_worker_backend
+from umbp.runtime.contract import LoadStatus, RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
@@ -73,7 +73,7 @@ class UMBPWorker:
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         self._copiers: dict[int, BlockCopier] = {}
         self._staging: dict[int, torch.Tensor] = {}
-        self._embedded: EmbeddedPool | None = None
+        self._backend: WorkerBackend | None = None
         self._store: WorkerStore | None = None
         self._load_error_blocks: set[int] = set()
         self._finished_loads: set[str] = set()
@@ -88,7 +88,10 @@ class UMBPWorker:
 
     @property
     def pool(self) -> SlabPool | None:
-        return None if self._embedded is None else self._embedded.pool
+        """The embedded pool (None in the shared modes)."""
+        if self._backend is None or self._backend.embedded is None:
+            return None
+        return self._backend.embedded.pool
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self._active:
@@ -101,34 +104,38 @@ class UMBPWorker:
                 self._copiers[group_id] = BlockCopier(layers, num_blocks)
         object_sizes = [copier.object_bytes for copier in self._copiers.values()]
         page_bytes = self._config.page_bytes or auto_page_bytes(object_sizes)
-        pool = SlabPool(
-            self._config.capacity_bytes,
-            page_bytes=page_bytes,
-            high_watermark=self._config.high_watermark,
-            low_watermark=self._config.low_watermark,
-        )
         executor = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
-        self._embedded = open_embedded_pool(pool, serve_other_processes=executor != "uni")
-        self._store = pool
+        self._backend = open_worker_backend(
+            self._config, page_bytes, serve_other_processes=executor != "uni"
+        )
+        self._store = self._backend.store
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
-            "pool %d MiB in %d KiB pages",
+            "mode %s, capacity %d MiB",
             self._rank, self.namespace, len(self._copiers), object_sizes,
-            self._config.capacity_bytes >> 20, page_bytes >> 10,
+            self._config.mode, self._config.capacity_bytes >> 20,
         )
 
     def refresh_pool_counters(self) -> None:
-        pool = self.pool
-        if pool is not None:
-            stats = pool.stats()
-            self.counters.pool_evictions = stats.evictions
-            self.counters.pool_used_bytes = stats.used_bytes
-            self.counters.pool_objects = stats.objects
+        """The store's own figures (in the shared modes, the whole store's, which other
+        engines fill too). A store that cannot answer keeps the last figures."""
+        if self._store is None:
+            return
+        try:
+            stats = self._store.stats()
+        except Exception as error:
+            logger.debug("umbp store stats unavailable: %s", error)
+            return
+        self.counters.pool_evictions = stats.evictions
+        self.counters.pool_used_bytes = stats.used_bytes
+        self.counters.pool_objects = stats.objects
 
     def handshake(self) -> UMBPHandshake | None:
-        if self._embedded is None:
+        if self._backend is None:
             return None
-        return UMBPHandshake(self.namespace, self._rank, self._embedded.address)
+        embedded = self._backend.embedded
+        return UMBPHandshake(self.namespace, self._rank,
+                             None if embedded is None else embedded.address)
 
     def start_loads(self, meta: UMBPConnectorMetadata) -> None:
         for request_id, block_ids in meta.unplanned_loads.items():
@@ -185,9 +192,11 @@ class UMBPWorker:
         return UMBPWorkerMetadata(results) if results else None
 
     def shutdown(self) -> None:
-        if self._embedded is not None:
-            self._embedded.close()
-            self._embedded = None
+        if self._backend is not None:
+            for staging in self._staging.values():
+                self._unregister(staging)
+            self._backend.close()
+            self._backend = None
             self._store = None
 
     def _keys(self, transfer: BlockLoadBatch | StoreBatch, rows: Iterable[int]) -> list[str]:
@@ -239,9 +248,31 @@ class UMBPWorker:
         staging = self._staging.get(group_id)
         if staging is None or staging.shape[0] < rows:
             capacity = max(rows, 2 * (0 if staging is None else staging.shape[0]))
+            if staging is not None:
+                self._unregister(staging)
             staging = allocate_staging(capacity, copier.object_bytes, copier.device)
+            self._register(staging)
             self._staging[group_id] = staging
         return staging[:rows]
+
+    def _register(self, staging: torch.Tensor) -> None:
+        """Let a transport that moves bytes only from registered memory (Mooncake,
+        MORI) use the staging buffer directly. A refusal costs a bounce copy, not
+        correctness."""
+        if isinstance(self._store, RegistersHostMemory):
+            try:
+                self._store.register_host_memory(
+                    staging.data_ptr(), staging.numel() * staging.element_size()
+                )
+            except OSError as error:
+                logger.warning("umbp: could not register the staging buffer: %s", error)
+
+    def _unregister(self, staging: torch.Tensor) -> None:
+        if isinstance(self._store, RegistersHostMemory):
+            try:
+                self._store.unregister_host_memory(staging.data_ptr())
+            except OSError as error:
+                logger.debug("umbp: unregistering the staging buffer: %s", error)
 
     def _read_objects(
         self, keys: Sequence[str], staging: torch.Tensor

@@ -13,6 +13,15 @@ pools), ``stats`` (pool and connector counters of this process),
 ``clear_tp_rank_1`` (on every worker process, empty the pools of the worker whose
 tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2).
 
+Steps that act on a node-local store server (spec key ``server``: ``socket``,
+``capacity_bytes``, ``pid`` of the server the test started, optional ``ssd_dir`` and
+``ssd_capacity_bytes``): ``server_kill`` (SIGKILL), ``server_start`` (a new server at
+the same socket; killed when the scenario ends), ``server_stop`` / ``server_cont``
+(SIGSTOP / SIGCONT), ``server_stats`` (its per-tier figures), ``wait_reconnect``
+(sleep two reconnect intervals), ``mark`` (create the file ``spec["mark_file"]``),
+``hold`` (wait until the file ``spec["hold_file"]`` exists). With ``mark`` and ``hold``
+a test runs another engine while this one is alive.
+
 ``bad_configs`` (connector options) and ``bad_starts`` (``{"connector": ...,
 "engine": {...}}``, engine arguments over the spec's) are engines expected to fail
 to start; each reports whether it started and the error text.
@@ -71,6 +80,63 @@ def _local_stats() -> dict[str, Any]:
     return {"pools": pools, "worker": counters}
 
 
+class _ServerControl:
+    """The store server of a scenario: the one the test started, then any this
+    process restarts (those die with the scenario)."""
+
+    def __init__(self, spec: dict[str, Any] | None) -> None:
+        self._spec = spec or {}
+        self._pid: int | None = self._spec.get("pid")
+        self._started: list[Any] = []
+
+    def act(self, step: str) -> dict[str, Any]:
+        import signal
+
+        if step == "server_kill":
+            pid = self._require_pid()
+            os.kill(pid, signal.SIGKILL)
+            for process in self._started:
+                if process.pid == pid:
+                    process.wait()
+            return {"step": step, "pid": pid}
+        if step == "server_stop":
+            os.kill(self._require_pid(), signal.SIGSTOP)
+            return {"step": step}
+        if step == "server_cont":
+            os.kill(self._require_pid(), signal.SIGCONT)
+            return {"step": step}
+        if step == "server_start":
+            from umbp.runtime.server.launch import start_server
+
+            process = start_server(
+                self._spec["socket"], self._spec["capacity_bytes"],
+                ssd_dir=self._spec.get("ssd_dir"),
+                ssd_capacity_bytes=self._spec.get("ssd_capacity_bytes", 0),
+            )
+            self._started.append(process)
+            self._pid = process.pid
+            return {"step": step, "pid": process.pid}
+        if step == "server_stats":
+            from umbp.runtime.server.client import ServerStore
+
+            store = ServerStore(self._spec["socket"], io_timeout_s=5.0)
+            try:
+                return {"step": step, **store.server_stats()}
+            finally:
+                store.close()
+        raise ValueError(f"unknown scenario step {step!r}")
+
+    def close(self) -> None:
+        for process in self._started:
+            process.kill()
+            process.wait()
+
+    def _require_pid(self) -> int:
+        if self._pid is None:
+            raise ValueError("this scenario step needs spec['server']['pid']")
+        return self._pid
+
+
 def _record_kv_events(llm: Any) -> list[Any]:
     """Keep a copy of every KV event umbp hands to vLLM (in-process engines)."""
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -116,7 +182,8 @@ def _guard_llvmlite_dunder_lookup() -> None:
     wrapper._umbp_guarded = True
 
 
-def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any]]:
+def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
+                server: _ServerControl) -> list[dict[str, Any]]:
     from umbp.testing.engine import generate, make_llm
 
     engine_args = dict(spec.get("engine", {}))
@@ -132,8 +199,9 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, 
     results: list[dict[str, Any]] = []
     try:
         for step in engine["steps"]:
-            if step in ("generate", "generate_b"):
-                prompts = spec["prompts"] if step == "generate" else spec["prompts_b"]
+            if step == "generate" or step.startswith("generate_"):
+                # generate: spec["prompts"]; generate_<x>: spec["prompts_<x>"]
+                prompts = spec["prompts" + step.removeprefix("generate")]
                 completions = generate(llm, prompts, spec.get("max_tokens", 8))
                 results.append({
                     "step": step,
@@ -155,6 +223,19 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, 
                     time.sleep(0.05)
             elif step == "kv_events":
                 results.append({"step": step, "events": [_event_summary(e) for e in events]})
+            elif step.startswith("server_"):
+                results.append(server.act(step))
+            elif step == "wait_reconnect":
+                interval = float(engine["connector"].get("reconnect_interval_s", 1.0))
+                time.sleep(2 * interval + 0.2)
+                results.append({"step": step})
+            elif step == "mark":  # tell a waiting test this engine got here
+                open(spec["mark_file"], "w").close()
+                results.append({"step": step})
+            elif step == "hold":
+                while not os.path.exists(spec["hold_file"]):
+                    time.sleep(0.1)
+                results.append({"step": step})
             else:
                 raise ValueError(f"unknown scenario step {step!r}")
     finally:
@@ -185,8 +266,12 @@ def main(argv: list[str]) -> int:
         # collective_rpc with a function crosses to the engine-core process pickled.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     report: dict[str, Any] = {"engines": [], "bad_starts": []}
-    for engine in spec.get("engines", []):
-        report["engines"].append(_run_engine(spec, engine))
+    server = _ServerControl(spec.get("server"))
+    try:
+        for engine in spec.get("engines", []):
+            report["engines"].append(_run_engine(spec, engine, server))
+    finally:
+        server.close()
     for connector in spec.get("bad_configs", []):
         report["bad_starts"].append(_try_start(spec, connector))
     for start in spec.get("bad_starts", []):

@@ -1,0 +1,285 @@
+"""`StoreCore`, the server without its socket: reservations, pins, sessions, tiering
+(DRAM only, and over a real `SsdTier` in a temporary directory). The client's side of a
+put or get (copying into the pool, hashing) is done here by hand, as the client does it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from umbp.runtime.contract import LoadStatus
+from umbp.runtime.server import protocol
+from umbp.runtime.server.cold import ColdTier
+from umbp.runtime.server.core import Session, StoreCore
+from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.ssd_tier import SsdTier
+
+PAGE = 4096
+
+
+class Rig:
+    """A core over a bytearray pool, with client-side put/get helpers."""
+
+    def __init__(self, pages: int, cold: ColdTier | None = None) -> None:
+        self.pool = bytearray(pages * PAGE)
+        self.view = memoryview(self.pool)
+        index = PoolIndex(pages, PAGE, high_pages=pages - 1, low_pages=pages // 2)
+        self.core = StoreCore(self.view, index, cold)
+        self.session = self.core.open_session()
+
+    def put(self, items: dict[str, bytes], session: Session | None = None) -> list[bool]:
+        session = session or self.session
+        keys = list(items)
+        token, answers = self.core.begin_put(session, keys, [len(items[k]) for k in keys])
+        results, checksums = [], []
+        for key, answer in zip(keys, answers):
+            if isinstance(answer, bool):
+                results.append(answer)
+                continue
+            checksums.append(self.write(answer, items[key]))
+            results.append(None)
+        committed = iter(self.core.commit_put(session, token, checksums))
+        return [next(committed) if result is None else result for result in results]
+
+    def write(self, regions: Sequence[tuple[int, int]], payload: bytes) -> int:
+        start = 0
+        for offset, length in regions:
+            self.view[offset : offset + length] = payload[start : start + length]
+            start += length
+        return xxhash.xxh3_64_intdigest(payload)
+
+    def get(self, keys: list[str], sizes: list[int]) -> list[Any]:
+        token, answers = self.core.begin_get(self.session, keys, sizes)
+        results: list[Any] = []
+        corrupt = []
+        for position, answer in enumerate(answers):
+            if isinstance(answer, str):
+                results.append(answer)
+                continue
+            _nbytes, checksum, regions = answer
+            data = b"".join(bytes(self.view[o : o + n]) for o, n in regions)
+            if xxhash.xxh3_64_intdigest(data) != checksum:
+                corrupt.append(position)
+                results.append("corrupt")
+            else:
+                results.append(data)
+        self.core.end_get(self.session, token, corrupt)
+        return results
+
+    def counters(self) -> dict[str, int]:
+        return self.core.stats()["counters"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def ssd(tmp_path: Path) -> Iterator[SsdTier]:
+    tier = SsdTier(tmp_path / "ssd", 64 * PAGE * 16, slot_bytes=PAGE)
+    yield tier
+    tier.close()
+
+
+def test_put_then_get_returns_the_bytes_and_a_second_put_writes_nothing() -> None:
+    rig = Rig(16)
+    assert rig.put({"a": b"x" * 5000, "b": b"y" * 10}) == [True, True]
+    assert rig.core.lookup(["a", "b", "c"]) == b"\x01\x01\x00"
+    token, answers = rig.core.begin_put(rig.session, ["a"], [5000])
+    assert answers == [True]
+    assert rig.core.commit_put(rig.session, token, []) == []
+    assert rig.get(["a", "c", "b"], [5000, 3, 10]) == [b"x" * 5000, "missing", b"y" * 10]
+    counters = rig.counters()
+    assert (counters["puts"], counters["hits"], counters["misses"]) == (2, 2, 1)
+
+
+def test_a_reservation_is_invisible_until_committed_and_released_with_its_session() -> None:
+    rig = Rig(16)
+    other = rig.core.open_session()
+    _, answers = rig.core.begin_put(other, ["a"], [3 * PAGE])
+    assert isinstance(answers[0], tuple)
+    assert rig.core.lookup(["a"]) == b"\x00"
+    assert rig.core.stats()["sessions"]["reservations"] == 1
+    assert rig.core.stats()["dram"]["used_bytes"] == 3 * PAGE
+    rig.core.close_session(other)
+    stats = rig.core.stats()
+    assert stats["sessions"]["reservations"] == 0 and stats["dram"]["used_bytes"] == 0
+
+
+def test_pins_keep_an_object_through_clear_and_a_dropped_session_releases_them() -> None:
+    rig = Rig(16)
+    rig.put({"a": b"a" * PAGE})
+    reader = rig.core.open_session()
+    _, answers = rig.core.begin_get(reader, ["a"], [PAGE])
+    assert isinstance(answers[0], tuple)
+    assert rig.core.clear()
+    assert rig.core.lookup(["a"]) == b"\x00"
+    assert rig.core.stats()["dram"]["used_bytes"] == PAGE, "pinned pages are not reused"
+    assert rig.put({"b": b"b" * PAGE}) == [True]
+    offset = answers[0][2][0][0]
+    assert bytes(rig.view[offset : offset + PAGE]) == b"a" * PAGE
+    rig.core.close_session(reader)
+    assert rig.core.stats()["dram"]["used_bytes"] == PAGE
+
+
+def test_a_corrupt_report_drops_the_object() -> None:
+    rig = Rig(16)
+    rig.put({"a": b"a" * 100})
+    token, answers = rig.core.begin_get(rig.session, ["a"], [100])
+    assert isinstance(answers[0], tuple)
+    rig.core.end_get(rig.session, token, [0])
+    assert rig.core.lookup(["a"]) == b"\x00"
+    assert rig.counters()["corrupt_loads"] == 1
+    assert rig.core.stats()["dram"]["used_bytes"] == 0
+
+
+def test_size_mismatch_pins_nothing() -> None:
+    rig = Rig(16)
+    rig.put({"a": b"a" * 100})
+    assert rig.get(["a"], [99]) == [protocol.GET_SIZE_MISMATCH]
+    assert rig.core.stats()["sessions"]["pins"] == 0
+
+
+def test_dram_only_evicts_least_recently_used_and_rejects_what_cannot_fit() -> None:
+    rig = Rig(8)  # high 7 pages, low 4
+    for name in "abcdef":
+        assert rig.put({name: name.encode() * PAGE}) == [True]
+    rig.get(["a"], [PAGE])  # "a" becomes most recently used
+    assert rig.put({"g": b"g" * 2 * PAGE}) == [True]
+    resident = rig.core.lookup(list("abcdefg"))
+    # 6 + 2 pages cross the high watermark (7): evict until 2 more fit under the low (4).
+    assert resident == bytes([1, 0, 0, 0, 0, 1, 1])
+    assert rig.counters()["evictions_dropped"] == 4
+    assert rig.put({"huge": b"h" * 9 * PAGE}) == [False]
+    assert rig.counters()["put_rejects"] == 1
+
+
+def test_objects_past_the_watermark_move_to_ssd_and_come_back_bit_identical(
+    ssd: SsdTier,
+) -> None:
+    rig = Rig(8, cold=ssd)
+    payloads = {f"k{i}": bytes([i]) * (PAGE + 17 * i) for i in range(6)}
+    for key, payload in payloads.items():
+        assert rig.put({key: payload}) == [True]
+    assert rig.counters()["evictions_to_ssd"] > 0
+    where = rig.core.where(list(payloads))
+    assert protocol.WHERE_DISK in where and protocol.WHERE_CPU in where
+    assert rig.core.lookup(list(payloads)) == b"\x01" * 6
+    cold_key = next(k for k, w in zip(payloads, where) if w == protocol.WHERE_DISK)
+    assert rig.get([cold_key], [len(payloads[cold_key])]) == [payloads[cold_key]]
+    assert rig.core.where([cold_key]) == bytes([protocol.WHERE_CPU])
+    assert rig.counters()["promotions"] == 1
+    assert ssd.lookup([cold_key]) == (True,), "tiers are inclusive: the SSD copy stays"
+
+
+def test_a_put_of_a_key_on_ssd_writes_nothing(ssd: SsdTier) -> None:
+    assert ssd.put("cold", b"c" * 100)
+    rig = Rig(8, cold=ssd)
+    _token, answers = rig.core.begin_put(rig.session, ["cold"], [100])
+    assert answers == [True]
+    assert rig.get(["cold"], [100]) == [b"c" * 100]
+
+
+def test_damaged_dram_bytes_are_dropped_not_demoted(ssd: SsdTier) -> None:
+    rig = Rig(8, cold=ssd)
+    assert rig.put({"bad": b"b" * PAGE})
+    rig.pool[10] ^= 0xFF  # the only object starts at offset 0
+    for index in range(7):
+        rig.put({f"filler{index}": b"f" * PAGE})
+    assert ssd.lookup(["bad"]) == (False,)
+    assert rig.core.lookup(["bad"]) == b"\x00"
+    assert rig.counters()["corrupt_loads"] >= 1
+
+
+class _FullDisk:
+    """A cold tier whose every write fails, as on a full disk."""
+
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+
+    def put(self, key: str, payload: object) -> bool:
+        self.tried.append(key)
+        return False
+
+    def get_into(self, key: str, out: object) -> LoadStatus:
+        return LoadStatus.MISSING
+
+    def size_of(self, key: str) -> int | None:
+        return None
+
+    def remove(self, key: str) -> bool:
+        return False
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        return (False,) * len(keys)
+
+    def keys(self) -> tuple[str, ...]:
+        return ()
+
+    def take_evicted_keys(self) -> tuple[str, ...]:
+        return ()
+
+    def stats(self) -> dict[str, int]:
+        return {"objects": 0}
+
+    def clear(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_failed_demotion_drops_the_object_and_keeps_serving_the_rest() -> None:
+    full = _FullDisk()
+    rig = Rig(8, cold=full)  # type: ignore[arg-type]
+    for index in range(10):
+        assert rig.put({f"k{index}": bytes([index]) * PAGE}) == [True]
+    assert full.tried, "eviction tried the cold tier"
+    counters = rig.counters()
+    assert counters["ssd_put_failures"] == counters["evictions_dropped"] == len(full.tried)
+    for key in full.tried:
+        assert rig.core.lookup([key]) == b"\x00"
+    assert rig.get(["k9"], [PAGE]) == [bytes([9]) * PAGE]
+
+
+def test_a_corrupt_ssd_object_answers_corrupt_and_is_dropped(ssd: SsdTier) -> None:
+    assert ssd.put("cold", b"c" * 3000)
+    slot = ssd.object_slots("cold")[0]
+    with open(ssd.path, "r+b") as slot_file:
+        slot_file.seek(ssd.slot_data_offset(slot) + 5)
+        slot_file.write(b"X")
+    rig = Rig(8, cold=ssd)
+    assert rig.get(["cold"], [3000]) == [protocol.GET_CORRUPT]
+    assert rig.core.lookup(["cold"]) == b"\x00"
+    assert rig.counters()["corrupt_loads"] == 1
+    assert rig.core.stats()["dram"]["used_bytes"] == 0, "the promotion's pages came back"
+
+
+def test_clear_empties_both_tiers(ssd: SsdTier) -> None:
+    rig = Rig(8, cold=ssd)
+    for index in range(8):
+        rig.put({f"k{index}": b"z" * PAGE})
+    assert rig.core.clear()
+    assert rig.core.lookup([f"k{index}" for index in range(8)]) == bytes(8)
+    assert ssd.keys() == ()
+
+
+def test_lookups_follow_what_the_ssd_tier_evicts_by_itself(tmp_path: Path) -> None:
+    """A small SSD tier evicts its own LRU objects as demotions arrive; the server's
+    mirror of its keys must follow, so that every key a lookup calls resident loads."""
+    with SsdTier(tmp_path / "small", 4 * PAGE, slot_bytes=PAGE) as small:
+        rig = Rig(8, cold=small)
+        keys = [f"k{index}" for index in range(20)]
+        for index, key in enumerate(keys):
+            assert rig.put({key: bytes([index]) * PAGE}) == [True]
+        resident = [key for key, code in zip(keys, rig.core.lookup(keys)) if code]
+        assert len(resident) <= 8 + 4
+        assert set(small.keys()) <= set(resident)
+        on_disk = [k for k, w in zip(keys, rig.core.where(keys)) if w == protocol.WHERE_DISK]
+        assert set(on_disk) == set(small.keys())
+        # Each get may promote, demote and so make the SSD tier evict: ask again each time.
+        for key in keys:
+            if rig.core.lookup([key]) == b"\x01":
+                assert rig.get([key], [PAGE]) == [bytes([keys.index(key)]) * PAGE], key
+            else:
+                assert rig.get([key], [PAGE]) == [protocol.GET_MISSING], key

@@ -1,0 +1,168 @@
+"""Start `umbp serve` as a child (tests, benchmarks) or detached (the connector's
+`auto_start`), and ask whether a server answers at a socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from umbp.runtime.server import protocol
+
+__all__ = ["ServerStartError", "server_reachable", "start_server"]
+
+_POLL_S = 0.05
+_LOG_TAIL_BYTES = 4000
+
+
+class ServerStartError(RuntimeError):
+    """The server died or did not answer in time; the message ends with its log tail."""
+
+
+def server_reachable(socket_path: str, timeout_s: float = 1.0) -> bool:
+    """True when a umbp server answers a HELLO at `socket_path` within `timeout_s`
+    (a socket file left by a dead server, or a stalled server, answers False)."""
+    return _hello(socket_path, timeout_s) is not None
+
+
+def _hello(socket_path: str, timeout_s: float) -> dict[str, Any] | None:
+    deadline = protocol.Deadline(timeout_s)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(deadline.remaining())
+        sock.connect(socket_path)
+        protocol.send_all(sock, protocol.encode_json(protocol.HELLO, {}), deadline)
+        op, body = protocol.read_frame(sock, deadline)
+        hello = protocol.decode_json(body) if op == protocol.OK else None
+        return hello if isinstance(hello, dict) else None
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def serve_command(
+    socket_path: str,
+    capacity_bytes: int,
+    *,
+    ssd_dir: str | None = None,
+    ssd_capacity_bytes: int = 0,
+    page_bytes: int = 65536,
+    high_watermark: float = 0.95,
+    low_watermark: float = 0.85,
+    persist_on_exit: bool = False,
+) -> list[str]:
+    command = [
+        sys.executable, "-m", "umbp.cli", "serve",
+        "--socket", socket_path,
+        "--capacity", str(capacity_bytes),
+        "--page-bytes", str(page_bytes),
+        "--high-watermark", repr(high_watermark),
+        "--low-watermark", repr(low_watermark),
+    ]
+    if ssd_dir is not None:
+        command += ["--ssd-dir", ssd_dir, "--ssd-capacity", str(ssd_capacity_bytes)]
+    if persist_on_exit:
+        command.append("--persist-on-exit")
+    return command
+
+
+def start_server(
+    socket_path: str,
+    capacity_bytes: int,
+    *,
+    ssd_dir: str | None = None,
+    ssd_capacity_bytes: int = 0,
+    page_bytes: int = 65536,
+    high_watermark: float = 0.95,
+    low_watermark: float = 0.85,
+    wait_s: float = 30.0,
+    detach: bool = False,
+    log_path: str | None = None,
+    persist_on_exit: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Spawn `umbp serve` and return once it answers at `socket_path`.
+
+    Its output goes to `log_path` (appended), or to a temporary file. `detach=True` starts
+    it in a session of its own, so that it outlives the caller and its terminal's
+    signals. Raises `ServerStartError` with the log's tail when the server exits or does
+    not answer within `wait_s` (a server that does not answer in time is killed).
+    """
+    if server_reachable(socket_path, timeout_s=1.0):
+        raise ServerStartError(f"a umbp server already answers at {socket_path}")
+    command = serve_command(
+        socket_path, capacity_bytes, ssd_dir=ssd_dir, ssd_capacity_bytes=ssd_capacity_bytes,
+        page_bytes=page_bytes, high_watermark=high_watermark, low_watermark=low_watermark,
+        persist_on_exit=persist_on_exit,
+    )
+    log_fd, log_name = _open_log(log_path)
+    try:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=detach,
+            env=_child_environment(),
+        )
+    finally:
+        os.close(log_fd)
+    _wait_until_answering(process, socket_path, wait_s, log_name)
+    return process
+
+
+def _open_log(log_path: str | None) -> tuple[int, str]:
+    """(descriptor, name) of the server's log: `log_path` appended to, owner-only (it
+    names the pool's file), or a fresh temporary file."""
+    if log_path is None:
+        return tempfile.mkstemp(prefix="umbp-serve-", suffix=".log")
+    return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), log_path
+
+
+def _child_environment() -> dict[str, str]:
+    """The caller's environment, with this checkout importable when the package is run
+    from a source tree rather than installed."""
+    environment = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])
+    paths = [root] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
+    environment["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return environment
+
+
+def _wait_until_answering(
+    process: subprocess.Popen[bytes], socket_path: str, wait_s: float, log_name: str
+) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        hello = _hello(socket_path, timeout_s=1.0)
+        if hello is not None and hello.get("pid") == process.pid:
+            return
+        code = process.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"umbp serve exited with status {code} before answering at {socket_path}; "
+                f"log {log_name}:\n{_tail(log_name)}"
+            )
+        if time.monotonic() >= deadline:
+            process.kill()
+            process.wait()
+            raise ServerStartError(
+                f"umbp serve did not answer at {socket_path} within {wait_s:g} s (killed); "
+                f"log {log_name}:\n{_tail(log_name)}"
+            )
+        time.sleep(_POLL_S)
+
+
+def _tail(log_name: str) -> str:
+    try:
+        with open(log_name, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+            return log.read().decode(errors="replace")
+    except OSError as error:
+        return f"(log unreadable: {error})"

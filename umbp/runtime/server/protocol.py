@@ -1,0 +1,124 @@
+"""The control protocol between `umbp serve` and its clients (KV bytes never cross it).
+
+Frame (both directions): op (u8) + body length (u32, little-endian) + body. Request
+bodies are JSON; answers are JSON except for `LOOKUP` and `WHERE`, whose answer is one
+byte per key (the scheduler asks about every block of a prompt at once, so that path
+skips JSON on the way back). An answer with op `ERROR` carries a JSON message instead.
+
+Ops and bodies:
+* `HELLO` {} -> {"server_id", "pid", "shm_path", "shm_bytes", "page_bytes"}: sent once per
+  connection; the client maps `shm_path` and ties the mapping to this connection.
+* `LOOKUP` {"keys"} -> bytes, 1 resident / 0 not.
+* `WHERE` {"keys"} -> bytes, `WHERE_*` codes.
+* `BEGIN_PUT` {"keys", "sizes"} -> {"token", "answers"}: per key `true` (already resident,
+  nothing to write), `false` (rejected) or a list of [offset, length] regions reserved for
+  it in the shared pool, in object order.
+* `COMMIT_PUT` {"token", "checksums"} -> [bool per reserved key]: one xxh3-64 per reserved
+  key (in request order), or null to abandon that key.
+* `BEGIN_GET` {"keys", "sizes"} -> {"token", "answers"}: per key a `GET_*` code, or
+  [nbytes, checksum, regions] for a key now pinned.
+* `END_GET` {"token", "corrupt"} -> no answer (one-way): unpins, drops the corrupt keys
+  (positions in the BEGIN_GET request).
+* `CLEAR` {} -> bool; `STATS` {} -> the stats dict (see `umbp.runtime.server.stats`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from typing import Any, Final
+
+HEADER: Final = struct.Struct("<BI")
+MAX_BODY_BYTES: Final = 64 << 20
+
+HELLO: Final = 1
+LOOKUP: Final = 2
+WHERE: Final = 3
+BEGIN_PUT: Final = 4
+COMMIT_PUT: Final = 5
+BEGIN_GET: Final = 6
+END_GET: Final = 7
+CLEAR: Final = 8
+STATS: Final = 9
+OK: Final = 100
+ERROR: Final = 101
+
+ONE_WAY: Final = frozenset({END_GET})
+
+WHERE_NONE: Final = 0
+WHERE_CPU: Final = 1
+WHERE_DISK: Final = 2
+
+GET_MISSING: Final = "missing"
+GET_CORRUPT: Final = "corrupt"
+GET_SIZE_MISMATCH: Final = "size_mismatch"
+GET_UNAVAILABLE: Final = "unavailable"
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that is not a frame of this protocol; the connection is
+    dropped (a ConnectionError so that every caller's connection-failure path handles it)."""
+
+
+class Deadline:
+    """A point in time every blocking socket step of one call must finish by, so that a
+    call is bounded as a whole rather than per recv."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, seconds: float) -> None:
+        self._at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        left = self._at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("umbp server did not answer in time")
+        return left
+
+
+def encode(op: int, body: bytes) -> bytes:
+    return HEADER.pack(op, len(body)) + body
+
+
+def encode_json(op: int, value: Any) -> bytes:
+    return encode(op, json.dumps(value, separators=(",", ":")).encode())
+
+
+def decode_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise ProtocolError(f"malformed message body: {error}") from error
+
+
+def read_frame(sock: socket.socket, deadline: Deadline | None) -> tuple[int, bytes]:
+    """One frame; with `deadline` every recv waits at most the time left (TimeoutError
+    after), without one it blocks (the server waits for its clients' next request)."""
+    op, length = HEADER.unpack(_read_exactly(sock, HEADER.size, deadline))
+    if length > MAX_BODY_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_BODY_BYTES}")
+    return op, _read_exactly(sock, length, deadline)
+
+
+def send_all(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:
+    if deadline is not None:
+        sock.settimeout(deadline.remaining())
+    sock.sendall(data)
+
+
+def _read_exactly(sock: socket.socket, size: int, deadline: Deadline | None) -> bytes:
+    if size == 0:
+        return b""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        if deadline is not None:
+            sock.settimeout(deadline.remaining())
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("umbp server connection closed by the peer")
+        received += count
+    return bytes(buffer)

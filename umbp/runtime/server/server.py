@@ -1,0 +1,318 @@
+"""`umbp serve`: the node-local store server process.
+
+A threading Unix-socket server over `StoreCore`. Its DRAM tier is a shared-memory file
+in /dev/shm that clients map; only control messages cross the socket (see `protocol`).
+The socket is owner-only (0600, its directory 0700 when the server creates it), so only
+processes of the same user can talk to it or map its pool.
+
+What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open).
+What it loses: the DRAM tier, which lives and dies with the process.
+
+SIGTERM and SIGINT shut down cleanly: the socket, the shared-memory file and the record
+of its name are removed and the process exits 0. With `persist_on_exit`
+(`--persist-on-exit`) the DRAM tier's objects are first copied to the SSD tier, so that
+the next server keeps them too. After a SIGKILL the next server started
+at the same socket path removes the shared-memory file its predecessor left behind (its
+name is recorded beside the socket, in `<socket>.pool`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import socketserver
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from umbp.runtime.server import protocol
+from umbp.runtime.server.cold import ColdTier, open_cold_tier
+from umbp.runtime.server.core import Session, StoreCore
+from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.server.shm import SharedPool, create_shared_pool, remove_shared_pool
+
+__all__ = ["ServerConfig", "serve"]
+
+logger = logging.getLogger("umbp.serve")
+
+_POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket_path: str
+    capacity_bytes: int
+    page_bytes: int = 65536
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    ssd_dir: str | None = None
+    ssd_capacity_bytes: int = 0
+    persist_on_exit: bool = False
+    """On SIGTERM/SIGINT, copy the DRAM tier's objects to the SSD tier before exiting
+    (costs one SSD write per object the SSD lacks; off by default)."""
+
+    def validate(self) -> None:
+        if self.page_bytes <= 0 or self.page_bytes % 64:
+            raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
+        if self.capacity_bytes < self.page_bytes:
+            raise ValueError(
+                f"capacity_bytes ({self.capacity_bytes}) is below one page ({self.page_bytes})"
+            )
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError(
+                "watermarks must satisfy 0 < low < high <= 1, got "
+                f"low={self.low_watermark} high={self.high_watermark}"
+            )
+        if self.ssd_capacity_bytes < 0:
+            raise ValueError(f"ssd_capacity_bytes must be >= 0, got {self.ssd_capacity_bytes}")
+        if self.ssd_capacity_bytes and self.ssd_dir is None:
+            raise ValueError("ssd_capacity_bytes needs ssd_dir")
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _StoreServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        core = self.server.core
+        session = core.open_session()
+        self.server.track(sock)
+        try:
+            while True:
+                op, body = protocol.read_frame(sock, None)
+                answer = self._answer(op, body, session)
+                if answer is not None:
+                    sock.sendall(answer)
+        except OSError:
+            return  # the client went away (ConnectionError and ProtocolError included)
+        finally:
+            self.server.untrack(sock)
+            core.close_session(session)
+
+    def _answer(self, op: int, body: bytes, session: Session) -> bytes | None:
+        try:
+            return self._dispatch(op, protocol.decode_json(body) if body else {}, session)
+        except protocol.ProtocolError:
+            raise
+        except Exception as error:  # one bad request must not kill the server
+            logger.exception("umbp serve: request %d failed", op)
+            if op in protocol.ONE_WAY:
+                return None
+            return protocol.encode_json(protocol.ERROR, f"{type(error).__name__}: {error}")
+
+    def _dispatch(self, op: int, request: Any, session: Session) -> bytes | None:
+        core = self.server.core
+        if op == protocol.LOOKUP:
+            return protocol.encode(protocol.OK, core.lookup(request["keys"]))
+        if op == protocol.WHERE:
+            return protocol.encode(protocol.OK, core.where(request["keys"]))
+        if op == protocol.BEGIN_PUT:
+            token, put_answers = core.begin_put(session, request["keys"], request["sizes"])
+            return protocol.encode_json(protocol.OK, {"token": token, "answers": put_answers})
+        if op == protocol.COMMIT_PUT:
+            return protocol.encode_json(
+                protocol.OK, core.commit_put(session, request["token"], request["checksums"])
+            )
+        if op == protocol.BEGIN_GET:
+            token, get_answers = core.begin_get(session, request["keys"], request["sizes"])
+            return protocol.encode_json(protocol.OK, {"token": token, "answers": get_answers})
+        if op == protocol.END_GET:
+            core.end_get(session, request["token"], request["corrupt"])
+            return None
+        if op == protocol.HELLO:
+            return protocol.encode_json(protocol.OK, self.server.hello)
+        if op == protocol.CLEAR:
+            return protocol.encode_json(protocol.OK, core.clear())
+        if op == protocol.STATS:
+            figures = core.stats() | {"pid": self.server.hello["pid"], "server": self.server.hello}
+            return protocol.encode_json(protocol.OK, figures)
+        raise protocol.ProtocolError(f"unknown op {op}")
+
+
+class _StoreServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, path: str, core: StoreCore, hello: dict[str, Any]) -> None:
+        self.core = core
+        self.hello = hello
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(path, _Handler)
+
+    def track(self, sock: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.add(sock)
+
+    def untrack(self, sock: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.discard(sock)
+
+    def drop_connections(self) -> None:
+        """Wake every handler blocked on its client so that none outlives the server."""
+        with self._connections_lock:
+            for sock in self._connections:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def serve(config: ServerConfig) -> int:
+    """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status."""
+    config.validate()
+    stop = _stop_on_signals()
+    socket_path = os.path.abspath(config.socket_path)
+    _prepare_socket_directory(socket_path)
+    _remove_stale_leftovers(socket_path)
+    pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
+    cold: ColdTier | None = None
+    server: _StoreServer | None = None
+    try:
+        _record_pool_path(socket_path, pool.path)
+        if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
+            cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
+        core = StoreCore(pool.view, _index_for(config, pool), cold)
+        server = _bind(socket_path, core, _hello(config, pool))
+        _run_until(stop, server, socket_path, pool)
+        server.server_close()
+        server.drop_connections()
+        if config.persist_on_exit:
+            _persist(core)
+    finally:
+        _shut_down(server, socket_path, pool, cold)
+    return 0
+
+
+def _index_for(config: ServerConfig, pool: SharedPool) -> PoolIndex:
+    total_pages = pool.nbytes // config.page_bytes
+    return PoolIndex(
+        total_pages,
+        config.page_bytes,
+        high_pages=int(config.high_watermark * total_pages + 1e-9),
+        low_pages=int(config.low_watermark * total_pages + 1e-9),
+    )
+
+
+def _hello(config: ServerConfig, pool: SharedPool) -> dict[str, Any]:
+    return {
+        "server_id": secrets.token_hex(8),
+        "pid": os.getpid(),
+        "shm_path": pool.path,
+        "shm_bytes": pool.nbytes,
+        "page_bytes": config.page_bytes,
+        "ssd_dir": config.ssd_dir,
+    }
+
+
+def _prepare_socket_directory(socket_path: str) -> None:
+    directory = Path(socket_path).parent
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+        os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
+
+
+def _remove_stale_leftovers(socket_path: str) -> None:
+    """Refuse to start over a live server; clean up after a dead one (its socket and,
+    when it was killed, its shared-memory file)."""
+    if os.path.exists(socket_path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(socket_path)
+        except OSError:
+            os.unlink(socket_path)
+        else:
+            raise RuntimeError(f"another server already listens on {socket_path}")
+        finally:
+            probe.close()
+    record = Path(socket_path + ".pool")
+    with contextlib.suppress(OSError):
+        previous = record.read_text().strip()
+        if _POOL_NAME.match(previous):
+            remove_shared_pool(previous)
+        record.unlink()
+
+
+def _record_pool_path(socket_path: str, pool_path: str) -> None:
+    record = socket_path + ".pool"
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(pool_path + "\n")
+
+
+def _bind(socket_path: str, core: StoreCore, hello: dict[str, Any]) -> _StoreServer:
+    """Bind with a umask that makes the socket owner-only from its first instant (a chmod
+    after bind would leave a window in which anyone could connect)."""
+    previous = os.umask(0o177)
+    try:
+        server = _StoreServer(socket_path, core, hello)
+    finally:
+        os.umask(previous)
+    os.chmod(socket_path, 0o600)
+    return server
+
+
+def _stop_on_signals() -> threading.Event:
+    """Installed before anything is allocated, so that a SIGTERM during a long start
+    (allocating a large pool) still ends in a clean shutdown."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    # A write past RLIMIT_FSIZE must fail with EFBIG (the SSD tier then answers False),
+    # not kill the server and every client's pool with it.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return stop
+
+
+def _run_until(
+    stop: threading.Event, server: _StoreServer, socket_path: str, pool: SharedPool
+) -> None:
+    # A short poll interval: shutdown() waits up to one interval for the loop to notice.
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="umbp-serve",
+        daemon=True,
+    )
+    thread.start()
+    print(
+        json.dumps({"event": "serving", "socket": socket_path, "pool": pool.path,
+                    "pool_bytes": pool.nbytes, "pid": os.getpid()}),
+        file=sys.stderr,
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
+    thread.join()
+
+
+def _persist(core: StoreCore) -> None:
+    written = core.persist_to_cold()
+    print(json.dumps({"event": "persisted", "objects": written}), file=sys.stderr, flush=True)
+
+
+def _shut_down(
+    server: _StoreServer | None, socket_path: str, pool: SharedPool, cold: ColdTier | None
+) -> None:
+    if server is not None:
+        server.server_close()
+        server.drop_connections()
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+    remove_shared_pool(pool.path)
+    with contextlib.suppress(OSError):
+        os.unlink(socket_path + ".pool")
+    if cold is not None:
+        cold.close()
+    print(json.dumps({"event": "stopped", "socket": socket_path}), file=sys.stderr, flush=True)

@@ -1,0 +1,86 @@
+"""`umbp stats`: a server's figures as a readable table.
+
+The stats dict (`ServerStore.server_stats()`, `umbp stats --json`) has these parts:
+* "objects": distinct objects resident in either tier; "pid": the server's process id;
+* "dram": capacity_bytes, used_bytes, page_bytes, objects, pinned_objects,
+  high_watermark_bytes, low_watermark_bytes;
+* "ssd": enabled, and when enabled whatever the SSD tier reports (capacity, usage,
+  objects, its own counters);
+* "sessions": connections, reservations (puts in flight), pins (gets in flight);
+* "counters" (since the server started): hits, misses, puts, put_rejects, corrupt_loads,
+  evictions_to_ssd, evictions_dropped, ssd_put_failures, promotions, bytes_written,
+  bytes_read, bytes_to_ssd, bytes_from_ssd, connections (accepted in all);
+* "server": server_id, pid, shm_path, shm_bytes, page_bytes, ssd_dir.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_stats"]
+
+_TIER_ROWS = (
+    ("capacity", "capacity_bytes", True),
+    ("used", "used_bytes", True),
+    ("objects", "objects", False),
+)
+_COUNTER_ROWS = (
+    ("hits", "hits", False),
+    ("misses", "misses", False),
+    ("puts", "puts", False),
+    ("put rejects", "put_rejects", False),
+    ("corrupt loads (dropped)", "corrupt_loads", False),
+    ("evictions to SSD", "evictions_to_ssd", False),
+    ("evictions dropped", "evictions_dropped", False),
+    ("SSD write failures", "ssd_put_failures", False),
+    ("promotions from SSD", "promotions", False),
+    ("bytes written", "bytes_written", True),
+    ("bytes read", "bytes_read", True),
+    ("bytes to SSD", "bytes_to_ssd", True),
+    ("bytes from SSD", "bytes_from_ssd", True),
+)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    dram, ssd = stats.get("dram", {}), stats.get("ssd", {})
+    server = stats.get("server", {})
+    lines = [f"umbp server pid {server.get('pid', '?')}, pool {server.get('shm_path', '?')}"]
+    lines.append(f"objects resident (either tier): {stats.get('objects', '?')}")
+    lines.append(f"{'tier':<26}{'DRAM':>16}{'SSD':>16}")
+    for label, name, is_bytes in _TIER_ROWS:
+        ssd_value = _cell(ssd.get(name), is_bytes) if ssd.get("enabled") else "off"
+        lines.append(f"{label:<26}{_cell(dram.get(name), is_bytes):>16}{ssd_value:>16}")
+    if dram.get("capacity_bytes"):
+        share = 100.0 * dram.get("used_bytes", 0) / dram["capacity_bytes"]
+        lines.append(f"{'DRAM used':<26}{share:>15.1f}%")
+    counters = stats.get("counters", {})
+    lines.append("")
+    for label, name, is_bytes in _COUNTER_ROWS:
+        lines.append(f"{label:<26}{_cell(counters.get(name), is_bytes):>16}")
+    if ssd.get("enabled"):
+        # The SSD tier's own LRU evictions: objects that left the node for good.
+        lines.append(f"{'evictions from SSD':<26}{_cell(ssd.get('evictions'), False):>16}")
+    sessions = stats.get("sessions", {})
+    lines.append(
+        f"{'connections now':<26}{sessions.get('connections', 0):>16}"
+        f"  (puts in flight {sessions.get('reservations', 0)}, "
+        f"gets in flight {sessions.get('pins', 0)})"
+    )
+    return "\n".join(lines)
+
+
+def _cell(value: Any, is_bytes: bool) -> str:
+    if value is None:
+        return "-"
+    if is_bytes and isinstance(value, int):
+        return _human_bytes(value)
+    return str(value)
+
+
+def _human_bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{count} B"
