@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from umbp.testing.models import llama_recipe, write_random_model
 
-    name = "llama-" + "-".join(f"{k[0]}{v}" for k, v in shape.items())
+    name = (f"llama-h{shape['hidden_size']}-l{shape['layers']}-a{shape['heads']}"
+            f"-kv{shape['kv_heads']}-i{shape['intermediate']}")  # ttft_bench's model too
     model_dir = str(write_random_model(
         llama_recipe(**shape, vocab=VOCAB, max_positions=MAX_MODEL_LEN),
         args.model_root / name))

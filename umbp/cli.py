@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "chat": "chat_bench.py",
     "server": "server_bench.py",
     "ssd": "ssd_bench.py",
+    "shared-server": "shared_server_bench.py",
 }
 
 

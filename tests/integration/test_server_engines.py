@@ -207,3 +207,28 @@ def test_kv_events_name_the_tier_and_announce_the_servers_own_evictions(
     assert announced_a <= removed_hashes, "the server's own evictions were not announced"
     assert "DISK" in {e["medium"] for e in removed}, "objects left from the SSD tier"
     assert tiers["ssd"]["evictions"] > 0 and tiers["counters"]["evictions_to_ssd"] > 0
+
+
+def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(
+    llama_fp32: str, tmp_path: Path
+) -> None:
+    # 32 KiB objects; DRAM holds 4, so most of the ~20 stored blocks live on the SSD.
+    socket_path, ssd_dir = str(tmp_path / "run" / "umbp.sock"), str(tmp_path / "ssd")
+    process = start_server(socket_path, 4 * 32 * 1024, page_bytes=32 * 1024, ssd_dir=ssd_dir,
+                           ssd_capacity_bytes=64 * 32 * 1024)
+    server = {"socket": socket_path, "pid": process.pid, "ssd_dir": ssd_dir,
+              "capacity_bytes": 4 * 32 * 1024}
+    steps = ["generate", "reset", "server_corrupt_ssd", "generate", "stats", "server_stats",
+             "reset", "generate"]
+    try:
+        report = run_scenario(_spec(llama_fp32, [
+            BASELINE, {"connector": _connector(server), "steps": steps}], server=server))
+    finally:
+        process.kill()
+        process.wait()
+    (baseline,), (stored, _, corrupt, after, stats, tiers, _, again) = report["engines"]
+    assert corrupt["flipped"] > 0
+    for run in (stored, after, again):
+        assert run["tokens"] == baseline["tokens"], "a corrupted object was served"
+    assert stats["worker"]["load_failures"].get("corrupt", 0) > 0
+    assert tiers["ssd"]["corrupt_reads"] > 0

@@ -51,3 +51,77 @@ def test_quick_lookup_bench_prints_rows_and_writes_json(tmp_path: Path) -> None:
         assert row["us_per_batch"] > 0 and row["us_per_key"] > 0
         assert row["ratio_to_direct"] > 0
     assert data["rows"][0]["ratio_to_direct"] == 1.0
+
+
+def test_quick_server_bench_prints_ratios_and_writes_json(tmp_path: Path) -> None:
+    """benchmarks/server_bench.py starts a real `umbp serve` and compares its put/get
+    throughput with memcpy; the figures are not judged here, only reported."""
+    report = tmp_path / "server.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "server_bench.py"), "--quick",
+         "--gib", "0.02", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for case in ("put 64 KiB", "get 64 KiB", "put 1 MiB", "get 1 MiB"):
+        objects, server_gbps, memcpy_gbps, ratio = figures_of(done.stdout, case)
+        assert objects >= 32 and server_gbps > 0 and memcpy_gbps > 0 and ratio > 0
+    assert "lookup of 1000 keys over the socket" in done.stdout
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "server" and data["quick"] is True
+    assert [(row["operation"], row["object_bytes"]) for row in data["copies"]] == [
+        ("put", 64 << 10), ("get", 64 << 10), ("put", 1 << 20), ("get", 1 << 20)
+    ]
+    assert data["lookup"]["keys"] == 1000 and data["lookup"]["median_us"] > 0
+
+
+def test_quick_ssd_bench_prints_ratios_and_writes_json(tmp_path: Path) -> None:
+    """benchmarks/ssd_bench.py compares SsdTier put/get with plain pwrite/preadv of the
+    same bytes; the figures are not judged here, only reported."""
+    report = tmp_path / "ssd.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ssd_bench.py"), "--quick",
+         "--gib", "0.01", "--dir", str(tmp_path), "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for case in ("put 64 KiB", "get 64 KiB", "put 1 MiB", "get 1 MiB"):
+        slot_kib, objects, tier_gbps, plain_gbps, ratio = figures_of(done.stdout, case)
+        assert slot_kib == 64 and objects >= 8 and tier_gbps > 0 and plain_gbps > 0 and ratio > 0
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "ssd" and data["quick"] is True
+    assert [(row["operation"], row["object_bytes"]) for row in data["io"]] == [
+        ("put", 64 << 10), ("get", 64 << 10), ("put", 1 << 20), ("get", 1 << 20)
+    ]
+    assert [row["objects"] for row in data["reopen"]] == [data["io"][0]["objects"],
+                                                          data["io"][2]["objects"]]
+
+
+def test_quick_mooncake_bench_prints_ratios_and_writes_json(tmp_path: Path) -> None:
+    """benchmarks/mooncake_bench.py compares MooncakeStore with Mooncake's raw client
+    calls on a real loopback master; the figures are not judged here, only reported."""
+    import pytest
+
+    pytest.importorskip("mooncake.store")
+    report = tmp_path / "mooncake.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "mooncake_bench.py"), "--quick",
+         "--gib", "0.01", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for segment in ("local", "remote"):
+        for case in ("put 1 MiB", "get 1 MiB", "put 100 KiB", "get 100 KiB"):
+            objects, umbp, raw, ratio, bounce, xxh3 = figures_of(done.stdout, f"{segment} {case}")
+            assert objects >= 32 and min(umbp, raw, ratio, bounce, xxh3) > 0
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "mooncake" and data["quick"] is True
+    rows = data["copies"]
+    assert [(row["segment"], row["operation"], row["object_bytes"]) for row in rows] == [
+        (segment, operation, size)
+        for segment in ("local", "remote")
+        for size in (1 << 20, 100 << 10)
+        for operation in ("put", "get")
+    ]
+    assert [lookup["segment"] for lookup in data["lookups"]] == ["local", "remote"]
+    assert all(lookup["ratio"] > 0 for lookup in data["lookups"])

@@ -898,3 +898,27 @@ def _validate_geometry(capacity_bytes: int, slot_bytes: int) -> None:
             f"capacity_bytes ({capacity_bytes}) is smaller than one slot "
             f"(slot_bytes={slot_bytes}); raise capacity_bytes or lower slot_bytes"
         )
+
+
+def flip_stored_bytes(directory: str | os.PathLike[str]) -> int:
+    """Fault injection from outside the owning process: flip the first payload byte of
+    every occupied slot of the slot file in `directory` (read through the superblock,
+    without the lock: the owner keeps serving). Returns the number of slots flipped."""
+    path = Path(directory) / SLOT_FILE_NAME
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        superblock = os.pread(descriptor, _SUPERBLOCK.size, 0)
+        _, _, _, slot_bytes, total_slots, data_offset = _SUPERBLOCK.unpack(superblock)
+        flipped = 0
+        for slot in range(total_slots):
+            record = os.pread(descriptor, len(_RECORD_MAGIC),
+                              SUPERBLOCK_BYTES + slot * RECORD_BYTES)
+            if record != _RECORD_MAGIC:
+                continue
+            offset = data_offset + slot * slot_bytes
+            byte = os.pread(descriptor, 1, offset)
+            os.pwrite(descriptor, bytes([byte[0] ^ 0xFF]), offset)
+            flipped += 1
+        return flipped
+    finally:
+        os.close(descriptor)

@@ -17,7 +17,8 @@ Steps that act on a node-local store server (spec key ``server``: ``socket``,
 ``capacity_bytes``, ``pid`` of the server the test started, optional ``ssd_dir`` and
 ``ssd_capacity_bytes``): ``server_kill`` (SIGKILL), ``server_start`` (a new server at
 the same socket; killed when the scenario ends), ``server_stop`` / ``server_cont``
-(SIGSTOP / SIGCONT), ``server_stats`` (its per-tier figures), ``wait_reconnect``
+(SIGSTOP / SIGCONT), ``server_stats`` (its per-tier figures), ``server_corrupt_ssd``
+(flip a byte of every object in its SSD slot file), ``wait_reconnect``
 (sleep two reconnect intervals), ``mark`` (create the file ``spec["mark_file"]``),
 ``hold`` (wait until the file ``spec["hold_file"]`` exists). With ``mark`` and ``hold``
 a test runs another engine while this one is alive.
@@ -116,6 +117,10 @@ class _ServerControl:
             self._started.append(process)
             self._pid = process.pid
             return {"step": step, "pid": process.pid}
+        if step == "server_corrupt_ssd":
+            from umbp.runtime.ssd_tier import flip_stored_bytes
+
+            return {"step": step, "flipped": flip_stored_bytes(self._spec["ssd_dir"])}
         if step == "server_stats":
             from umbp.runtime.server.client import ServerStore
 

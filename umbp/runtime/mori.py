@@ -1,0 +1,464 @@
+"""`MoriStore`: the store contract over MORI UMBP's `mori.umbp.UMBPClient`, in its
+embedded, standalone (node-local server) and distributed deployments.
+
+MORI ships only for ROCm (backends.md), so this adapter is exercised here against
+`umbp.testing.fake_mori`, a fake of the documented API; pass `module=` to choose the
+module (the fake in tests), else `mori.umbp` is imported on construction.
+
+How the contract is met with the documented API (batch calls answer `list[bool]`):
+
+* Zero copy: buffers inside ranges registered with `register_host_memory` go straight to
+  `batch_put_from_ptr` / `batch_get_into_ptr`; others go through one registered bounce
+  buffer, allocated once (larger objects are registered for the duration of the call).
+* Integrity and sizes: MORI keeps neither a checksum nor a size query, and has no call to
+  put one object from two buffers, so each object has a 16-byte sidecar object under
+  `key + META_SUFFIX`: the xxh3-64 of the payload and its length. Payload and sidecar go
+  in one `batch_put_from_ptr`; a put answers True only if both were stored. A get reads
+  the sidecars first (one batch), answers SIZE_MISMATCH or MISSING before touching the
+  caller's buffer, then reads payloads and verifies them.
+* No remove call is documented, so a corrupt object cannot be deleted: the adapter
+  remembers it and answers MISSING / not-resident for it from then on, until a later put of
+  that key is accepted. Other clients detect the corruption on their own, by checksum.
+* A sidecar may be evicted apart from its payload (the store evicts objects, not pairs):
+  a load then answers MISSING though `lookup` said resident, as any eviction race does.
+* Known defects (backends.md): in 1.2.4 every put after `clear()` fails, so on that
+  version `clear()` replaces the client by a fresh one (re-registering memory); nightly
+  builds have no `close()`, so `close()` calls it only when it exists and otherwise drops
+  the client to its destructor.
+* Failures: a MORI call that raises (a stopped server, a transport error) becomes a
+  contract value: put False, `LoadStatus.UNAVAILABLE`, `StoreUnavailable` from `lookup`,
+  `clear()` False.
+
+`stats()`: `capacity_bytes` is the configured DRAM capacity; `used_bytes`, `objects` and
+`evictions` are 0 because the API reports none of them; `page_bytes` is 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import struct
+import threading
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from umbp.runtime.contract import (
+    LoadStatus,
+    PoolStats,
+    RegistersHostMemory,
+    SchedulerStore,
+    StoreUnavailable,
+    WorkerStore,
+)
+from umbp.runtime.host_memory import byte_view
+from umbp.runtime.mooncake import HostArea, Piece, RegisteredRanges, checksum, plan_chunks
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["DEPLOYMENTS", "META_SUFFIX", "MoriSetupError", "MoriStore"]
+
+_log = logging.getLogger(__name__)
+
+DEPLOYMENTS = ("embedded", "standalone", "distributed")
+META_SUFFIX = "#umbp.meta"
+DEFAULT_CAPACITY_BYTES = 1 << 30
+DEFAULT_STAGING_BYTES = 64 << 20
+_META = struct.Struct("<QQ")  # xxh3-64 of the payload, payload length
+_META_SLOTS = 4096  # keys per MORI call; larger batches are cut into chunks
+_VERSIONS_WHOSE_CLEAR_BREAKS_PUTS = ("1.2.4",)
+
+
+class MoriSetupError(StoreUnavailable):
+    """MORI is missing or the client could not be created (the message says which)."""
+
+
+def import_mori() -> types.ModuleType:
+    try:
+        return importlib.import_module("mori.umbp")
+    except ImportError as error:
+        raise MoriSetupError(
+            "mode 'mori' needs AMD's amd-mori package with ROCm; it ships wheels for "
+            "CPython 3.10 and 3.12 linked against ROCm 7 only, so it cannot run on this "
+            f"machine ({error}). Use mode 'mooncake' or 'server' here (docs/multi-node.md)."
+        ) from error
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_rejects: int = 0
+    corrupt_loads: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class MoriStore:
+    """A MORI UMBP client honouring `WorkerStore`, `SchedulerStore` and
+    `RegistersHostMemory` (see the module docstring for how).
+
+    `deployment`: "embedded" (a pool inside this process), "standalone" (a node-local
+    `umbp_standalone_server`, `address` like "unix:///run/umbp.sock") or "distributed"
+    (`address` is the `umbp_master` to join). `capacity_bytes` sizes the DRAM tier of an
+    embedded pool (and is passed on for the others). `auto_start` lets a standalone client
+    start the server when none answers (MORI's `standalone_process.auto_start`).
+    `staging_bytes` sizes the registered bounce buffer. Raises `MoriSetupError` when MORI
+    is missing or refuses the configuration, naming the address.
+    """
+
+    def __init__(
+        self,
+        deployment: str = "embedded",
+        address: str | None = None,
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        *,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        auto_start: bool = False,
+        module: types.ModuleType | None = None,
+    ) -> None:
+        if deployment not in DEPLOYMENTS:
+            raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")
+        if deployment != "embedded" and not address:
+            raise ValueError(f"deployment {deployment!r} needs an address")
+        if capacity_bytes <= 0 or staging_bytes < 0:
+            raise ValueError("capacity_bytes must be positive and staging_bytes non-negative")
+        self._deployment = deployment
+        self._address = address or ""
+        self._capacity = capacity_bytes
+        self._auto_start = auto_start
+        self._lock = threading.Lock()
+        self._closed = True
+        self._counters = _Counters()
+        self._ranges = RegisteredRanges()
+        self._dropped: set[str] = set()
+        self._umbp = module if module is not None else import_mori()
+        version = str(getattr(self._umbp, "__version__", ""))
+        self._clear_breaks_puts = version in _VERSIONS_WHOSE_CLEAR_BREAKS_PUTS
+        self._client = self._new_client()
+        self._closed = False
+        self._meta = HostArea(_META_SLOTS * _META.size)
+        self._bounce = HostArea(staging_bytes) if staging_bytes else None
+        try:
+            self._register(self._meta.address, self._meta.nbytes)
+            if self._bounce is not None:
+                self._register(self._bounce.address, self._bounce.nbytes)
+        except OSError as error:
+            self.close()
+            raise MoriSetupError(f"MORI refused to register staging memory: {error}") from error
+
+    # ----------------------------------------------------------------- the contract
+
+    def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable(f"MoriStore ({self._where()}) is closed")
+            if not keys:
+                return ()
+            try:
+                answers = list(self._client.batch_exists(list(keys)))
+            except Exception as error:
+                raise StoreUnavailable(f"MORI ({self._where()}) lookup failed: {error}") from error
+            if len(answers) != len(keys):
+                raise StoreUnavailable(f"MORI ({self._where()}) answered the wrong length")
+            dropped = self._dropped
+            return tuple(
+                [bool(present) and key not in dropped for key, present in zip(keys, answers)]
+            )
+
+    def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
+        _require_same_length(keys, payloads, "payloads")
+        views = [byte_view(payload, writable=False) for payload in payloads]
+        results = [False] * len(keys)
+        with self._lock:
+            if self._closed:
+                self._counters.put_rejects += len(keys)
+                return tuple(results)
+            for chunk in plan_chunks(views, self._ranges, self._bounce, _META_SLOTS):
+                self._put_chunk(keys, chunk, results)
+        return tuple(results)
+
+    def get_batch_into(
+        self, keys: Sequence[str], outs: Sequence[Buffer]
+    ) -> tuple[LoadStatus, ...]:
+        _require_same_length(keys, outs, "outs")
+        views = [byte_view(out, writable=True) for out in outs]
+        statuses = [LoadStatus.UNAVAILABLE] * len(keys)
+        with self._lock:
+            if self._closed:
+                return tuple(statuses)
+            for start in range(0, len(keys), _META_SLOTS):
+                indices = range(start, min(start + _META_SLOTS, len(keys)))
+                self._get_slice(keys, views, indices, statuses)
+            self._counters.misses += statuses.count(LoadStatus.MISSING)
+        return tuple(statuses)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            counters = self._counters
+            return PoolStats(
+                capacity_bytes=self._capacity,
+                used_bytes=0,
+                page_bytes=1,
+                objects=0,
+                hits=counters.hits,
+                misses=counters.misses,
+                puts=counters.puts,
+                put_rejects=counters.put_rejects,
+                evictions=0,
+                corrupt_loads=counters.corrupt_loads,
+                bytes_written=counters.bytes_written,
+                bytes_read=counters.bytes_read,
+            )
+
+    def clear(self) -> bool:
+        """Drop every object (of the whole pool, for the shared deployments)."""
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                self._client.clear()
+            except Exception:  # noqa: BLE001 - no MORI error may reach the caller
+                _log.warning("MORI clear() raised", exc_info=True)
+                return False
+            self._dropped.clear()
+            if self._clear_breaks_puts:
+                return self._replace_client()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release_client(self._client)
+            for area in (getattr(self, "_meta", None), getattr(self, "_bounce", None)):
+                if area is not None:
+                    area.release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------- RegistersHostMemory
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise OSError(f"MoriStore ({self._where()}) is closed")
+            self._register(address, nbytes)
+            self._ranges.add(address, nbytes)
+
+    def unregister_host_memory(self, address: int) -> None:
+        with self._lock:
+            if self._ranges.remove(address) and not self._closed:
+                self._quietly(self._client.deregister_memory, address)
+
+    # --------------------------------------------------------- for tests and tools
+
+    @property
+    def deployment(self) -> str:
+        return self._deployment
+
+    @property
+    def raw_client(self) -> Any:
+        """The `UMBPClient` itself (fault injection, benchmarks)."""
+        return self._client
+
+    # ------------------------------------------------------------------ internals
+
+    def _where(self) -> str:
+        return self._deployment + (f" at {self._address}" if self._address else "")
+
+    def _new_client(self) -> Any:
+        umbp = self._umbp
+        try:
+            config = umbp.UMBPConfig()
+            config.dram.capacity_bytes = self._capacity
+            if self._deployment == "standalone":
+                config.standalone_process.address = self._address
+                config.standalone_process.auto_start = self._auto_start
+            elif self._deployment == "distributed":
+                config.distributed.master_address = self._address
+            return umbp.UMBPClient(config)
+        except Exception as error:
+            raise MoriSetupError(
+                f"MORI UMBPClient ({self._where()}) could not be created: {error}"
+            ) from error
+
+    def _register(self, address: int, nbytes: int) -> None:
+        try:
+            answer = self._client.register_memory(address, nbytes)
+        except Exception as error:
+            raise OSError(f"MORI register_memory raised: {error}") from error
+        refused = answer is False or (
+            isinstance(answer, int) and not isinstance(answer, bool) and answer != 0
+        )
+        if refused:
+            raise OSError(f"MORI refused to register {nbytes} bytes at {address:#x} ({answer})")
+
+    def _replace_client(self) -> bool:
+        """The 1.2.4 workaround: after clear(), only a new client accepts puts."""
+        self._release_client(self._client)
+        try:
+            self._client = self._new_client()
+            for area in (self._meta, self._bounce):
+                if area is not None:
+                    self._client.register_memory(area.address, area.nbytes)
+            for start, end in self._ranges.spans():
+                self._client.register_memory(start, end - start)
+        except Exception:  # noqa: BLE001 - no MORI error may reach the caller
+            _log.warning("MORI client could not be replaced after clear()", exc_info=True)
+            self._closed = True
+            return False
+        return True
+
+    def _release_client(self, client: Any) -> None:
+        for area in (getattr(self, "_meta", None), getattr(self, "_bounce", None)):
+            if area is not None:
+                self._quietly(client.deregister_memory, area.address)
+        for start in self._ranges.starts():
+            self._quietly(client.deregister_memory, start)
+        close = getattr(client, "close", None)  # nightly builds have none
+        if close is not None:
+            self._quietly(close)
+
+    def _put_chunk(self, keys: Sequence[str], chunk: list[Piece], results: list[bool]) -> None:
+        meta = self._meta
+        for slot, piece in enumerate(chunk):
+            if piece.staged is not None:
+                piece.staged[:] = piece.view
+            _META.pack_into(meta.view, slot * _META.size, checksum(piece.view), piece.view.nbytes)
+        payload_keys = [keys[piece.index] for piece in chunk]
+        names = payload_keys + [key + META_SUFFIX for key in payload_keys]
+        pointers = [piece.pointer for piece in chunk] + [
+            meta.address + slot * _META.size for slot in range(len(chunk))
+        ]
+        sizes = [piece.view.nbytes for piece in chunk] + [_META.size] * len(chunk)
+        answers = self._call(self._client.batch_put_from_ptr, names, pointers, sizes, chunk)
+        if answers is None:
+            answers = [False] * len(names)
+        count = len(chunk)
+        for slot, piece in enumerate(chunk):
+            stored = bool(answers[slot]) and bool(answers[count + slot])
+            results[piece.index] = stored
+            if stored:
+                self._dropped.discard(payload_keys[slot])
+                self._counters.puts += 1
+                self._counters.bytes_written += piece.view.nbytes
+            else:
+                self._counters.put_rejects += 1
+
+    def _get_slice(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview],
+        indices: range,
+        statuses: list[LoadStatus],
+    ) -> None:
+        meta = self._meta
+        names = [keys[index] + META_SUFFIX for index in indices]
+        pointers = [meta.address + slot * _META.size for slot in range(len(names))]
+        found = self._call(
+            self._client.batch_get_into_ptr, names, pointers, [_META.size] * len(names), []
+        )
+        if found is None:
+            return  # unreachable: UNAVAILABLE stays
+        wanted: list[int] = []
+        expected: list[int] = []
+        for slot, index in enumerate(indices):
+            if not found[slot] or keys[index] in self._dropped:
+                statuses[index] = LoadStatus.MISSING
+                continue
+            digest, length = _META.unpack_from(meta.view, slot * _META.size)
+            if length != views[index].nbytes:
+                statuses[index] = LoadStatus.SIZE_MISMATCH
+            else:
+                wanted.append(index)
+                expected.append(digest)
+        chosen = [views[index] for index in wanted]
+        for chunk in plan_chunks(chosen, self._ranges, self._bounce, _META_SLOTS):
+            chunk_keys = [keys[wanted[piece.index]] for piece in chunk]
+            answers = self._call(
+                self._client.batch_get_into_ptr,
+                chunk_keys,
+                [piece.pointer for piece in chunk],
+                [piece.view.nbytes for piece in chunk],
+                chunk,
+            )
+            if answers is None:
+                continue
+            for piece, key, answer in zip(chunk, chunk_keys, answers):
+                index = wanted[piece.index]
+                if not answer:
+                    statuses[index] = LoadStatus.MISSING
+                    continue
+                if piece.staged is not None:
+                    piece.view[:] = piece.staged
+                if checksum(piece.view) == expected[piece.index]:
+                    self._counters.hits += 1
+                    self._counters.bytes_read += piece.view.nbytes
+                    statuses[index] = LoadStatus.HIT
+                else:
+                    self._counters.corrupt_loads += 1
+                    self._dropped.add(key)
+                    statuses[index] = LoadStatus.CORRUPT
+
+    def _call(
+        self,
+        call: Any,
+        names: list[str],
+        pointers: list[int],
+        sizes: list[int],
+        chunk: list[Piece],
+    ) -> list[bool] | None:
+        """One batch call with temporary registrations around it; None when it raised or
+        answered something malformed (the caller reports failure for every key)."""
+        registered: list[int] = []
+        try:
+            for piece in chunk:
+                if piece.temporary:
+                    self._client.register_memory(piece.pointer, piece.view.nbytes)
+                    registered.append(piece.pointer)
+            answers = call(names, pointers, sizes)
+            if len(answers) != len(names):
+                return None
+            return [bool(answer) for answer in answers]
+        except Exception:  # noqa: BLE001 - no MORI error may reach the caller
+            _log.warning("MORI batch call raised", exc_info=True)
+            return None
+        finally:
+            for pointer in registered:
+                self._quietly(self._client.deregister_memory, pointer)
+
+    @staticmethod
+    def _quietly(call: Any, *arguments: object) -> None:
+        try:
+            call(*arguments)
+        except Exception:  # noqa: BLE001 - cleanup must go on; the failure is logged
+            _log.warning("MORI %s raised", getattr(call, "__name__", call), exc_info=True)
+
+
+def _require_same_length(keys: Sequence[str], buffers: Sequence[object], name: str) -> None:
+    if len(keys) != len(buffers):
+        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
+
+
+if TYPE_CHECKING:
+
+    def _mori_store_honours_the_contract(
+        store: MoriStore,
+    ) -> tuple[SchedulerStore, WorkerStore, RegistersHostMemory]:
+        """Never called: makes mypy prove that MoriStore satisfies the protocols."""
+        return store, store, store
