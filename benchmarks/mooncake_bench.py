@@ -19,15 +19,13 @@ keys (half resident), `lookup` against `batch_is_exist`, median of many calls.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +34,12 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from umbp.runtime import LoadStatus
+import measure
+
 from umbp.runtime.mooncake import MooncakeStore
 from umbp.testing.mooncake_master import MooncakeMaster
 
-GIB = 1 << 30
-MIB = 1 << 20
 BATCH = 32
-ALIGNMENT = 64
 LOOKUP_KEYS = 1000
 LOOKUP_CALLS = 300
 
@@ -77,48 +73,25 @@ class LookupFigure:
 
 
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument("--gib", type=float, default=0.25, help="GiB moved per case")
-    parser.add_argument("--repeats", type=int, default=5, help="passes per figure (best)")
-    parser.add_argument("--quick", action="store_true", help="1/32 GiB per case, 2 passes")
-    arguments = parser.parse_args()
-    if arguments.quick:
-        arguments.gib, arguments.repeats = min(arguments.gib, 1 / 32), min(arguments.repeats, 2)
-    return arguments
-
-
-def prefaulted(objects: int, object_bytes: int) -> Any:
-    """Rows in one 64-byte-aligned buffer whose pages are all touched (see pool_bench)."""
-    raw = np.empty(objects * object_bytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    array = raw[start : start + objects * object_bytes].reshape(objects, object_bytes)
-    array.fill(0)
-    return array
-
-
-def best_seconds(run: Callable[[], None], prepare: Callable[[], None] | None = None) -> float:
-    if prepare is not None:
-        prepare()
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    return measure.throughput_arguments(
+        __doc__.split("\n\n")[0], default_gib=0.25, quick_gib=1 / 32
+    )
 
 
 def measure_copies(
     store: MooncakeStore, segment: str, object_bytes: int, gib: float, repeats: int
 ) -> list[CopyFigure]:
     raw = store.raw_client
-    objects = max(BATCH, int(gib * GIB) // object_bytes)
+    objects = max(BATCH, int(gib * measure.GIB) // object_bytes)
     rng = np.random.default_rng(object_bytes)
-    source = prefaulted(objects, object_bytes)
+    source = measure.prefaulted(objects, object_bytes)
     source.reshape(-1)[:] = rng.integers(0, 256, size=objects * object_bytes, dtype=np.uint8)
-    destination = prefaulted(objects, object_bytes)
+    destination = measure.prefaulted(objects, object_bytes)
     loose_source = source.copy()  # not registered: MooncakeStore bounces these
-    loose_destination = prefaulted(objects, object_bytes)
+    loose_destination = measure.prefaulted(objects, object_bytes)
     for array in (source, destination):
         store.register_host_memory(array.ctypes.data, array.nbytes)
-    batches = [range(start, min(start + BATCH, objects)) for start in range(0, objects, BATCH)]
+    batches = measure.batch_ranges(objects, BATCH)
     raw_keys = [f"raw-{object_bytes}-{index}" for index in range(objects)]
     umbp_keys = [f"umbp-{object_bytes}-{index}" for index in range(objects)]
     source_rows = [source[index] for index in range(objects)]
@@ -146,22 +119,10 @@ def measure_copies(
             assert all(code == object_bytes for code in codes), codes
 
     def umbp_put(rows: list[Any]) -> Callable[[], None]:
-        def run() -> None:
-            for batch in batches:
-                results = store.put_batch([umbp_keys[i] for i in batch], [rows[i] for i in batch])
-                assert all(results), results
-
-        return run
+        return measure.put_in_batches(store, umbp_keys, rows, batches)
 
     def umbp_get(rows: list[Any]) -> Callable[[], None]:
-        def run() -> None:
-            for batch in batches:
-                statuses = store.get_batch_into(
-                    [umbp_keys[i] for i in batch], [rows[i] for i in batch]
-                )
-                assert all(status is LoadStatus.HIT for status in statuses), statuses
-
-        return run
+        return measure.get_in_batches(store, umbp_keys, rows, batches)
 
     def hash_all() -> None:
         for row in source_rows:
@@ -170,25 +131,31 @@ def measure_copies(
     def clear() -> None:
         assert store.clear()
 
-    times: dict[str, list[float]] = {
-        name: [] for name in ("raw put", "umbp put", "bounce put", "raw get", "umbp get",
-                              "bounce get", "xxh3")
-    }
     # Untimed warm-up: a client's first transfers to a segment are markedly slower.
     raw_put()
     umbp_put(source_rows)()
-    for _ in range(repeats):
-        times["raw put"].append(best_seconds(raw_put, prepare=clear))
-        times["umbp put"].append(best_seconds(umbp_put(source_rows), prepare=clear))
-        times["bounce put"].append(best_seconds(umbp_put(loose_source_rows), prepare=clear))
-        times["xxh3"].append(best_seconds(hash_all))
+    times = measure.time_alternately(
+        repeats,
+        {
+            "raw put": raw_put,
+            "umbp put": umbp_put(source_rows),
+            "bounce put": umbp_put(loose_source_rows),
+            "xxh3": hash_all,
+        },
+        prepare={"raw put": clear, "umbp put": clear, "bounce put": clear},
+    )
     clear()
     raw_put()
     umbp_put(source_rows)()
-    for _ in range(repeats):
-        times["raw get"].append(best_seconds(raw_get))
-        times["umbp get"].append(best_seconds(umbp_get(destination_rows)))
-        times["bounce get"].append(best_seconds(umbp_get(loose_destination_rows)))
+    measure.time_alternately(
+        repeats,
+        {
+            "raw get": raw_get,
+            "umbp get": umbp_get(destination_rows),
+            "bounce get": umbp_get(loose_destination_rows),
+        },
+        into=times,
+    )
     assert np.array_equal(destination[objects // 2], source[objects // 2])
     assert np.array_equal(loose_destination[objects - 1], source[objects - 1])
     clear()
@@ -196,7 +163,7 @@ def measure_copies(
         store.unregister_host_memory(array.ctypes.data)
 
     moved = objects * object_bytes
-    gbps = {name: moved / min(samples) / 1e9 for name, samples in times.items()}
+    gbps = {name: measure.best_gbps(moved, samples) for name, samples in times.items()}
     return [
         CopyFigure(
             segment,
@@ -240,7 +207,7 @@ def print_table(copies: list[CopyFigure], lookups: list[LookupFigure]) -> None:
         f"{'bounce GB/s':>13}{'xxh3 GB/s':>11}"
     )
     for figure in copies:
-        case = f"{figure.segment} {figure.operation} {_size(figure.object_bytes)}"
+        case = f"{figure.segment} {figure.operation} {measure.size_label(figure.object_bytes)}"
         print(
             f"{case:<22}{figure.objects:>8}{figure.umbp_gbps:>11.2f}{figure.raw_gbps:>10.2f}"
             f"{figure.ratio:>7.2f}x{figure.bounce_gbps:>13.2f}{figure.xxh3_gbps:>11.2f}"
@@ -258,10 +225,6 @@ def print_table(copies: list[CopyFigure], lookups: list[LookupFigure]) -> None:
         )
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= MIB else f"{nbytes >> 10} KiB"
-
-
 HOLDER = """
 import sys
 from umbp.runtime.mooncake import MooncakeStore
@@ -277,9 +240,9 @@ def measure_segment(
     segment: str, arguments: argparse.Namespace
 ) -> tuple[list[CopyFigure], LookupFigure]:
     """All figures with the segment in this process ("local") or in another ("remote")."""
-    moved = int(arguments.gib * GIB)
+    moved = int(arguments.gib * measure.GIB)
     # Room for the raw and the MooncakeStore copies at once, below the 0.9 eviction mark.
-    segment_bytes = max(256 * MIB, int(2 * moved / 0.8))
+    segment_bytes = max(256 * measure.MIB, int(2 * moved / 0.8))
     repo = Path(__file__).resolve().parents[1]
     with MooncakeMaster.start() as master:
         holder = None
@@ -294,10 +257,10 @@ def measure_segment(
             master.address,
             local_hostname="127.0.0.1",
             global_segment_bytes=segment_bytes if holder is None else 0,
-            local_buffer_bytes=64 * MIB,
+            local_buffer_bytes=64 * measure.MIB,
         )
         try:
-            copies = measure_copies(store, segment, MIB, arguments.gib, arguments.repeats)
+            copies = measure_copies(store, segment, measure.MIB, arguments.gib, arguments.repeats)
             copies += measure_copies(
                 store, segment, 100 << 10, arguments.gib, arguments.repeats
             )
@@ -320,21 +283,17 @@ def main() -> None:
         lookups.append(lookup)
     print_table(copies, lookups)
     elapsed = time.perf_counter() - started
-    print(f"({elapsed:.1f} s, python {platform.python_version()}, {os.cpu_count()} cpus)")
+    measure.print_run_footer(elapsed)
     if arguments.json is not None:
         report = {
             "benchmark": "mooncake",
             "quick": arguments.quick,
-            "copies": [asdict(figure) | {"ratio": figure.ratio} for figure in copies],
-            "lookups": [asdict(lookup) | {"ratio": lookup.ratio} for lookup in lookups],
+            "copies": measure.rows_with_ratio(copies),
+            "lookups": measure.rows_with_ratio(lookups),
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "seconds": elapsed,
         }
-        arguments.json.write_text(json.dumps(report, indent=2) + "\n")
+        measure.write_report(arguments.json, report, elapsed)
 
 
 if __name__ == "__main__":

@@ -13,26 +13,20 @@ times a batched `lookup` of 1,000 keys (half resident).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from umbp.runtime import LoadStatus, SlabPool
+import measure
 
-GIB = 1 << 30
+from umbp.runtime import SlabPool
+
 BATCH = 32  # objects per put_batch / get_batch_into call, like one worker step
-ALIGNMENT = 64  # torch's CPU allocator (c10::alignment)
 LOOKUP_KEYS = 1000
 LOOKUP_CALLS = 2000
 
@@ -54,62 +48,17 @@ class CopyFigure:
         return self.pool_gbps / self.memcpy_gbps
 
 
-@dataclass(frozen=True)
-class LookupFigure:
-    keys: int
-    median_us: float
-    best_us: float
-    p99_us: float
-
-
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument("--gib", type=float, default=1.0, help="GiB moved per case")
-    parser.add_argument("--repeats", type=int, default=5, help="passes per figure (best)")
-    parser.add_argument("--quick", action="store_true", help="1/8 GiB per case, 2 passes")
-    arguments = parser.parse_args()
-    if arguments.quick:
-        arguments.gib, arguments.repeats = min(arguments.gib, 0.125), min(arguments.repeats, 2)
-    return arguments
-
-
-def prefaulted(objects: int, object_bytes: int) -> Any:
-    """`objects` rows in one buffer whose pages are all touched (np.empty maps lazily),
-    starting on a 64-byte boundary as torch's CPU allocator does. numpy alone aligns to 16
-    bytes, and a destination 16 bytes off the slab's alignment halves memcpy throughput
-    here (glibc's `rep movsb` path): that would measure numpy's allocator, not the pool."""
-    raw = np.empty(objects * object_bytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    array = raw[start : start + objects * object_bytes].reshape(objects, object_bytes)
-    array.fill(0)
-    return array
-
-
-def random_source(objects: int, object_bytes: int) -> Any:
-    """`objects` rows of random bytes (a random 64 MiB block tiled: contents do not change
-    copy or hash speed, and generating 1 GiB of randomness would dominate the run)."""
-    block = np.random.default_rng(0).integers(0, 256, size=64 << 20, dtype=np.uint8)
-    source = prefaulted(objects, object_bytes)
-    source.reshape(-1)[:] = np.resize(block, objects * object_bytes)
-    return source
-
-
-def timed_seconds(run: Callable[[], None], prepare: Callable[[], None] | None = None) -> float:
-    if prepare is not None:
-        prepare()
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    return measure.throughput_arguments(__doc__.split("\n\n")[0], default_gib=1.0, quick_gib=0.125)
 
 
 def measure_copies(
     object_bytes: int, page_bytes: int, gib: float, repeats: int
 ) -> list[CopyFigure]:
     """Put and get figures for one object size, each beside memcpy of the same bytes."""
-    objects = max(BATCH, int(gib * GIB) // object_bytes)
-    source = random_source(objects, object_bytes)
-    destination = prefaulted(objects, object_bytes)
+    objects = max(BATCH, int(gib * measure.GIB) // object_bytes)
+    source = measure.random_source(objects, object_bytes)
+    destination = measure.prefaulted(objects, object_bytes)
     keys = [f"bench-{object_bytes}-{index}" for index in range(objects)]
     pages_per_object = -(-object_bytes // page_bytes)
     pool = SlabPool(
@@ -118,57 +67,49 @@ def measure_copies(
         high_watermark=0.95,
         low_watermark=0.9,
     )
-    batches = [range(start, min(start + BATCH, objects)) for start in range(0, objects, BATCH)]
+    batches = measure.batch_ranges(objects, BATCH)
 
-    def memcpy() -> None:
-        for index in range(objects):
-            destination[index] = source[index]
+    memcpy = measure.copy_row_by_row(source, destination)
 
     def bulk_memcpy() -> None:
         np.copyto(destination, source)
 
-    def put_all() -> None:
-        for batch in batches:
-            results = pool.put_batch([keys[i] for i in batch], [source[i] for i in batch])
-            assert all(results), "benchmark pool rejected a put"
-
-    def get_all() -> None:
-        for batch in batches:
-            statuses = pool.get_batch_into(
-                [keys[i] for i in batch], [destination[i] for i in batch]
-            )
-            assert all(status is LoadStatus.HIT for status in statuses), statuses
-
-    memcpy_times, bulk_times, put_times, get_times = [], [], [], []
-    for _ in range(repeats):
-        bulk_times.append(timed_seconds(bulk_memcpy))
-        memcpy_times.append(timed_seconds(memcpy))
-        put_times.append(timed_seconds(put_all, prepare=pool.clear))
-    for _ in range(repeats):
-        memcpy_times.append(timed_seconds(memcpy))
-        get_times.append(timed_seconds(get_all))
+    times = measure.time_alternately(
+        repeats,
+        {
+            "bulk": bulk_memcpy,
+            "memcpy": memcpy,
+            "put": measure.put_in_batches(pool, keys, source, batches),
+        },
+        prepare={"put": pool.clear},
+    )
+    measure.time_alternately(
+        repeats,
+        {"memcpy": memcpy, "get": measure.get_in_batches(pool, keys, destination, batches)},
+        into=times,
+    )
     assert np.array_equal(destination[objects // 2], source[objects // 2])
     assert pool.stats().evictions == 0, "benchmark pool evicted; figures would mislead"
     pool.close()
 
     moved = objects * object_bytes
-    memcpy_gbps = moved / min(memcpy_times) / 1e9
-    bulk_gbps = moved / min(bulk_times) / 1e9
+    memcpy_gbps = measure.best_gbps(moved, times["memcpy"])
+    bulk_gbps = measure.best_gbps(moved, times["bulk"])
     return [
         CopyFigure(
             operation,
             object_bytes,
             page_bytes,
             objects,
-            moved / min(times) / 1e9,
+            measure.best_gbps(moved, times[operation]),
             memcpy_gbps,
             bulk_gbps,
         )
-        for operation, times in (("put", put_times), ("get", get_times))
+        for operation in ("put", "get")
     ]
 
 
-def measure_lookup() -> LookupFigure:
+def measure_lookup() -> measure.LookupFigure:
     """Latency of one batched lookup of 1,000 keys, half of them resident."""
     pool = SlabPool(2 * LOOKUP_KEYS * 4096, page_bytes=4096)
     payload = np.zeros(64, dtype=np.uint8)
@@ -176,30 +117,20 @@ def measure_lookup() -> LookupFigure:
     pool.put_batch(stored, [payload] * len(stored))
     asked = [f"lookup-{index}" for index in range(LOOKUP_KEYS)]
     assert sum(pool.lookup(asked)) == LOOKUP_KEYS // 2
-    samples = []
-    for _ in range(LOOKUP_CALLS):
-        start = time.perf_counter()
-        pool.lookup(asked)
-        samples.append((time.perf_counter() - start) * 1e6)
+    figure = measure.measure_lookup_latency(lambda: pool.lookup(asked), LOOKUP_KEYS, LOOKUP_CALLS)
     pool.close()
-    samples.sort()
-    return LookupFigure(
-        keys=LOOKUP_KEYS,
-        median_us=statistics.median(samples),
-        best_us=samples[0],
-        p99_us=samples[int(len(samples) * 0.99)],
-    )
+    return figure
 
 
-def print_table(copies: list[CopyFigure], lookup: LookupFigure) -> None:
+def print_table(copies: list[CopyFigure], lookup: measure.LookupFigure) -> None:
     print(
         f"{'case':<12}{'page':>9}{'objects':>9}{'pool GB/s':>11}{'memcpy GB/s':>13}"
         f"{'ratio':>8}{'bulk GB/s':>11}"
     )
     for figure in copies:
-        case = f"{figure.operation} {_size(figure.object_bytes)}"
+        case = f"{figure.operation} {measure.size_label(figure.object_bytes)}"
         print(
-            f"{case:<12}{_size(figure.page_bytes):>9}{figure.objects:>9}"
+            f"{case:<12}{measure.size_label(figure.page_bytes):>9}{figure.objects:>9}"
             f"{figure.pool_gbps:>11.2f}{figure.memcpy_gbps:>13.2f}{figure.ratio:>7.2f}x"
             f"{figure.bulk_memcpy_gbps:>11.2f}"
         )
@@ -213,10 +144,6 @@ def print_table(copies: list[CopyFigure], lookup: LookupFigure) -> None:
     )
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
 def main() -> None:
     arguments = parse_arguments()
     started = time.perf_counter()
@@ -225,19 +152,15 @@ def main() -> None:
     lookup = measure_lookup()
     print_table(copies, lookup)
     elapsed = time.perf_counter() - started
-    print(f"({elapsed:.1f} s, python {platform.python_version()}, {os.cpu_count()} cpus)")
+    measure.print_run_footer(elapsed)
     if arguments.json is not None:
         report = {
-            "copies": [asdict(figure) | {"ratio": figure.ratio} for figure in copies],
+            "copies": measure.rows_with_ratio(copies),
             "lookup": asdict(lookup),
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "seconds": elapsed,
         }
-        arguments.json.write_text(json.dumps(report, indent=2) + "\n")
+        measure.write_report(arguments.json, report, elapsed)
 
 
 if __name__ == "__main__":

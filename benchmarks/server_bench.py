@@ -15,12 +15,9 @@ resident) over the socket.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -32,9 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pool_bench import GIB, prefaulted, random_source, timed_seconds
+import measure
 
-from umbp.runtime import LoadStatus
 from umbp.runtime.server import ServerStore, start_server
 
 BATCH = 32
@@ -60,71 +56,49 @@ class CopyFigure:
         return self.server_gbps / self.memcpy_gbps
 
 
-@dataclass(frozen=True)
-class LookupFigure:
-    keys: int
-    median_us: float
-    best_us: float
-    p99_us: float
-
-
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument("--gib", type=float, default=1.0, help="GiB moved per case")
-    parser.add_argument("--repeats", type=int, default=5, help="passes per figure (best)")
-    parser.add_argument("--quick", action="store_true", help="1/8 GiB per case, 2 passes")
-    arguments = parser.parse_args()
-    if arguments.quick:
-        arguments.gib, arguments.repeats = min(arguments.gib, 0.125), min(arguments.repeats, 2)
-    return arguments
+    return measure.throughput_arguments(__doc__.split("\n\n")[0], default_gib=1.0, quick_gib=0.125)
 
 
 def measure_copies(
     store: ServerStore, object_bytes: int, gib: float, repeats: int
 ) -> list[CopyFigure]:
     """Put and get figures for one object size, each beside memcpy of the same bytes."""
-    objects = max(BATCH, int(gib * GIB) // object_bytes)
-    source = random_source(objects, object_bytes)
-    destination = prefaulted(objects, object_bytes)
+    objects = max(BATCH, int(gib * measure.GIB) // object_bytes)
+    source = measure.random_source(objects, object_bytes)
+    destination = measure.prefaulted(objects, object_bytes)
     keys = [f"bench-{object_bytes}-{index}" for index in range(objects)]
-    batches = [range(start, min(start + BATCH, objects)) for start in range(0, objects, BATCH)]
+    batches = measure.batch_ranges(objects, BATCH)
 
-    def memcpy() -> None:
-        for index in range(objects):
-            destination[index] = source[index]
-
-    def put_all() -> None:
-        for batch in batches:
-            results = store.put_batch([keys[i] for i in batch], [source[i] for i in batch])
-            assert all(results), "the server rejected a put"
-
-    def get_all() -> None:
-        for batch in batches:
-            statuses = store.get_batch_into(
-                [keys[i] for i in batch], [destination[i] for i in batch]
-            )
-            assert all(status is LoadStatus.HIT for status in statuses), statuses
-
-    memcpy_times, put_times, get_times = [], [], []
-    for _ in range(repeats):
-        memcpy_times.append(timed_seconds(memcpy))
-        put_times.append(timed_seconds(put_all, prepare=store.clear))
-    for _ in range(repeats):
-        memcpy_times.append(timed_seconds(memcpy))
-        get_times.append(timed_seconds(get_all))
+    memcpy = measure.copy_row_by_row(source, destination)
+    times = measure.time_alternately(
+        repeats,
+        {"memcpy": memcpy, "put": measure.put_in_batches(store, keys, source, batches)},
+        prepare={"put": store.clear},
+    )
+    measure.time_alternately(
+        repeats,
+        {"memcpy": memcpy, "get": measure.get_in_batches(store, keys, destination, batches)},
+        into=times,
+    )
     assert np.array_equal(destination[objects // 2], source[objects // 2])
     assert store.stats().evictions == 0, "the server evicted; figures would mislead"
     store.clear()
     moved = objects * object_bytes
-    memcpy_gbps = moved / min(memcpy_times) / 1e9
+    memcpy_gbps = measure.best_gbps(moved, times["memcpy"])
     return [
-        CopyFigure(operation, object_bytes, objects, moved / min(times) / 1e9, memcpy_gbps)
-        for operation, times in (("put", put_times), ("get", get_times))
+        CopyFigure(
+            operation,
+            object_bytes,
+            objects,
+            measure.best_gbps(moved, times[operation]),
+            memcpy_gbps,
+        )
+        for operation in ("put", "get")
     ]
 
 
-def measure_lookup(store: ServerStore, calls: int) -> LookupFigure:
+def measure_lookup(store: ServerStore, calls: int) -> measure.LookupFigure:
     """Latency of one batched lookup of 1,000 keys over the socket, half resident."""
     payload = np.zeros(64, dtype=np.uint8)
     stored = [f"umbp:bench:lookup-key-{index:08d}" for index in range(0, LOOKUP_KEYS, 2)]
@@ -133,25 +107,15 @@ def measure_lookup(store: ServerStore, calls: int) -> LookupFigure:
         assert all(store.put_batch(batch, [payload] * len(batch)))
     asked = [f"umbp:bench:lookup-key-{index:08d}" for index in range(LOOKUP_KEYS)]
     assert sum(store.lookup(asked)) == LOOKUP_KEYS // 2
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        store.lookup(asked)
-        samples.append((time.perf_counter() - start) * 1e6)
+    figure = measure.measure_lookup_latency(lambda: store.lookup(asked), LOOKUP_KEYS, calls)
     store.clear()
-    samples.sort()
-    return LookupFigure(
-        keys=LOOKUP_KEYS,
-        median_us=statistics.median(samples),
-        best_us=samples[0],
-        p99_us=samples[int(len(samples) * 0.99)],
-    )
+    return figure
 
 
-def print_table(copies: list[CopyFigure], lookup: LookupFigure) -> None:
+def print_table(copies: list[CopyFigure], lookup: measure.LookupFigure) -> None:
     print(f"{'case':<12}{'objects':>9}{'server GB/s':>13}{'memcpy GB/s':>13}{'ratio':>8}")
     for figure in copies:
-        case = f"{figure.operation} {_size(figure.object_bytes)}"
+        case = f"{figure.operation} {measure.size_label(figure.object_bytes)}"
         print(
             f"{case:<12}{figure.objects:>9}{figure.server_gbps:>13.2f}"
             f"{figure.memcpy_gbps:>13.2f}{figure.ratio:>7.2f}x"
@@ -167,14 +131,10 @@ def print_table(copies: list[CopyFigure], lookup: LookupFigure) -> None:
     )
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
 def run(arguments: argparse.Namespace) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="umbp-bench-", dir="/tmp")
     largest = max(
-        max(BATCH, int(arguments.gib * GIB) // size) * size for size in OBJECT_SIZES
+        max(BATCH, int(arguments.gib * measure.GIB) // size) * size for size in OBJECT_SIZES
     )
     # Headroom below the high watermark: an eviction would make the figures mislead.
     capacity = int(largest / 0.8) + 64 * PAGE_BYTES
@@ -205,23 +165,19 @@ def main() -> None:
     copies, lookup = figures["copies"], figures["lookup"]
     print_table(copies, lookup)
     elapsed = time.perf_counter() - started
-    print(f"({elapsed:.1f} s, python {platform.python_version()}, {os.cpu_count()} cpus)")
+    measure.print_run_footer(elapsed)
     if arguments.json is not None:
         report = {
             "benchmark": "server",
             "quick": arguments.quick,
-            "copies": [asdict(figure) | {"ratio": figure.ratio} for figure in copies],
+            "copies": measure.rows_with_ratio(copies),
             "lookup": asdict(lookup),
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,
             "page_bytes": PAGE_BYTES,
             "batch": BATCH,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "seconds": elapsed,
         }
-        arguments.json.write_text(json.dumps(report, indent=2) + "\n")
+        measure.write_report(arguments.json, report, elapsed)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.repeats, args.prefix_tokens = min(args.repeats, 2), min(args.prefix_tokens, 512)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     from umbp.runtime.server.launch import start_server
-
     from umbp.testing.models import llama_recipe, write_random_model
 
     name = (f"llama-h{shape['hidden_size']}-l{shape['layers']}-a{shape['heads']}"

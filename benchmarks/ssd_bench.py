@@ -19,27 +19,25 @@ the index).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import measure
+
 from umbp.runtime import LoadStatus
 from umbp.runtime.ssd_tier import SsdTier
 
-GIB = 1 << 30
 SLOT_BYTES = 64 << 10  # the tier's default
-ALIGNMENT = 4096
+ALIGNMENT = 4096  # page-aligned buffers: neither side pays first-touch faults in the loops
+SOURCE_BLOCK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -66,51 +64,23 @@ class ReopenFigure:
 
 
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument("--gib", type=float, default=1.0, help="GiB moved per case")
-    parser.add_argument("--repeats", type=int, default=5, help="passes per figure (best)")
-    parser.add_argument("--quick", action="store_true", help="1/16 GiB per case, 2 passes")
-    parser.add_argument("--dir", type=Path, default=None, help="where to put the files")
-    arguments = parser.parse_args()
-    if arguments.quick:
-        arguments.gib, arguments.repeats = min(arguments.gib, 0.0625), min(arguments.repeats, 2)
-    return arguments
+    def directory_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dir", type=Path, default=None, help="where to put the files")
 
-
-def prefaulted(objects: int, object_bytes: int) -> Any:
-    """`objects` rows in one page-aligned buffer whose pages are all touched, so neither
-    side pays first-touch faults inside the timed loops."""
-    raw = np.empty(objects * object_bytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    array = raw[start : start + objects * object_bytes].reshape(objects, object_bytes)
-    array.fill(0)
-    return array
-
-
-def random_source(objects: int, object_bytes: int) -> Any:
-    """Random rows (a 16 MiB random block tiled: contents do not change I/O or hash speed)."""
-    block = np.random.default_rng(0).integers(0, 256, size=16 << 20, dtype=np.uint8)
-    source = prefaulted(objects, object_bytes)
-    source.reshape(-1)[:] = np.resize(block, objects * object_bytes)
-    return source
-
-
-def timed_seconds(run: Callable[[], None], prepare: Callable[[], None] | None = None) -> float:
-    if prepare is not None:
-        prepare()
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    return measure.throughput_arguments(
+        __doc__.split("\n\n")[0], default_gib=1.0, quick_gib=0.0625, more=directory_option
+    )
 
 
 def measure_io(
     directory: Path, object_bytes: int, gib: float, repeats: int
 ) -> tuple[list[IoFigure], ReopenFigure]:
     """Put and get figures for one object size, each beside plain I/O of the same bytes."""
-    objects = max(8, int(gib * GIB) // object_bytes)
-    source = random_source(objects, object_bytes)
-    destination = prefaulted(objects, object_bytes)
+    objects = max(8, int(gib * measure.GIB) // object_bytes)
+    source = measure.random_source(
+        objects, object_bytes, block_bytes=SOURCE_BLOCK_BYTES, alignment=ALIGNMENT
+    )
+    destination = measure.prefaulted(objects, object_bytes, ALIGNMENT)
     keys = [f"bench-{object_bytes}-{index}" for index in range(objects)]
     slots_per_object = -(-object_bytes // SLOT_BYTES)
     capacity = objects * slots_per_object * SLOT_BYTES
@@ -140,18 +110,17 @@ def measure_io(
         for index in range(objects):
             assert tier.get_into(keys[index], outs[index]) is LoadStatus.HIT
 
-    plain_put_times, plain_get_times, put_times, get_times = [], [], [], []
-    for _ in range(repeats):
-        plain_put_times.append(timed_seconds(plain_put))
-        put_times.append(timed_seconds(tier_put, prepare=tier.clear))
-    for _ in range(repeats):
-        plain_get_times.append(timed_seconds(plain_get))
-        get_times.append(timed_seconds(tier_get))
+    times = measure.time_alternately(
+        repeats, {"plain put": plain_put, "put": tier_put}, prepare={"put": tier.clear}
+    )
+    measure.time_alternately(repeats, {"plain get": plain_get, "get": tier_get}, into=times)
     assert np.array_equal(destination[objects // 2], source[objects // 2])
     assert tier.stats().evictions == 0, "benchmark tier evicted; figures would mislead"
     tier.close()
     os.close(plain)
-    reopen_seconds = timed_seconds(lambda: SsdTier(tier_directory, capacity, SLOT_BYTES).close())
+    reopen_seconds = measure.timed_seconds(
+        lambda: SsdTier(tier_directory, capacity, SLOT_BYTES).close()
+    )
     reopened = SsdTier(tier_directory, capacity, SLOT_BYTES)
     assert reopened.stats().objects == objects
     reopened.close()
@@ -163,13 +132,10 @@ def measure_io(
             object_bytes,
             SLOT_BYTES,
             objects,
-            moved / min(times) / 1e9,
-            moved / min(plain_times) / 1e9,
+            measure.best_gbps(moved, times[operation]),
+            measure.best_gbps(moved, times[f"plain {operation}"]),
         )
-        for operation, times, plain_times in (
-            ("put", put_times, plain_put_times),
-            ("get", get_times, plain_get_times),
-        )
+        for operation in ("put", "get")
     ]
     return figures, ReopenFigure(objects, objects * slots_per_object, reopen_seconds)
 
@@ -179,9 +145,9 @@ def print_table(figures: list[IoFigure], reopens: list[ReopenFigure]) -> None:
         f"{'case':<12}{'slot':>9}{'objects':>9}{'tier GB/s':>11}{'plain GB/s':>12}{'ratio':>8}"
     )
     for figure in figures:
-        case = f"{figure.operation} {_size(figure.object_bytes)}"
+        case = f"{figure.operation} {measure.size_label(figure.object_bytes)}"
         print(
-            f"{case:<12}{_size(figure.slot_bytes):>9}{figure.objects:>9}"
+            f"{case:<12}{measure.size_label(figure.slot_bytes):>9}{figure.objects:>9}"
             f"{figure.tier_gbps:>11.2f}{figure.plain_gbps:>12.2f}{figure.ratio:>7.2f}x"
         )
     print(
@@ -193,10 +159,6 @@ def print_table(figures: list[IoFigure], reopens: list[ReopenFigure]) -> None:
             f"reopen with {reopen.objects} objects ({reopen.slots} slots): "
             f"{reopen.seconds * 1e3:.1f} ms"
         )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def main() -> None:
@@ -211,22 +173,18 @@ def main() -> None:
             reopens.append(reopen)
     print_table(figures, reopens)
     elapsed = time.perf_counter() - started
-    print(f"({elapsed:.1f} s, python {platform.python_version()}, {os.cpu_count()} cpus)")
+    measure.print_run_footer(elapsed)
     if arguments.json is not None:
         report = {
             "benchmark": "ssd",
             "quick": arguments.quick,
-            "io": [asdict(figure) | {"ratio": figure.ratio} for figure in figures],
+            "io": measure.rows_with_ratio(figures),
             "reopen": [asdict(reopen) for reopen in reopens],
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,
             "page_cache": "warm",
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "seconds": elapsed,
         }
-        arguments.json.write_text(json.dumps(report, indent=2) + "\n")
+        measure.write_report(arguments.json, report, elapsed)
 
 
 if __name__ == "__main__":

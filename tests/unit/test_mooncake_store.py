@@ -8,15 +8,8 @@ import sys
 
 import pytest
 
-from umbp.runtime.mooncake import (
-    HostArea,
-    MooncakeSetupError,
-    MooncakeStore,
-    RegisteredRanges,
-    buffer_address,
-    parse_address,
-    plan_chunks,
-)
+from umbp.runtime.mooncake import MooncakeSetupError, MooncakeStore, parse_address
+from umbp.runtime.registered_memory import HostArea, RegisteredRanges, buffer_address, plan_chunks
 
 
 def test_registered_ranges_contain_only_whole_buffers() -> None:

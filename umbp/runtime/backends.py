@@ -13,8 +13,8 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 from umbp.core.config import ConnectorConfig
 from umbp.runtime.contract import SchedulerStore, WorkerStore

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import mmap
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["allocate_prefaulted_slab", "byte_view"]
+__all__ = ["allocate_prefaulted_slab", "byte_view", "byte_views"]
 
 # Linux's MADV_POPULATE_WRITE (5.14+): fault every page in one syscall. Python exposes the
 # constant only from 3.13, so the Linux value is spelled out for older interpreters.
@@ -98,3 +99,15 @@ def byte_view(buffer: Buffer, *, writable: bool) -> memoryview:
         return view.cast("B")
     except TypeError as error:
         raise ValueError(f"cannot view buffer of format {view.format!r} as bytes") from error
+
+
+def byte_views(
+    keys: Sequence[str], buffers: Sequence[Buffer], *, writable: bool
+) -> list[memoryview]:
+    """`byte_view` of each buffer of a batch (payloads to put, or `writable` outs to load
+    into), after checking there is one per key: every store validates a whole batch
+    before it touches anything, so a caller bug never leaves a batch half done."""
+    if len(keys) != len(buffers):
+        name = "outs" if writable else "payloads"
+        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
+    return [byte_view(buffer, writable=writable) for buffer in buffers]

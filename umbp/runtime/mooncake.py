@@ -48,20 +48,14 @@ loads, the size query are what separates this adapter from raw Mooncake calls.
 
 from __future__ import annotations
 
-import bisect
-import ctypes
 import importlib
 import logging
-import mmap
 import socket
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast
-
-import xxhash
 
 from umbp.runtime.contract import (
     LoadStatus,
@@ -71,7 +65,16 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_view
+from umbp.runtime.counters import StoreCounters
+from umbp.runtime.host_memory import byte_views
+from umbp.runtime.registered_memory import (
+    HostArea,
+    Piece,
+    RegisteredRanges,
+    checksum,
+    plan_chunks,
+    temporarily_registered,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -79,14 +82,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LOCAL_BUFFER_BYTES",
     "DEFAULT_SEGMENT_BYTES",
-    "HostArea",
     "MooncakeSetupError",
     "MooncakeStore",
-    "Piece",
-    "RegisteredRanges",
-    "buffer_address",
-    "checksum",
-    "plan_chunks",
+    "parse_address",
 ]
 
 _log = logging.getLogger(__name__)
@@ -97,7 +95,6 @@ DEFAULT_STAGE_BELOW_BYTES = 256 << 10
 TRAILER_BYTES = 8
 _TRAILER = struct.Struct("<Q")
 _TRAILER_SLOTS = 4096  # keys per Mooncake call; larger batches are cut into chunks
-_STAGING_ALIGN = 64  # staged objects start on cache-line boundaries (memcpy speed)
 
 # Mooncake error codes this adapter tells apart (mooncake-store's ErrorCode).
 _OBJECT_NOT_FOUND = -704
@@ -113,102 +110,6 @@ _PROBE_TIMEOUT_S = 0.25
 class MooncakeSetupError(StoreUnavailable):
     """The client could not join the cluster (master unreachable, setup refused,
     package missing). The message names the master address."""
-
-
-# ----------------------------------------------- registered-memory helpers (shared)
-
-
-class _PyBuffer(ctypes.Structure):
-    """CPython's `Py_buffer`, to read the address behind any buffer (read-only ones too,
-    which `ctypes.c_char.from_buffer` refuses)."""
-
-    _fields_ = [
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    ]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
-
-
-def buffer_address(view: memoryview) -> int:
-    """Address of the first byte of a C-contiguous buffer. Valid while `view` (which
-    holds its own export of the underlying object) is alive."""
-    exported = _PyBuffer()
-    if _get_buffer(view, ctypes.byref(exported), 0) != 0:  # raises on failure
-        raise ValueError("buffer does not export its memory")
-    try:
-        return int(exported.buf or 0)
-    finally:
-        _release_buffer(ctypes.byref(exported))
-
-
-class RegisteredRanges:
-    """Disjoint [start, end) address ranges registered with a transport; answers "does
-    this buffer lie inside one?" with one bisect."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-
-    def add(self, address: int, nbytes: int) -> None:
-        index = bisect.bisect_right(self._starts, address)
-        self._starts.insert(index, address)
-        self._ends.insert(index, address + nbytes)
-
-    def remove(self, address: int) -> bool:
-        index = bisect.bisect_left(self._starts, address)
-        if index < len(self._starts) and self._starts[index] == address:
-            del self._starts[index], self._ends[index]
-            return True
-        return False
-
-    def contains(self, address: int, nbytes: int) -> bool:
-        index = bisect.bisect_right(self._starts, address) - 1
-        return index >= 0 and address + nbytes <= self._ends[index]
-
-    def starts(self) -> tuple[int, ...]:
-        return tuple(self._starts)
-
-    def spans(self) -> tuple[tuple[int, int], ...]:
-        """(start, end) of every range."""
-        return tuple(zip(self._starts, self._ends))
-
-
-def checksum(view: memoryview) -> int:
-    """xxh3-64 of a payload, as stored in its trailer."""
-    return int(xxhash.xxh3_64_intdigest(view))
-
-
-class HostArea:
-    """A prefaulted private mapping with its address and a byte view."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.mapping: mmap.mmap = allocate_prefaulted_slab(nbytes)
-        self.view = memoryview(self.mapping)
-        self.address = buffer_address(self.view)
-
-    def release(self) -> None:
-        self.view.release()
-        try:
-            self.mapping.close()
-        except BufferError:
-            pass  # a view handed out is still alive; the mapping dies with it
 
 
 # ------------------------------------------------------------------ the binding
@@ -270,85 +171,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-# ------------------------------------------------------------------ batches
-
-
-@dataclass(slots=True)
-class Piece:
-    """One key of a batch on its way to or from the transport."""
-
-    index: int
-    """Position in the caller's batch."""
-    view: memoryview
-    pointer: int
-    """Where Mooncake reads or writes the payload: the caller's buffer or the bounce."""
-    staged: memoryview | None
-    """The bounce-buffer region used instead of the caller's buffer (payload, then any
-    trailer room), or None when the transport reads or writes the caller's buffer."""
-    temporary: bool
-    """The caller's buffer is registered for this call only (larger than the bounce)."""
-
-
-def plan_chunks(
-    views: list[memoryview],
-    ranges: RegisteredRanges,
-    bounce: HostArea | None,
-    max_keys: int,
-    *,
-    stage_below: int = 0,
-    trailer_bytes: int = 0,
-) -> Iterator[list[Piece]]:
-    """Cut a batch into transport calls of at most `max_keys` keys whose staged payloads
-    fit the bounce buffer together. `Piece.index` is the position in `views`.
-
-    A payload in registered memory goes direct unless it is smaller than `stage_below`
-    (then it is staged too, so that payload and trailer travel as one piece). A staged
-    piece's region has `trailer_bytes` of room after the payload. A payload outside
-    registered memory that does not fit the bounce buffer goes alone, marked for
-    registration during its call."""
-    chunk: list[Piece] = []
-    staged_bytes = 0
-    for index, view in enumerate(views):
-        nbytes = view.nbytes
-        address = buffer_address(view) if nbytes else 0
-        registered = not nbytes or ranges.contains(address, nbytes)
-        fits = bounce is not None and nbytes + trailer_bytes <= bounce.nbytes
-        if registered and (nbytes >= stage_below or not fits):
-            piece = Piece(index, view, address, None, False)
-        elif fits:
-            assert bounce is not None
-            start = -(-staged_bytes // _STAGING_ALIGN) * _STAGING_ALIGN
-            if start + nbytes + trailer_bytes > bounce.nbytes:
-                yield chunk
-                chunk, start = [], 0
-            staged_bytes = start + nbytes + trailer_bytes
-            staged = bounce.view[start:staged_bytes]
-            piece = Piece(index, view, bounce.address + start, staged, False)
-        else:
-            if chunk:
-                yield chunk
-            yield [Piece(index, view, address, None, True)]
-            chunk, staged_bytes = [], 0
-            continue
-        chunk.append(piece)
-        if len(chunk) == max_keys:
-            yield chunk
-            chunk, staged_bytes = [], 0
-    if chunk:
-        yield chunk
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    put_rejects: int = 0
-    corrupt_loads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-
-
 class MooncakeStore:
     """A Mooncake Store client that honours `WorkerStore`, `SchedulerStore` and
     `RegistersHostMemory` (see the module docstring for how each rule is met).
@@ -391,7 +213,7 @@ class MooncakeStore:
         self._stage_below = stage_below_bytes
         self._lock = threading.Lock()
         self._closed = True  # until setup succeeds: close() must not touch the binding
-        self._counters = _Counters()
+        self._counters = StoreCounters()
         self._ranges = RegisteredRanges()
         self._master_suspect = False
         self._client = _new_client()
@@ -481,8 +303,7 @@ class MooncakeStore:
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload plus its checksum trailer; one result per key. ValueError for
         mismatched lengths or unusable buffers, before anything is stored."""
-        _require_same_length(keys, payloads, "payloads")
-        views = [byte_view(payload, writable=False) for payload in payloads]
+        views = byte_views(keys, payloads, writable=False)
         results = [False] * len(keys)
         with self._lock:
             if self._closed or (keys and self._master_unreachable()):
@@ -504,8 +325,7 @@ class MooncakeStore:
         straight into the caller's buffer needs its stored size beforehand (one master
         round trip for those keys), because Mooncake copies a shorter object into a longer
         buffer and reports success."""
-        _require_same_length(keys, outs, "outs")
-        views = [byte_view(out, writable=True) for out in outs]
+        views = byte_views(keys, outs, writable=True)
         statuses = [LoadStatus.UNAVAILABLE] * len(keys)
         with self._lock:
             if self._closed or not keys or self._master_unreachable():
@@ -528,20 +348,8 @@ class MooncakeStore:
     def stats(self) -> PoolStats:
         """Counters of this client (see the module docstring for what the sizes mean)."""
         with self._lock:
-            counters = self._counters
-            return PoolStats(
-                capacity_bytes=self._segment_bytes,
-                used_bytes=0,
-                page_bytes=1,
-                objects=0,
-                hits=counters.hits,
-                misses=counters.misses,
-                puts=counters.puts,
-                put_rejects=counters.put_rejects,
-                evictions=0,
-                corrupt_loads=counters.corrupt_loads,
-                bytes_written=counters.bytes_written,
-                bytes_read=counters.bytes_read,
+            return self._counters.snapshot(
+                capacity_bytes=self._segment_bytes, used_bytes=0, page_bytes=1, objects=0
             )
 
     def clear(self) -> bool:
@@ -736,26 +544,24 @@ class MooncakeStore:
             else:
                 pointers.append([trailer])
                 sizes.append([TRAILER_BYTES])
-        registered: list[int] = []
         failed = [-1] * len(chunk)
         try:
-            for piece in chunk:
-                if piece.temporary:
-                    if self._client.register_buffer(piece.pointer, piece.view.nbytes) != 0:
-                        return failed
-                    registered.append(piece.pointer)
-            codes = call(keys, pointers, sizes)
-            if not isinstance(codes, list) or len(codes) != len(keys):
-                return failed
-            if _RPC_FAIL in codes:
-                self._master_suspect = True
-            return [int(code) for code in codes]
+            with temporarily_registered(
+                chunk,
+                lambda address, nbytes: self._client.register_buffer(address, nbytes) == 0,
+                lambda address: self._quietly(self._client.unregister_buffer, address),
+            ) as registered:
+                if not registered:
+                    return failed
+                codes = call(keys, pointers, sizes)
+                if not isinstance(codes, list) or len(codes) != len(keys):
+                    return failed
+                if _RPC_FAIL in codes:
+                    self._master_suspect = True
+                return [int(code) for code in codes]
         except Exception:  # noqa: BLE001 - no binding error may reach the caller
             _log.warning("Mooncake batch call raised", exc_info=True)
             return failed
-        finally:
-            for pointer in registered:
-                self._quietly(self._client.unregister_buffer, pointer)
 
     def _check_sizes(
         self,
@@ -854,11 +660,6 @@ def _probe_master(master_address: str, timeout_s: float) -> None:
             f"cannot reach the Mooncake master at {master_address}: {error} "
             "(is mooncake_master running there, and is that address right?)"
         ) from error
-
-
-def _require_same_length(keys: Sequence[str], buffers: Sequence[object], name: str) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
 
 
 if TYPE_CHECKING:

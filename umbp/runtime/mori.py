@@ -41,7 +41,6 @@ import struct
 import threading
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -53,8 +52,16 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.host_memory import byte_view
-from umbp.runtime.mooncake import HostArea, Piece, RegisteredRanges, checksum, plan_chunks
+from umbp.runtime.counters import StoreCounters
+from umbp.runtime.host_memory import byte_views
+from umbp.runtime.registered_memory import (
+    HostArea,
+    Piece,
+    RegisteredRanges,
+    checksum,
+    plan_chunks,
+    temporarily_registered,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -85,17 +92,6 @@ def import_mori() -> types.ModuleType:
             "CPython 3.10 and 3.12 linked against ROCm 7 only, so it cannot run on this "
             f"machine ({error}). Use mode 'mooncake' or 'server' here (docs/multi-node.md)."
         ) from error
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    put_rejects: int = 0
-    corrupt_loads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
 
 
 class MoriStore:
@@ -133,7 +129,7 @@ class MoriStore:
         self._auto_start = auto_start
         self._lock = threading.Lock()
         self._closed = True
-        self._counters = _Counters()
+        self._counters = StoreCounters()
         self._ranges = RegisteredRanges()
         self._dropped: set[str] = set()
         self._umbp = module if module is not None else import_mori()
@@ -171,8 +167,7 @@ class MoriStore:
             )
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
-        _require_same_length(keys, payloads, "payloads")
-        views = [byte_view(payload, writable=False) for payload in payloads]
+        views = byte_views(keys, payloads, writable=False)
         results = [False] * len(keys)
         with self._lock:
             if self._closed:
@@ -185,8 +180,7 @@ class MoriStore:
     def get_batch_into(
         self, keys: Sequence[str], outs: Sequence[Buffer]
     ) -> tuple[LoadStatus, ...]:
-        _require_same_length(keys, outs, "outs")
-        views = [byte_view(out, writable=True) for out in outs]
+        views = byte_views(keys, outs, writable=True)
         statuses = [LoadStatus.UNAVAILABLE] * len(keys)
         with self._lock:
             if self._closed:
@@ -199,20 +193,8 @@ class MoriStore:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            counters = self._counters
-            return PoolStats(
-                capacity_bytes=self._capacity,
-                used_bytes=0,
-                page_bytes=1,
-                objects=0,
-                hits=counters.hits,
-                misses=counters.misses,
-                puts=counters.puts,
-                put_rejects=counters.put_rejects,
-                evictions=0,
-                corrupt_loads=counters.corrupt_loads,
-                bytes_written=counters.bytes_written,
-                bytes_read=counters.bytes_read,
+            return self._counters.snapshot(
+                capacity_bytes=self._capacity, used_bytes=0, page_bytes=1, objects=0
             )
 
     def clear(self) -> bool:
@@ -425,22 +407,25 @@ class MoriStore:
     ) -> list[bool] | None:
         """One batch call with temporary registrations around it; None when it raised or
         answered something malformed (the caller reports failure for every key)."""
-        registered: list[int] = []
         try:
-            for piece in chunk:
-                if piece.temporary:
-                    self._client.register_memory(piece.pointer, piece.view.nbytes)
-                    registered.append(piece.pointer)
-            answers = call(names, pointers, sizes)
-            if len(answers) != len(names):
-                return None
-            return [bool(answer) for answer in answers]
+            with temporarily_registered(
+                chunk,
+                self._register_for_one_call,
+                lambda address: self._quietly(self._client.deregister_memory, address),
+            ):
+                answers = call(names, pointers, sizes)
+                if len(answers) != len(names):
+                    return None
+                return [bool(answer) for answer in answers]
         except Exception:  # noqa: BLE001 - no MORI error may reach the caller
             _log.warning("MORI batch call raised", exc_info=True)
             return None
-        finally:
-            for pointer in registered:
-                self._quietly(self._client.deregister_memory, pointer)
+
+    def _register_for_one_call(self, address: int, nbytes: int) -> bool:
+        """A registration that lasts one batch call. Only a raise counts as a refusal
+        here; the answer is not read."""
+        self._client.register_memory(address, nbytes)
+        return True
 
     @staticmethod
     def _quietly(call: Any, *arguments: object) -> None:
@@ -448,11 +433,6 @@ class MoriStore:
             call(*arguments)
         except Exception:  # noqa: BLE001 - cleanup must go on; the failure is logged
             _log.warning("MORI %s raised", getattr(call, "__name__", call), exc_info=True)
-
-
-def _require_same_length(keys: Sequence[str], buffers: Sequence[object], name: str) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
 
 
 if TYPE_CHECKING:

@@ -26,11 +26,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, Self
-
-import xxhash
 
 from umbp.runtime.contract import (
     LoadStatus,
@@ -39,7 +36,9 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_view
+from umbp.runtime.counters import StoreCounters
+from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
+from umbp.runtime.paged_copy import read_regions, write_regions
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -57,20 +56,6 @@ class _StoredObject(NamedTuple):
     """(slab offset, length) of each page-sized piece, in object order."""
     nbytes: int
     checksum: int
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Monotonic counters behind `PoolStats`; mutated only under the pool lock."""
-
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    put_rejects: int = 0
-    evictions: int = 0
-    corrupt_loads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
 
 
 class SlabPool:
@@ -107,7 +92,7 @@ class SlabPool:
         self._free_pages: list[int] = list(range(self._total_pages - 1, -1, -1))
         self._objects: OrderedDict[str, _StoredObject] = OrderedDict()  # LRU first
         self._evicted: dict[str, None] = {}  # insertion-ordered set
-        self._counters = _Counters()
+        self._counters = StoreCounters()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -128,8 +113,7 @@ class SlabPool:
         Raises ValueError for mismatched lengths or unusable buffers before storing
         anything.
         """
-        _require_same_length(keys, payloads, "payloads")
-        sources = [byte_view(payload, writable=False) for payload in payloads]
+        sources = byte_views(keys, payloads, writable=False)
         return tuple([self._put_one(key, source) for key, source in zip(keys, sources)])
 
     def get_batch_into(self, keys: Sequence[str], outs: Sequence[Buffer]) -> tuple[LoadStatus, ...]:
@@ -140,8 +124,7 @@ class SlabPool:
         Raises ValueError for mismatched lengths or unusable buffers before loading
         anything.
         """
-        _require_same_length(keys, outs, "outs")
-        destinations = [byte_view(out, writable=True) for out in outs]
+        destinations = byte_views(keys, outs, writable=True)
         return tuple(
             [self._get_one(key, destination) for key, destination in zip(keys, destinations)]
         )
@@ -158,20 +141,11 @@ class SlabPool:
     def stats(self) -> PoolStats:
         """A consistent snapshot (taken under the lock)."""
         with self._lock:
-            counters = self._counters
-            return PoolStats(
+            return self._counters.snapshot(
                 capacity_bytes=self._total_pages * self._page_bytes,
                 used_bytes=self._used_pages() * self._page_bytes,
                 page_bytes=self._page_bytes,
                 objects=len(self._objects),
-                hits=counters.hits,
-                misses=counters.misses,
-                puts=counters.puts,
-                put_rejects=counters.put_rejects,
-                evictions=counters.evictions,
-                corrupt_loads=counters.corrupt_loads,
-                bytes_written=counters.bytes_written,
-                bytes_read=counters.bytes_read,
             )
 
     def clear(self) -> bool:
@@ -264,7 +238,7 @@ class SlabPool:
             if self._used_pages() + pages_needed > self._high_pages:
                 self._evict_for(pages_needed)
             regions = self._regions(self._take_free_pages(pages_needed), source.nbytes)
-            checksum = self._write_regions(regions, source)
+            checksum = write_regions(self._slab_bytes, regions, source)
             self._objects[key] = _StoredObject(regions, source.nbytes, checksum)
             self._evicted.pop(key, None)
             self._counters.puts += 1
@@ -281,7 +255,7 @@ class SlabPool:
                 return LoadStatus.MISSING
             if destination.nbytes != stored.nbytes:
                 return LoadStatus.SIZE_MISMATCH
-            if self._read_regions(stored.regions, destination) != stored.checksum:
+            if read_regions(self._slab_bytes, stored.regions, destination) != stored.checksum:
                 self._drop(key, stored)
                 self._counters.corrupt_loads += 1
                 return LoadStatus.CORRUPT
@@ -330,42 +304,6 @@ class SlabPool:
             (page * page_bytes, min(page_bytes, nbytes - index * page_bytes))
             for index, page in enumerate(pages)
         )
-
-    def _write_regions(self, regions: tuple[tuple[int, int], ...], source: memoryview) -> int:
-        """Copy `source` into its regions and return the checksum of the bytes now stored,
-        hashing each piece right after writing it, while it is still in cache."""
-        slab = self._slab_bytes
-        if len(regions) == 1:
-            offset, length = regions[0]
-            stored = slab[offset : offset + length]
-            stored[:] = source
-            return int(xxhash.xxh3_64_intdigest(stored))
-        hasher = xxhash.xxh3_64()
-        start = 0
-        for offset, length in regions:
-            stored = slab[offset : offset + length]
-            stored[:] = source[start : start + length]
-            hasher.update(stored)
-            start += length
-        return int(hasher.intdigest())
-
-    def _read_regions(self, regions: tuple[tuple[int, int], ...], destination: memoryview) -> int:
-        """Copy an object into `destination` and return the checksum of what arrived there
-        (hashed piece by piece while hot), to compare with the stored one. Streaming and
-        one-shot xxh3 agree, so the single-piece shortcut yields the same value."""
-        slab = self._slab_bytes
-        if len(regions) == 1:
-            offset, length = regions[0]
-            destination[:] = slab[offset : offset + length]
-            return int(xxhash.xxh3_64_intdigest(destination))
-        hasher = xxhash.xxh3_64()
-        start = 0
-        for offset, length in regions:
-            delivered = destination[start : start + length]
-            delivered[:] = slab[offset : offset + length]
-            hasher.update(delivered)
-            start += length
-        return int(hasher.intdigest())
 
     def _used_pages(self) -> int:
         return self._total_pages - len(self._free_pages)
@@ -416,11 +354,6 @@ def _watermark_pages(fraction: float, total_pages: int) -> int:
     """Pages at `fraction` of the pool, rounded down (with a hair of slack so 0.95 * 20
     is 19, not 18, despite binary floating point)."""
     return int(fraction * total_pages + 1e-9)
-
-
-def _require_same_length(keys: Sequence[str], buffers: Sequence[object], name: str) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
 
 
 if TYPE_CHECKING:

@@ -32,6 +32,8 @@ from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorker
 
 logger = logging.getLogger("umbp")
 
+POOL_STATS_EVERY_S = 1.0
+
 
 @dataclass(slots=True)
 class WorkerCounters:
@@ -80,6 +82,7 @@ class UMBPWorker:
         self._failed_loads: set[str] = set()
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
+        self._next_pool_stats = 0.0
         self.counters = WorkerCounters()
 
     @property
@@ -118,9 +121,13 @@ class UMBPWorker:
 
     def refresh_pool_counters(self) -> None:
         """The store's own figures (in the shared modes, the whole store's, which other
-        engines fill too). A store that cannot answer keeps the last figures."""
-        if self._store is None:
+        engines fill too), at most once per `POOL_STATS_EVERY_S`: vLLM asks every step,
+        and asking a stalled server costs up to `io_timeout_s`. A store that cannot
+        answer keeps the last figures."""
+        now = time.monotonic()
+        if self._store is None or now < self._next_pool_stats:
             return
+        self._next_pool_stats = now + POOL_STATS_EVERY_S
         try:
             stats = self._store.stats()
         except Exception as error:

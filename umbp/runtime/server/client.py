@@ -32,8 +32,6 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-import xxhash
-
 from umbp.runtime.contract import (
     MEDIUM_CPU,
     MEDIUM_DISK,
@@ -44,7 +42,8 @@ from umbp.runtime.contract import (
     TierAware,
     WorkerStore,
 )
-from umbp.runtime.host_memory import byte_view
+from umbp.runtime.host_memory import byte_views
+from umbp.runtime.paged_copy import read_regions, write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.shm import SharedPool, map_shared_pool
 
@@ -66,7 +65,6 @@ _GET_STATUS = {
     protocol.GET_SIZE_MISMATCH: LoadStatus.SIZE_MISMATCH,
     protocol.GET_UNAVAILABLE: LoadStatus.UNAVAILABLE,
 }
-_Regions = list[list[int]]
 
 
 class _Stale(Exception):
@@ -160,8 +158,7 @@ class ServerStore:
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload; False for every key the server did not take (including
         all of them when it cannot be reached). Raises ValueError for caller bugs."""
-        _require_same_length(keys, payloads, "payloads")
-        sources = [byte_view(payload, writable=False) for payload in payloads]
+        sources = byte_views(keys, payloads, writable=False)
         if not keys:
             return ()
         try:
@@ -174,8 +171,7 @@ class ServerStore:
     ) -> tuple[LoadStatus, ...]:
         """Load each object into its buffer, verifying its checksum; UNAVAILABLE for every
         key when the server cannot be reached. Raises ValueError for caller bugs."""
-        _require_same_length(keys, outs, "outs")
-        destinations = [byte_view(out, writable=True) for out in outs]
+        destinations = byte_views(keys, outs, writable=True)
         if not keys:
             return ()
         try:
@@ -260,7 +256,7 @@ class ServerStore:
                     results[position] = True
                 elif isinstance(placed, list):
                     reserved.append(position)
-                    checksums.append(_write_regions(view, placed, sources[position]))
+                    checksums.append(write_regions(view, placed, sources[position]))
         if reserved:
             committed = self._follow_up(
                 connection,
@@ -288,7 +284,11 @@ class ServerStore:
                     statuses.append(_GET_STATUS.get(found, LoadStatus.UNAVAILABLE))
                     continue
                 nbytes, checksum, regions = found
-                if _read_regions(view, regions, destinations[position], nbytes) == checksum:
+                destination = destinations[position]
+                if (
+                    nbytes == destination.nbytes
+                    and read_regions(view, regions, destination) == checksum
+                ):
                     statuses.append(LoadStatus.HIT)
                 else:
                     statuses.append(LoadStatus.CORRUPT)
@@ -462,47 +462,6 @@ def _decode(body: bytes) -> Any:
         return protocol.decode_json(body)
     except protocol.ProtocolError as error:
         raise StoreUnavailable(str(error)) from error
-
-
-def _write_regions(view: memoryview, regions: _Regions, source: memoryview) -> int:
-    """Copy `source` into its regions of the pool; xxh3-64 of what now lies there, each
-    piece hashed right after it is written (still in cache)."""
-    if len(regions) == 1:
-        offset, length = regions[0]
-        stored = view[offset : offset + length]
-        stored[:] = source
-        return int(xxhash.xxh3_64_intdigest(stored))
-    hasher = xxhash.xxh3_64()
-    start = 0
-    for offset, length in regions:
-        stored = view[offset : offset + length]
-        stored[:] = source[start : start + length]
-        hasher.update(stored)
-        start += length
-    return int(hasher.intdigest())
-
-
-def _read_regions(view: memoryview, regions: _Regions, out: memoryview, nbytes: int) -> int:
-    """Copy an object out of the pool; xxh3-64 of what arrived in `out`."""
-    if nbytes != out.nbytes:
-        return -1
-    if len(regions) == 1:
-        offset, length = regions[0]
-        out[:] = view[offset : offset + length]
-        return int(xxhash.xxh3_64_intdigest(out))
-    hasher = xxhash.xxh3_64()
-    start = 0
-    for offset, length in regions:
-        delivered = out[start : start + length]
-        delivered[:] = view[offset : offset + length]
-        hasher.update(delivered)
-        start += length
-    return int(hasher.intdigest())
-
-
-def _require_same_length(keys: Sequence[str], buffers: Sequence[object], name: str) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"keys and {name} differ in length: {len(keys)} != {len(buffers)}")
 
 
 if TYPE_CHECKING:

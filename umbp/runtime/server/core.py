@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from umbp.runtime.contract import LoadStatus
+from umbp.runtime.paged_copy import write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
@@ -506,7 +507,7 @@ class StoreCore:
                         regions = self._reserve([nbytes])[0]
                     if regions is None:
                         return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
-                    return status, regions, self._write_pages(regions, staging)
+                    return status, regions, write_regions(self._view, regions, staging)
         except Exception:  # the reserved pages must come back
             logger.exception("umbp serve: promotion of %r failed", key)
             status = LoadStatus.UNAVAILABLE
@@ -514,19 +515,6 @@ class StoreCore:
             with self._lock:
                 self._index.release(regions)
         return status, None, 0
-
-    def _write_pages(self, regions: Regions, data: bytearray) -> int:
-        """Scatter `data` over `regions`; xxh3-64 of what the pages now hold, each piece
-        hashed right after it is written."""
-        view = self._view
-        hasher = xxhash.xxh3_64()
-        start = 0
-        for offset, length in regions:
-            stored = view[offset : offset + length]
-            stored[:] = data[start : start + length]
-            hasher.update(stored)
-            start += length
-        return int(hasher.intdigest())
 
     def _gather(self, entry: Entry) -> memoryview | bytes:
         """The bytes of a pinned entry as one buffer (a view when it is one region)."""

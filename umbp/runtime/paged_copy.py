@@ -1,0 +1,54 @@
+"""Copying an object into and out of the pages of a pool, checksumming as it goes.
+
+An object in a paged pool (the embedded `SlabPool`, the server's shared-memory pool) lies
+in (offset, length) regions of one byte view, not necessarily adjacent. Both directions
+hash each piece right after copying it, while it is still in cache, so a checksum costs
+no second pass over memory. Streaming and one-shot xxh3-64 agree, so the single-region
+shortcut yields the same value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+
+__all__ = ["read_regions", "write_regions"]
+
+
+def write_regions(
+    memory: memoryview, regions: Sequence[Sequence[int]], source: memoryview | bytearray
+) -> int:
+    """Copy `source` into its regions of `memory`; xxh3-64 of the bytes now stored there."""
+    if len(regions) == 1:
+        offset, length = regions[0]
+        stored = memory[offset : offset + length]
+        stored[:] = source
+        return int(xxhash.xxh3_64_intdigest(stored))
+    hasher = xxhash.xxh3_64()
+    start = 0
+    for offset, length in regions:
+        stored = memory[offset : offset + length]
+        stored[:] = source[start : start + length]
+        hasher.update(stored)
+        start += length
+    return int(hasher.intdigest())
+
+
+def read_regions(
+    memory: memoryview, regions: Sequence[Sequence[int]], destination: memoryview
+) -> int:
+    """Copy an object out of its regions of `memory` into `destination` (exactly its
+    size); xxh3-64 of what arrived there, to compare with the stored checksum."""
+    if len(regions) == 1:
+        offset, length = regions[0]
+        destination[:] = memory[offset : offset + length]
+        return int(xxhash.xxh3_64_intdigest(destination))
+    hasher = xxhash.xxh3_64()
+    start = 0
+    for offset, length in regions:
+        delivered = destination[start : start + length]
+        delivered[:] = memory[offset : offset + length]
+        hasher.update(delivered)
+        start += length
+    return int(hasher.intdigest())
