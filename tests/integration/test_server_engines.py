@@ -188,11 +188,11 @@ def test_kv_events_name_the_tier_and_announce_the_servers_own_evictions(
                          "record_kv_events": True,
                          "steps": ["generate", "idle", "kv_events", "generate_b", "idle",
                                    "kv_events", "generate_c", "idle", "kv_events",
-                                   "server_stats"]}],
+                                   "server_stats", "stats"]}],
             "server": {"socket": socket_path, "pid": process.pid,
                        "capacity_bytes": 8 * 32 * 1024},
         }
-        (_, after_a, _, after_b, _, after_c, tiers), = run_scenario(spec)["engines"]
+        (_, after_a, _, after_b, _, after_c, tiers, stats), = run_scenario(spec)["engines"]
     finally:
         process.kill()
         process.wait()
@@ -207,6 +207,9 @@ def test_kv_events_name_the_tier_and_announce_the_servers_own_evictions(
     assert announced_a <= removed_hashes, "the server's own evictions were not announced"
     assert "DISK" in {e["medium"] for e in removed}, "objects left from the SSD tier"
     assert tiers["ssd"]["evictions"] > 0 and tiers["counters"]["evictions_to_ssd"] > 0
+    # The metrics see both tiers (figures refreshed at most once a second, so a little
+    # behind the server's own).
+    assert stats["worker"]["pool_disk_objects"] > 0 and stats["worker"]["pool_objects"] > 0
 
 
 def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(

@@ -35,6 +35,7 @@ __all__ = [
     "LoadStatus",
     "PoolStats",
     "RegistersHostMemory",
+    "ReportsTiers",
     "SchedulerStore",
     "StoreUnavailable",
     "TierAware",
@@ -173,4 +174,14 @@ class RegistersHostMemory(Protocol):
 
     def unregister_host_memory(self, address: int) -> None:
         """Forget a range registered at `address` (before its memory is freed)."""
+        ...
+
+
+@runtime_checkable
+class ReportsTiers(Protocol):
+    """Optional: a store with several tiers reports the usage of each."""
+
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """(used bytes, objects) per medium (`MEDIUM_CPU`, `MEDIUM_DISK`) the store has.
+        Raises `StoreUnavailable` like `lookup`."""
         ...

@@ -99,6 +99,10 @@ COUNTER_DOCS: dict[str, str] = {
 GAUGE_DOCS: dict[str, str] = {
     "worker_pool_used_bytes": "bytes of the umbp DRAM pool in use (summed over workers)",
     "worker_pool_objects": "objects held in the umbp DRAM pool (summed over workers)",
+    "worker_pool_disk_used_bytes": "bytes of the umbp server's SSD tier in use "
+    "(summed over workers)",
+    "worker_pool_disk_objects": "objects held in the umbp server's SSD tier "
+    "(summed over workers)",
 }
 LOAD_FAILURES_KEY = "worker_load_failures_"
 LOAD_FAILURE_REASONS = ("missing", "corrupt", "size_mismatch", "unavailable")

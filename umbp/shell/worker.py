@@ -25,7 +25,13 @@ from umbp.core.store_events import StoreEventResult
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import allocate_staging
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import LoadStatus, RegistersHostMemory, WorkerStore
+from umbp.runtime.contract import (
+    MEDIUM_DISK,
+    LoadStatus,
+    RegistersHostMemory,
+    ReportsTiers,
+    WorkerStore,
+)
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
@@ -51,6 +57,8 @@ class WorkerCounters:
     pool_evictions: int = 0
     pool_used_bytes: int = 0
     pool_objects: int = 0
+    pool_disk_used_bytes: int = 0
+    pool_disk_objects: int = 0
 
     def count_load_failure(self, status: LoadStatus) -> None:
         name = status.name.lower()
@@ -136,6 +144,14 @@ class UMBPWorker:
         self.counters.pool_evictions = stats.evictions
         self.counters.pool_used_bytes = stats.used_bytes
         self.counters.pool_objects = stats.objects
+        if isinstance(self._store, ReportsTiers):
+            try:
+                usage = self._store.tier_usage()
+            except Exception as error:
+                logger.debug("umbp store tier usage unavailable: %s", error)
+                return
+            disk = usage.get(MEDIUM_DISK, (0, 0))
+            self.counters.pool_disk_used_bytes, self.counters.pool_disk_objects = disk
 
     def handshake(self) -> UMBPHandshake | None:
         if self._backend is None:

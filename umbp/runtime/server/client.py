@@ -37,6 +37,7 @@ from umbp.runtime.contract import (
     MEDIUM_DISK,
     LoadStatus,
     PoolStats,
+    ReportsTiers,
     SchedulerStore,
     StoreUnavailable,
     TierAware,
@@ -206,6 +207,16 @@ class ServerStore:
         if not isinstance(answer, dict):
             raise StoreUnavailable(f"umbp server at {self._endpoint}: malformed stats")
         return answer
+
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """(used bytes, objects) of the DRAM tier and, when the server has one, the SSD
+        tier; raises `StoreUnavailable` when the server cannot be reached."""
+        figures = self.server_stats()
+        dram, ssd = figures["dram"], figures["ssd"]
+        usage = {MEDIUM_CPU: (int(dram["used_bytes"]), int(dram["objects"]))}
+        if ssd.get("enabled"):
+            usage[MEDIUM_DISK] = (int(ssd["used_bytes"]), int(ssd["objects"]))
+        return usage
 
     def clear(self) -> bool:
         """Drop every object in both tiers; False when the server cannot be reached."""
@@ -468,6 +479,6 @@ if TYPE_CHECKING:
 
     def _server_store_honours_the_contract(
         store: ServerStore,
-    ) -> tuple[SchedulerStore, WorkerStore, TierAware]:
+    ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers]:
         """Never called: makes mypy prove that ServerStore satisfies the protocols."""
-        return store, store, store
+        return store, store, store, store
