@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "server": "server_bench.py",
     "ssd": "ssd_bench.py",
     "shared-server": "shared_server_bench.py",
+    "mooncake": "mooncake_bench.py",
 }
 
 
