@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from umbp.runtime.server.launch import start_server
+from umbp.runtime.server.launch import start_server, stop_server
 
 from tests.integration.harness import run_scenario, start_scenario, wait_for_mark
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
@@ -31,8 +31,7 @@ def server(tmp_path: Path) -> Iterator[dict[str, Any]]:
     try:
         yield {"socket": socket_path, "capacity_bytes": SERVER_CAPACITY, "pid": process.pid}
     finally:
-        process.kill()
-        process.wait()
+        stop_server(process, socket_path)
 
 
 def _connector(server: dict[str, Any], **options: Any) -> dict[str, Any]:
@@ -194,8 +193,7 @@ def test_kv_events_name_the_tier_and_announce_the_servers_own_evictions(
         }
         (_, after_a, _, after_b, _, after_c, tiers, stats), = run_scenario(spec)["engines"]
     finally:
-        process.kill()
-        process.wait()
+        stop_server(process, socket_path)
     stored_a = [e for e in after_a["events"] if e["type"] == "BlockStored"]
     assert len(stored_a) == 3 and {e["medium"] for e in stored_a} == {"CPU"}
     # Set B fills both tiers (A leaves DRAM, then the SSD); set C evicts B's objects
@@ -227,8 +225,7 @@ def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(
         report = run_scenario(_spec(llama_fp32, [
             BASELINE, {"connector": _connector(server), "steps": steps}], server=server))
     finally:
-        process.kill()
-        process.wait()
+        stop_server(process, socket_path)
     (baseline,), (stored, _, corrupt, after, stats, tiers, _, again) = report["engines"]
     assert corrupt["flipped"] > 0
     for run in (stored, after, again):

@@ -132,9 +132,10 @@ class _ServerControl:
         raise ValueError(f"unknown scenario step {step!r}")
 
     def close(self) -> None:
+        from umbp.runtime.server.launch import stop_server
+
         for process in self._started:
-            process.kill()
-            process.wait()
+            stop_server(process, self._spec["socket"])
 
     def _require_pid(self) -> int:
         if self._pid is None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 from umbp.runtime.server import protocol
 
-__all__ = ["ServerStartError", "server_reachable", "start_server"]
+__all__ = ["ServerStartError", "server_reachable", "start_server", "stop_server"]
 
 _POLL_S = 0.05
 _LOG_TAIL_BYTES = 4000
@@ -166,3 +167,21 @@ def _tail(log_name: str) -> str:
             return log.read().decode(errors="replace")
     except OSError as error:
         return f"(log unreadable: {error})"
+
+
+def stop_server(process: subprocess.Popen[bytes], socket_path: str, wait_s: float = 10.0) -> None:
+    """Stop a server this process started, whatever state a test left it in (stopped,
+    killed, running), and remove what a killed server leaves behind: its socket and its
+    shared-memory pool file (a SIGTERMed server removes both itself)."""
+    from umbp.runtime.server.server import remove_stale_leftovers
+
+    if process.poll() is None:
+        process.send_signal(signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if not server_reachable(socket_path, 1.0):  # a restarted server is not ours to clean
+        remove_stale_leftovers(socket_path)

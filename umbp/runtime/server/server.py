@@ -171,7 +171,7 @@ def serve(config: ServerConfig) -> int:
     stop = _stop_on_signals()
     socket_path = os.path.abspath(config.socket_path)
     _prepare_socket_directory(socket_path)
-    _remove_stale_leftovers(socket_path)
+    remove_stale_leftovers(socket_path)
     pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
     cold: ColdTier | None = None
     server: _StoreServer | None = None
@@ -219,7 +219,7 @@ def _prepare_socket_directory(socket_path: str) -> None:
         os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
 
 
-def _remove_stale_leftovers(socket_path: str) -> None:
+def remove_stale_leftovers(socket_path: str) -> None:
     """Refuse to start over a live server; clean up after a dead one (its socket and,
     when it was killed, its shared-memory file)."""
     if os.path.exists(socket_path):
