@@ -41,7 +41,7 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: "_LookupServer"
+    server: _LookupServer
 
     def handle(self) -> None:
         sock: socket.socket = self.request

@@ -54,9 +54,9 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     LoadStatus,
     PoolStats,
@@ -171,7 +171,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class MooncakeStore:
+class MooncakeStore(ClosesOnExit):
     """A Mooncake Store client that honours `WorkerStore`, `SchedulerStore` and
     `RegistersHostMemory` (see the module docstring for how each rule is met).
 
@@ -309,7 +309,10 @@ class MooncakeStore:
             if self._closed or (keys and self._master_unreachable()):
                 self._counters.put_rejects += len(keys)
                 return tuple(results)
-            for chunk in self._plan(views):
+            # Largest first: when the master cannot place an object it evicts others to
+            # make room, which must not take this batch's smaller objects with it.
+            chunks = sorted(self._plan(views), key=_largest_piece, reverse=True)
+            for chunk in chunks:
                 self._put_chunk(keys, chunk, results)
         return tuple(results)
 
@@ -382,16 +385,6 @@ class MooncakeStore:
                 if area is not None:
                     area.release()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------- RegistersHostMemory
 
@@ -669,3 +662,7 @@ if TYPE_CHECKING:
     ) -> tuple[SchedulerStore, WorkerStore, RegistersHostMemory]:
         """Never called: makes mypy prove that MooncakeStore satisfies the protocols."""
         return store, store, store
+
+
+def _largest_piece(chunk: list[Piece]) -> int:
+    return max(piece.view.nbytes for piece in chunk)

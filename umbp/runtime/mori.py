@@ -41,9 +41,9 @@ import struct
 import threading
 import types
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
+from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     LoadStatus,
     PoolStats,
@@ -94,7 +94,7 @@ def import_mori() -> types.ModuleType:
         ) from error
 
 
-class MoriStore:
+class MoriStore(ClosesOnExit):
     """A MORI UMBP client honouring `WorkerStore`, `SchedulerStore` and
     `RegistersHostMemory` (see the module docstring for how).
 
@@ -222,16 +222,6 @@ class MoriStore:
                 if area is not None:
                     area.release()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------- RegistersHostMemory
 

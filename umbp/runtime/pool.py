@@ -26,9 +26,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple, Self
+from typing import TYPE_CHECKING, NamedTuple
 
+from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     LoadStatus,
     PoolStats,
@@ -58,7 +58,7 @@ class _StoredObject(NamedTuple):
     checksum: int
 
 
-class SlabPool:
+class SlabPool(ClosesOnExit):
     """The embedded DRAM tier; implements both `SchedulerStore` and `WorkerStore`.
 
     `capacity_bytes` is rounded down to whole pages. Watermarks are fractions of the page
@@ -170,16 +170,6 @@ class SlabPool:
             except BufferError:
                 pass  # a caller still holds a slab_view(); the mapping dies with it
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------- geometry and fault injection
 

@@ -75,11 +75,11 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple, Self
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
+from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
 
@@ -207,7 +207,7 @@ class _WriteFailed(Exception):
         self.offset = offset
 
 
-class SsdTier:
+class SsdTier(ClosesOnExit):
     """The disk tier: objects (key -> bytes) in a preallocated file of fixed-size slots.
 
     `capacity_bytes` is rounded down to whole slots and counts payload slots only; the
@@ -412,16 +412,6 @@ class SsdTier:
             self._free_slots = []
             os.close(self._fd)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------- geometry and fault injection
 

@@ -29,9 +29,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
+from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     MEDIUM_CPU,
     MEDIUM_DISK,
@@ -116,7 +116,7 @@ class _Connection:
             self.sock.close()
 
 
-class ServerStore:
+class ServerStore(ClosesOnExit):
     """`SchedulerStore`, `WorkerStore` and `TierAware` over a `umbp serve` socket."""
 
     def __init__(
@@ -230,16 +230,6 @@ class ServerStore:
             self._closed = True
             self._disconnect_locked()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def endpoint(self) -> str:
