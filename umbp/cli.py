@@ -83,13 +83,15 @@ def _byte_count(text: str) -> int:
 
 
 def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
+
     serve = commands.add_parser(
         "serve", help="run a node-local store server in the foreground (SIGTERM stops it)"
     )
     serve.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
     serve.add_argument("--capacity", required=True, type=_byte_count,
                        help="bytes of the shared-memory DRAM tier (e.g. 8G)")
-    serve.add_argument("--page-bytes", type=_byte_count, default=65536)
+    serve.add_argument("--page-bytes", type=_byte_count, default=DEFAULT_PAGE_BYTES)
     serve.add_argument("--high-watermark", type=float, default=0.95)
     serve.add_argument("--low-watermark", type=float, default=0.85)
     serve.add_argument("--ssd-dir", default=None, help="directory of the SSD tier")

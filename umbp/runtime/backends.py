@@ -24,8 +24,6 @@ from umbp.runtime.pool import SlabPool
 
 logger = logging.getLogger("umbp")
 
-DEFAULT_SERVER_PAGE_BYTES = 64 << 10
-
 
 class BackendUnavailable(RuntimeError):
     """The configured back-end cannot be reached or set up at engine start."""
@@ -107,6 +105,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
     worker and the scheduler of every engine may race here, so the check and the
     start happen under one lock file beside the socket."""
     from umbp.runtime.server.launch import server_reachable, start_server
+    from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
     Path(endpoint).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock_path = endpoint + ".lock"
@@ -122,7 +121,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
             start_server(
                 endpoint, config.capacity_bytes, ssd_dir=config.ssd_dir,
                 ssd_capacity_bytes=config.ssd_capacity_bytes,
-                page_bytes=config.page_bytes or DEFAULT_SERVER_PAGE_BYTES,
+                page_bytes=config.page_bytes or DEFAULT_PAGE_BYTES,
                 high_watermark=config.high_watermark, low_watermark=config.low_watermark,
                 detach=True, log_path=log_path,
             )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.runtime.server import protocol
+from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
 __all__ = ["ServerStartError", "server_reachable", "start_server", "stop_server"]
 
@@ -53,7 +54,7 @@ def serve_command(
     *,
     ssd_dir: str | None = None,
     ssd_capacity_bytes: int = 0,
-    page_bytes: int = 65536,
+    page_bytes: int = DEFAULT_PAGE_BYTES,
     high_watermark: float = 0.95,
     low_watermark: float = 0.85,
     persist_on_exit: bool = False,
@@ -79,7 +80,7 @@ def start_server(
     *,
     ssd_dir: str | None = None,
     ssd_capacity_bytes: int = 0,
-    page_bytes: int = 65536,
+    page_bytes: int = DEFAULT_PAGE_BYTES,
     high_watermark: float = 0.95,
     low_watermark: float = 0.85,
     wait_s: float = 30.0,

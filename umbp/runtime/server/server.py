@@ -46,12 +46,15 @@ logger = logging.getLogger("umbp.serve")
 
 _POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
 
+DEFAULT_PAGE_BYTES = 64 << 10
+"""The DRAM allocation granule when none is given."""
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     socket_path: str
     capacity_bytes: int
-    page_bytes: int = 65536
+    page_bytes: int = DEFAULT_PAGE_BYTES
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     ssd_dir: str | None = None
