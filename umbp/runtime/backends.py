@@ -11,7 +11,7 @@ import fcntl
 import logging
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -36,7 +36,9 @@ class WorkerBackend:
 
     store: WorkerStore
     embedded: EmbeddedPool | None
-    close: Callable[[], None]
+
+    def close(self) -> None:
+        (self.store if self.embedded is None else self.embedded).close()
 
 
 def open_worker_backend(
@@ -48,9 +50,8 @@ def open_worker_backend(
                         high_watermark=config.high_watermark,
                         low_watermark=config.low_watermark)
         embedded = open_embedded_pool(pool, serve_other_processes)
-        return WorkerBackend(pool, embedded, embedded.close)
-    store = _open_shared_store(config, lookup_only=False)
-    return WorkerBackend(store, None, store.close)
+        return WorkerBackend(pool, embedded)
+    return WorkerBackend(_open_shared_store(config, lookup_only=False), None)
 
 
 def open_scheduler_store(

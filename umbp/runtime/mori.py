@@ -222,7 +222,6 @@ class MoriStore(ClosesOnExit):
                 if area is not None:
                     area.release()
 
-
     # ------------------------------------------------------- RegistersHostMemory
 
     def register_host_memory(self, address: int, nbytes: int) -> None:

@@ -170,7 +170,6 @@ class SlabPool(ClosesOnExit):
             except BufferError:
                 pass  # a caller still holds a slab_view(); the mapping dies with it
 
-
     # ------------------------------------------------- geometry and fault injection
 
     @property

@@ -412,7 +412,6 @@ class SsdTier(ClosesOnExit):
             self._free_slots = []
             os.close(self._fd)
 
-
     # ------------------------------------------------- geometry and fault injection
 
     @property

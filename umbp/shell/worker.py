@@ -84,7 +84,6 @@ class UMBPWorker:
         self._copiers: dict[int, BlockCopier] = {}
         self._staging: dict[int, torch.Tensor] = {}
         self._backend: WorkerBackend | None = None
-        self._store: WorkerStore | None = None
         self._load_error_blocks: set[int] = set()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -96,6 +95,10 @@ class UMBPWorker:
     @property
     def namespace(self) -> str:
         return self._keyspace.namespace
+
+    @property
+    def _store(self) -> WorkerStore | None:
+        return None if self._backend is None else self._backend.store
 
     @property
     def pool(self) -> SlabPool | None:
@@ -119,7 +122,6 @@ class UMBPWorker:
         self._backend = open_worker_backend(
             self._config, page_bytes, serve_other_processes=executor != "uni"
         )
-        self._store = self._backend.store
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
             "mode %s, capacity %d MiB",
@@ -220,7 +222,6 @@ class UMBPWorker:
                 self._unregister(staging)
             self._backend.close()
             self._backend = None
-            self._store = None
 
     def _keys(self, transfer: BlockLoadBatch | StoreBatch, rows: Iterable[int]) -> list[str]:
         return [

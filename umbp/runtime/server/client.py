@@ -230,7 +230,6 @@ class ServerStore(ClosesOnExit):
             self._closed = True
             self._disconnect_locked()
 
-
     @property
     def endpoint(self) -> str:
         return self._endpoint

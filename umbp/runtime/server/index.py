@@ -94,10 +94,6 @@ class PoolIndex:
     # ------------------------------------------------------------------- pages
 
     @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
     def used_pages(self) -> int:
         return self.total_pages - len(self._free)
 
