@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 
 # Scenario -> script under benchmarks/ in the repository (not part of the package).
@@ -70,39 +72,103 @@ def run_bench(scenario: str, json_file: str | None, quick: bool, extra: Sequence
     return subprocess.run(command, cwd=script.parents[1], check=False).returncode
 
 
-def _byte_count(text: str) -> int:
-    """A byte count, with an optional binary suffix: 1073741824, 1G, 512M, 64K."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+_BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]?)(?:I?B)?\s*$")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50,
+          "E": 1 << 60}
+MAX_BYTE_COUNT = 1 << 50
+"""The largest size any option takes (1 PiB); what really fits is checked at start-up
+against the free space of /dev/shm and of the SSD directory."""
+
+
+def _byte_count(text: str, minimum: int = 0, maximum: int = MAX_BYTE_COUNT) -> int:
+    """A byte count, with an optional binary suffix: 1073741824, 1G, 512M, 64K, 1.5GiB;
+    whole bytes in [minimum, maximum]."""
+    match = _BYTE_COUNT.match(text.upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"not a byte count: {text!r} (write e.g. 65536, 64K, 512M or 8G)"
+        )
+    number, unit = match.groups()
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
+    count = int(value)
+    if not minimum <= count <= maximum:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is outside [{minimum}, {maximum}] bytes (at most 1 PiB)"
+        )
+    return count
+
+
+def _byte_option(minimum: int, maximum: int = MAX_BYTE_COUNT) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        return _byte_count(text, minimum, maximum)
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """A finite duration in (0, 3600] seconds."""
     try:
-        if cleaned and cleaned[-1] in units:
-            return int(float(cleaned[:-1]) * units[cleaned[-1]])
-        return int(cleaned)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 3600:  # also false for NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, 3600] seconds")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A watermark: a finite number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, 1]")
+    return value
+
+
+def _count(maximum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or not 1 <= int(text) <= maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in [1, {maximum}]")
+        return int(text)
+
+    return parse
 
 
 def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
+    from umbp.runtime.server.server import (
+        DEFAULT_FRAME_TIMEOUT_S,
+        DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_PAGE_BYTES,
+        MAX_CONNECTIONS_LIMIT,
+    )
 
     serve = commands.add_parser(
         "serve", help="run a node-local store server in the foreground (SIGTERM stops it)"
     )
     serve.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
-    serve.add_argument("--capacity", required=True, type=_byte_count,
+    serve.add_argument("--capacity", required=True, type=_byte_option(1),
                        help="bytes of the shared-memory DRAM tier (e.g. 8G)")
-    serve.add_argument("--page-bytes", type=_byte_count, default=DEFAULT_PAGE_BYTES)
-    serve.add_argument("--high-watermark", type=float, default=0.95)
-    serve.add_argument("--low-watermark", type=float, default=0.85)
+    serve.add_argument("--page-bytes", type=_byte_option(64, 1 << 30), default=DEFAULT_PAGE_BYTES)
+    serve.add_argument("--high-watermark", type=_fraction, default=0.95)
+    serve.add_argument("--low-watermark", type=_fraction, default=0.85)
     serve.add_argument("--ssd-dir", default=None, help="directory of the SSD tier")
-    serve.add_argument("--ssd-capacity", type=_byte_count, default=0,
+    serve.add_argument("--ssd-capacity", type=_byte_option(0), default=0,
                        help="bytes of the SSD tier (needs --ssd-dir)")
     serve.add_argument("--persist-on-exit", action="store_true",
                        help="on SIGTERM/SIGINT copy DRAM objects to the SSD tier first")
+    serve.add_argument("--max-connections", type=_count(MAX_CONNECTIONS_LIMIT),
+                       default=DEFAULT_MAX_CONNECTIONS,
+                       help="client connections served at once; more are refused")
+    serve.add_argument("--frame-timeout", type=_seconds, default=DEFAULT_FRAME_TIMEOUT_S,
+                       help="seconds a client has to finish a frame it has begun")
     stats = commands.add_parser("stats", help="print a running server's figures")
     stats.add_argument("--socket", required=True)
     stats.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    stats.add_argument("--timeout", type=float, default=5.0)
+    stats.add_argument("--timeout", type=_seconds, default=5.0)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -123,6 +189,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ssd_dir=args.ssd_dir,
         ssd_capacity_bytes=args.ssd_capacity,
         persist_on_exit=args.persist_on_exit,
+        max_connections=args.max_connections,
+        frame_timeout_s=args.frame_timeout,
     )
     try:
         return serve(config)

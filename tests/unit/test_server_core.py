@@ -14,7 +14,7 @@ import xxhash
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier
-from umbp.runtime.server.core import Session, StoreCore
+from umbp.runtime.server.state import Session, StoreCore
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.ssd_tier import SsdTier
 
@@ -283,3 +283,59 @@ def test_lookups_follow_what_the_ssd_tier_evicts_by_itself(tmp_path: Path) -> No
                 assert rig.get([key], [PAGE]) == [bytes([keys.index(key)]) * PAGE], key
             else:
                 assert rig.get([key], [PAGE]) == [protocol.GET_MISSING], key
+
+
+def test_a_get_served_from_ssd_counts_as_a_hit_of_the_ssd_tier_not_a_miss(
+    ssd: SsdTier,
+) -> None:
+    """After a restart everything comes from SSD: each such get is a hit (and an SSD
+    hit), never a miss; only the key that is nowhere is a miss."""
+    payloads = {f"k{i}": bytes([i]) * (PAGE + i) for i in range(4)}
+    for key, payload in payloads.items():
+        assert ssd.put(key, payload)
+    rig = Rig(16, cold=ssd)
+    keys = [*payloads, "nowhere"]
+    assert rig.get(keys, [len(p) for p in payloads.values()] + [5]) == [
+        *payloads.values(), "missing"
+    ]
+    counters = rig.counters()
+    assert (counters["hits"], counters["hits_from_ssd"], counters["misses"]) == (4, 4, 1)
+    assert counters["promotions"] == 4
+    assert rig.get(["k0"], [PAGE]) == [payloads["k0"]]  # now from DRAM
+    counters = rig.counters()
+    assert (counters["hits"], counters["hits_from_ssd"], counters["misses"]) == (5, 4, 1)
+
+
+def test_stats_do_not_count_the_asking_connection() -> None:
+    rig = Rig(8)
+    other = rig.core.open_session()
+    assert rig.core.stats(asking=rig.session)["sessions"]["connections"] == 1
+    rig.core.close_session(other)
+    assert rig.core.stats(asking=rig.session)["sessions"]["connections"] == 0
+
+
+def test_a_bad_commit_or_end_changes_nothing_and_a_drop_releases_it(
+    ssd: SsdTier,
+) -> None:
+    """A commit with the wrong number of checksums, or an end with a position outside its
+    get, is refused and leaves the reservation / pins as they were; the session's close
+    then gives everything back."""
+    from umbp.runtime.server.state import RequestRefused
+
+    rig = Rig(16, cold=ssd)
+    rig.put({"a": b"a" * PAGE})
+    session = rig.core.open_session()
+    token, answers = rig.core.begin_put(session, ["b", "c"], [PAGE, 2 * PAGE])
+    with pytest.raises(RequestRefused):
+        rig.core.commit_put(session, token, [1])
+    with pytest.raises(RequestRefused):
+        rig.core.commit_put(session, token + 100, [1, 2])
+    assert rig.core.stats()["sessions"]["reservations"] == 2
+    get_token, _ = rig.core.begin_get(session, ["a"], [PAGE])
+    with pytest.raises(RequestRefused):
+        rig.core.end_get(session, get_token, [1])
+    assert rig.core.stats()["sessions"]["pins"] == 1
+    rig.core.close_session(session)
+    stats = rig.core.stats()
+    assert stats["sessions"] == {"connections": 1, "reservations": 0, "pins": 0}
+    assert stats["dram"]["used_bytes"] == stats["dram"]["resident_bytes"] == PAGE

@@ -58,6 +58,8 @@ def serve_command(
     high_watermark: float = 0.95,
     low_watermark: float = 0.85,
     persist_on_exit: bool = False,
+    max_connections: int | None = None,
+    frame_timeout_s: float | None = None,
 ) -> list[str]:
     command = [
         sys.executable, "-m", "umbp.cli", "serve",
@@ -71,6 +73,10 @@ def serve_command(
         command += ["--ssd-dir", ssd_dir, "--ssd-capacity", str(ssd_capacity_bytes)]
     if persist_on_exit:
         command.append("--persist-on-exit")
+    if max_connections is not None:
+        command += ["--max-connections", str(max_connections)]
+    if frame_timeout_s is not None:
+        command += ["--frame-timeout", repr(frame_timeout_s)]
     return command
 
 
@@ -87,6 +93,8 @@ def start_server(
     detach: bool = False,
     log_path: str | None = None,
     persist_on_exit: bool = False,
+    max_connections: int | None = None,
+    frame_timeout_s: float | None = None,
 ) -> subprocess.Popen[bytes]:
     """Spawn `umbp serve` and return once it answers at `socket_path`.
 
@@ -100,7 +108,8 @@ def start_server(
     command = serve_command(
         socket_path, capacity_bytes, ssd_dir=ssd_dir, ssd_capacity_bytes=ssd_capacity_bytes,
         page_bytes=page_bytes, high_watermark=high_watermark, low_watermark=low_watermark,
-        persist_on_exit=persist_on_exit,
+        persist_on_exit=persist_on_exit, max_connections=max_connections,
+        frame_timeout_s=frame_timeout_s,
     )
     log_fd, log_name = _open_log(log_path)
     try:

@@ -28,6 +28,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 HEADER: Final = struct.Struct("<BI")
@@ -100,6 +101,49 @@ def read_frame(sock: socket.socket, deadline: Deadline | None) -> tuple[int, byt
     if length > MAX_BODY_BYTES:
         raise ProtocolError(f"frame of {length} bytes exceeds {MAX_BODY_BYTES}")
     return op, _read_exactly(sock, length, deadline)
+
+
+def read_request(
+    sock: socket.socket, body_limit: Callable[[int], int], frame_timeout_s: float
+) -> tuple[int, bytes]:
+    """The server's read of one request. It waits for a request's first byte as long as
+    the client likes (connections are long-lived and mostly idle), but the rest of the
+    frame must arrive within `frame_timeout_s` (a half frame never holds a thread for
+    good). The body length is checked against `body_limit(op)` before a body byte is
+    read, and the body is received in chunks, so memory grows only with bytes that
+    actually arrived, never with what a header claims."""
+    sock.settimeout(None)
+    first = sock.recv(1)
+    if not first:
+        raise ConnectionError("the client closed the connection")
+    deadline = Deadline(frame_timeout_s)
+    try:
+        header = first + _read_exactly(sock, HEADER.size - 1, deadline)
+        op, length = HEADER.unpack(header)
+        limit = body_limit(op)
+        if length > limit:
+            raise ProtocolError(f"a body of {length} bytes for op {op} exceeds its limit of {limit}")
+        return op, _read_chunked(sock, length, deadline)
+    except TimeoutError:
+        raise ProtocolError(
+            f"a frame was not completed within {frame_timeout_s:g} s of its first byte"
+        ) from None
+
+
+_CHUNK_BYTES: Final = 256 << 10
+
+
+def _read_chunked(sock: socket.socket, size: int, deadline: Deadline) -> bytes:
+    parts: list[bytes] = []
+    left = size
+    while left:
+        sock.settimeout(deadline.remaining())
+        part = sock.recv(min(left, _CHUNK_BYTES))
+        if not part:
+            raise ConnectionError("the client closed the connection mid-frame")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def send_all(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:

@@ -34,9 +34,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from umbp.runtime.server import protocol
+from umbp.runtime.server import protocol, schema
 from umbp.runtime.server.cold import ColdTier, open_cold_tier
-from umbp.runtime.server.core import Session, StoreCore
+from umbp.runtime.server.state import RequestRefused, Session, StoreCore
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, remove_shared_pool
 
@@ -48,6 +48,9 @@ _POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
 
 DEFAULT_PAGE_BYTES = 64 << 10
 """The DRAM allocation granule when none is given."""
+DEFAULT_MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_LIMIT = 4096
+DEFAULT_FRAME_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ class ServerConfig:
     persist_on_exit: bool = False
     """On SIGTERM/SIGINT, copy the DRAM tier's objects to the SSD tier before exiting
     (costs one SSD write per object the SSD lacks; off by default)."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Client connections served at once (one thread each); more are refused."""
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
+    """Time a client has to finish a frame once its first byte arrived (and to read an
+    answer); an idle connection between frames may wait for ever."""
 
     def validate(self) -> None:
         if self.page_bytes <= 0 or self.page_bytes % 64:
@@ -79,6 +87,12 @@ class ServerConfig:
             raise ValueError(f"ssd_capacity_bytes must be >= 0, got {self.ssd_capacity_bytes}")
         if self.ssd_capacity_bytes and self.ssd_dir is None:
             raise ValueError("ssd_capacity_bytes needs ssd_dir")
+        if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
+            raise ValueError(
+                f"max_connections must be in [1, {MAX_CONNECTIONS_LIMIT}], got {self.max_connections}"
+            )
+        if not 0.01 <= self.frame_timeout_s <= 3600:
+            raise ValueError(f"frame_timeout_s must be in [0.01, 3600], got {self.frame_timeout_s}")
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -91,52 +105,72 @@ class _Handler(socketserver.BaseRequestHandler):
         self.server.track(sock)
         try:
             while True:
-                op, body = protocol.read_frame(sock, None)
+                op, body = protocol.read_request(
+                    sock, schema.body_limit, self.server.frame_timeout_s
+                )
                 answer = self._answer(op, body, session)
                 if answer is not None:
+                    sock.settimeout(self.server.frame_timeout_s)  # a reader that never reads
                     sock.sendall(answer)
+        except protocol.ProtocolError as error:
+            # Not this protocol (unknown op, oversized or unfinished frame): say why, then
+            # drop the connection; its session's reservations and pins come back below.
+            logger.warning("umbp serve: dropping a connection: %s", error)
+            with contextlib.suppress(OSError):
+                sock.settimeout(1.0)
+                sock.sendall(protocol.encode_json(protocol.ERROR, f"ProtocolError: {error}"))
         except OSError:
-            return  # the client went away (ConnectionError and ProtocolError included)
+            return  # the client went away (ConnectionError included)
         finally:
             self.server.untrack(sock)
             core.close_session(session)
 
     def _answer(self, op: int, body: bytes, session: Session) -> bytes | None:
         try:
-            return self._dispatch(op, protocol.decode_json(body) if body else {}, session)
+            request = schema.parse(op, body)
+            return self._dispatch(op, request, session)
         except protocol.ProtocolError:
             raise
+        except (schema.BadRequest, RequestRefused) as error:
+            # The client's mistake, refused before anything changed: no traceback.
+            logger.warning("umbp serve: request %d refused: %s", op, error)
+            return None if op in protocol.ONE_WAY else protocol.encode_json(
+                protocol.ERROR, f"{type(error).__name__}: {error}"
+            )
         except Exception as error:  # one bad request must not kill the server
             logger.exception("umbp serve: request %d failed", op)
             if op in protocol.ONE_WAY:
                 return None
             return protocol.encode_json(protocol.ERROR, f"{type(error).__name__}: {error}")
 
-    def _dispatch(self, op: int, request: Any, session: Session) -> bytes | None:
+    def _dispatch(self, op: int, request: schema.Request, session: Session) -> bytes | None:
         core = self.server.core
-        if op == protocol.LOOKUP:
-            return protocol.encode(protocol.OK, core.lookup(request["keys"]))
-        if op == protocol.WHERE:
-            return protocol.encode(protocol.OK, core.where(request["keys"]))
-        if op == protocol.BEGIN_PUT:
-            token, put_answers = core.begin_put(session, request["keys"], request["sizes"])
+        if isinstance(request, schema.Keys):
+            codes = core.lookup(request.keys) if op == protocol.LOOKUP else core.where(request.keys)
+            return protocol.encode(protocol.OK, codes)
+        if isinstance(request, schema.BeginPut):
+            token, put_answers = core.begin_put(session, request.keys, request.sizes)
             return protocol.encode_json(protocol.OK, {"token": token, "answers": put_answers})
-        if op == protocol.COMMIT_PUT:
+        if isinstance(request, schema.CommitPut):
             return protocol.encode_json(
-                protocol.OK, core.commit_put(session, request["token"], request["checksums"])
+                protocol.OK, core.commit_put(session, request.token, request.checksums)
             )
-        if op == protocol.BEGIN_GET:
-            token, get_answers = core.begin_get(session, request["keys"], request["sizes"])
+        if isinstance(request, schema.BeginGet):
+            token, get_answers = core.begin_get(session, request.keys, request.sizes)
             return protocol.encode_json(protocol.OK, {"token": token, "answers": get_answers})
-        if op == protocol.END_GET:
-            core.end_get(session, request["token"], request["corrupt"])
+        if isinstance(request, schema.EndGet):
+            core.end_get(session, request.token, request.corrupt)
             return None
         if op == protocol.HELLO:
             return protocol.encode_json(protocol.OK, self.server.hello)
         if op == protocol.CLEAR:
             return protocol.encode_json(protocol.OK, core.clear())
         if op == protocol.STATS:
-            figures = core.stats() | {"pid": self.server.hello["pid"], "server": self.server.hello}
+            figures = core.stats(asking=session) | {
+                "pid": self.server.hello["pid"],
+                "server": self.server.hello,
+                "limits": self.server.limits(),
+            }
             return protocol.encode_json(protocol.OK, figures)
         raise protocol.ProtocolError(f"unknown op {op}")
 
@@ -145,12 +179,61 @@ class _StoreServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, path: str, core: StoreCore, hello: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        path: str,
+        core: StoreCore,
+        hello: dict[str, Any],
+        max_connections: int,
+        frame_timeout_s: float,
+    ) -> None:
         self.core = core
         self.hello = hello
+        self.max_connections = max_connections
+        self.frame_timeout_s = frame_timeout_s
+        self.refused_connections = 0
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
+        # One thread per connection, and at most `max_connections` of them: a connection
+        # beyond is told why and closed at once, before a thread is started for it.
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(path, _Handler)
+
+    def limits(self) -> dict[str, Any]:
+        return {
+            "max_connections": self.max_connections,
+            "frame_timeout_s": self.frame_timeout_s,
+            "refused_connections": self.refused_connections,
+            "body_limits": {str(op): limit for op, limit in schema.BODY_LIMITS.items()},
+        }
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused_connections += 1
+            logger.warning(
+                "umbp serve: refusing a connection: all %d connections are in use",
+                self.max_connections,
+            )
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                request.sendall(protocol.encode_json(
+                    protocol.ERROR,
+                    f"the server holds its limit of {self.max_connections} connections; "
+                    "close idle clients or raise --max-connections",
+                ))
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def track(self, sock: socket.socket) -> None:
         with self._connections_lock:
@@ -183,7 +266,7 @@ def serve(config: ServerConfig) -> int:
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
         core = StoreCore(pool.view, _index_for(config, pool), cold)
-        server = _bind(socket_path, core, _hello(config, pool))
+        server = _bind(socket_path, config, core, _hello(config, pool))
         _run_until(stop, server, socket_path, pool)
         server.server_close()
         server.drop_connections()
@@ -251,12 +334,16 @@ def _record_pool_path(socket_path: str, pool_path: str) -> None:
         out.write(pool_path + "\n")
 
 
-def _bind(socket_path: str, core: StoreCore, hello: dict[str, Any]) -> _StoreServer:
+def _bind(
+    socket_path: str, config: ServerConfig, core: StoreCore, hello: dict[str, Any]
+) -> _StoreServer:
     """Bind with a umask that makes the socket owner-only from its first instant (a chmod
     after bind would leave a window in which anyone could connect)."""
     previous = os.umask(0o177)
     try:
-        server = _StoreServer(socket_path, core, hello)
+        server = _StoreServer(
+            socket_path, core, hello, config.max_connections, config.frame_timeout_s
+        )
     finally:
         os.umask(previous)
     os.chmod(socket_path, 0o600)

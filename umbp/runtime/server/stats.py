@@ -2,15 +2,19 @@
 
 The stats dict (`ServerStore.server_stats()`, `umbp stats --json`) has these parts:
 * "objects": distinct objects resident in either tier; "pid": the server's process id;
-* "dram": capacity_bytes, used_bytes, page_bytes, objects, pinned_objects,
-  high_watermark_bytes, low_watermark_bytes;
+* "dram": capacity_bytes, used_bytes, resident_bytes (pages of resident objects: with
+  nothing in flight it equals used_bytes), page_bytes, objects, pinned_objects,
+  retired_pinned_objects, high_watermark_bytes, low_watermark_bytes;
 * "ssd": enabled, and when enabled whatever the SSD tier reports (capacity, usage,
-  objects, its own counters);
-* "sessions": connections, reservations (puts in flight), pins (gets in flight);
-* "counters" (since the server started): hits, misses, puts, put_rejects, corrupt_loads,
+  objects, its own counters, dropped_at_open);
+* "sessions": connections (other than the one asking), reservations (puts in flight),
+  pins (gets in flight);
+* "counters" (since the server started): hits (all tiers), hits_from_ssd (of those, the
+  objects promoted from SSD for that get), misses, puts, put_rejects, corrupt_loads,
   evictions_to_ssd, evictions_dropped, ssd_put_failures, promotions, bytes_written,
   bytes_read, bytes_to_ssd, bytes_from_ssd, connections (accepted in all);
-* "server": server_id, pid, shm_path, shm_bytes, page_bytes, ssd_dir.
+* "server": server_id, pid, shm_path, shm_bytes, page_bytes, ssd_dir;
+* "limits": max_connections, frame_timeout_s, refused_connections, body_limits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ _TIER_ROWS = (
 )
 _COUNTER_ROWS = (
     ("hits", "hits", False),
+    ("  of them from SSD", "hits_from_ssd", False),
     ("misses", "misses", False),
     ("puts", "puts", False),
     ("put rejects", "put_rejects", False),
@@ -60,9 +65,10 @@ def format_stats(stats: dict[str, Any]) -> str:
     if ssd.get("enabled"):
         # The SSD tier's own LRU evictions: objects that left the node for good.
         lines.append(f"{'evictions from SSD':<26}{_cell(ssd.get('evictions'), False):>16}")
+        lines.append(f"{'lost at SSD open':<26}{_cell(ssd.get('dropped_at_open'), False):>16}")
     sessions = stats.get("sessions", {})
     lines.append(
-        f"{'connections now':<26}{sessions.get('connections', 0):>16}"
+        f"{'other connections now':<26}{sessions.get('connections', 0):>16}"
         f"  (puts in flight {sessions.get('reservations', 0)}, "
         f"gets in flight {sessions.get('pins', 0)})"
     )

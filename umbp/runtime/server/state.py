@@ -20,10 +20,11 @@ wrong bytes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
 
-__all__ = ["Session", "StoreCore"]
+__all__ = ["MAX_BATCHES_IN_FLIGHT", "RequestRefused", "Session", "StoreCore"]
 
 logger = logging.getLogger("umbp.serve")
 
@@ -50,12 +51,38 @@ class _Reserved:
 
 
 @dataclass(slots=True)
+class _Get:
+    """The pins of one BEGIN_GET, by request position, until its END_GET."""
+
+    pinned: list[Entry | None]
+    from_ssd: set[int] = field(default_factory=set)
+    """Positions promoted from the SSD tier by this get (their hits are SSD hits)."""
+
+
+MAX_BATCHES_IN_FLIGHT = 256
+"""Puts not yet committed plus gets not yet ended, per connection. The client has one in
+flight at a time; a peer that opens batches without closing them is refused more."""
+
+
+class RequestRefused(ValueError):
+    """A well-formed request that does not fit this connection's state (unknown token,
+    wrong count); nothing was changed."""
+
+
+@dataclass(slots=True)
 class Session:
     """One client connection's reservations and pins, released when it drops."""
 
     reservations: dict[int, list[_Reserved]] = field(default_factory=dict)
-    gets: dict[int, list[Entry | None]] = field(default_factory=dict)
+    gets: dict[int, _Get] = field(default_factory=dict)
     tokens: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def require_room(self) -> None:
+        if len(self.reservations) + len(self.gets) >= MAX_BATCHES_IN_FLIGHT:
+            raise RequestRefused(
+                f"{MAX_BATCHES_IN_FLIGHT} batches already in flight on this connection; "
+                "commit or end them first"
+            )
 
 
 @dataclass(slots=True)
@@ -63,6 +90,7 @@ class _Counters:
     """Monotonic counters; mutated only under the index lock."""
 
     hits: int = 0
+    hits_from_ssd: int = 0
     misses: int = 0
     puts: int = 0
     put_rejects: int = 0
@@ -111,13 +139,16 @@ class StoreCore:
             for reserved in session.reservations.values():
                 for item in reserved:
                     self._index.release(item.regions)
-            for pinned in session.gets.values():
-                for entry in pinned:
-                    if entry is not None:
-                        self._index.unpin(entry)
+            for get in session.gets.values():
+                self._unpin_all_locked(get)
             session.reservations.clear()
             session.gets.clear()
             self._sessions.remove(session)
+
+    def _unpin_all_locked(self, get: _Get) -> None:
+        for entry in get.pinned:
+            if entry is not None:
+                self._index.unpin(entry)
 
     # ----------------------------------------------------------------- residency
 
@@ -147,6 +178,7 @@ class StoreCore:
         answers: list[bool | Regions] = [False] * len(keys)
         wanted: list[int] = []
         with self._lock:
+            session.require_room()
             index = self._index
             cold_keys = self._cold_keys
             for position, (key, size) in enumerate(zip(keys, sizes)):
@@ -163,25 +195,43 @@ class StoreCore:
         reserved = self._reserve([sizes[position] for position in wanted])
         token = next(session.tokens)
         items: list[_Reserved] = []
-        with self._lock:
+        with self._lock, self._released_on_error(reserved):
             for position, regions in zip(wanted, reserved):
                 if regions is None:
                     self._counters.put_rejects += 1
                     continue
                 items.append(_Reserved(keys[position], regions, sizes[position]))
                 answers[position] = regions
-            session.reservations[token] = items
+            if items:  # nothing reserved: nothing to commit, no token to remember
+                session.reservations[token] = items
         return token, answers
+
+    @contextlib.contextmanager
+    def _released_on_error(self, reserved: list[Regions | None]) -> Iterator[None]:
+        """Under the lock: pages reserved for a batch come back if registering it fails,
+        so that a put either holds its reservation in the session or holds nothing."""
+        try:
+            yield
+        except BaseException:
+            for regions in reserved:
+                if regions is not None:
+                    self._index.release(regions)
+            raise
 
     def commit_put(
         self, session: Session, token: int, checksums: Sequence[int | None]
     ) -> list[bool]:
+        """All or nothing: a wrong count or an unknown token changes nothing (the
+        reservation stays until a correct commit or the connection drops)."""
         with self._lock:
-            items = session.reservations.pop(token, [])
+            items = session.reservations.get(token)
+            if items is None:
+                if checksums:
+                    raise RequestRefused(f"no put in flight with token {token} on this connection")
+                return []  # a put that reserved nothing
             if len(checksums) != len(items):
-                for item in items:
-                    self._index.release(item.regions)
-                raise ValueError(f"{len(checksums)} checksums for {len(items)} reserved keys")
+                raise RequestRefused(f"{len(checksums)} checksums for {len(items)} reserved keys")
+            del session.reservations[token]
             return [self._commit_one(item, checksum) for item, checksum in zip(items, checksums)]
 
     def _commit_one(self, item: _Reserved, checksum: int | None) -> bool:
@@ -207,6 +257,7 @@ class StoreCore:
         pinned: list[Entry | None] = [None] * len(keys)
         cold_positions: list[int] = []
         with self._lock:
+            session.require_room()
             index = self._index
             for position, key in enumerate(keys):
                 entry = index.get(key)
@@ -223,24 +274,44 @@ class StoreCore:
                     pinned[position] = entry
                     answers[position] = (entry.nbytes, entry.checksum, entry.regions)
             token = next(session.tokens)
-            session.gets[token] = pinned
+            get = session.gets[token] = _Get(pinned)
         if cold_positions:
-            self._promote(session, token, keys, sizes, cold_positions, answers)
+            try:
+                self._promote(session, token, keys, sizes, cold_positions, answers)
+            except BaseException:  # the client never learns the token: take its pins back
+                with self._lock:
+                    if session.gets.pop(token, None) is get:
+                        self._unpin_all_locked(get)
+                raise
         return token, answers
 
     def end_get(self, session: Session, token: int, corrupt: Sequence[int]) -> None:
+        """Unpin a get's objects, dropping those the client found corrupt. An unknown
+        token or a position outside the get changes nothing."""
         corrupt_positions = set(corrupt)
         with self._lock:
-            pinned = session.gets.pop(token, [])
-            for position, entry in enumerate(pinned):
+            get = session.gets.get(token)
+            if get is None:
+                raise RequestRefused(f"no get in flight with token {token} on this connection")
+            outside = [p for p in corrupt_positions if not 0 <= p < len(get.pinned)]
+            if outside:
+                raise RequestRefused(
+                    f"corrupt positions {sorted(outside)[:5]} are outside a get of "
+                    f"{len(get.pinned)} keys"
+                )
+            del session.gets[token]
+            counters = self._counters
+            for position, entry in enumerate(get.pinned):
                 if entry is None:
                     continue
                 if position in corrupt_positions:
                     self._index.retire(entry)
-                    self._counters.corrupt_loads += 1
+                    counters.corrupt_loads += 1
                 else:
-                    self._counters.hits += 1
-                    self._counters.bytes_read += entry.nbytes
+                    counters.hits += 1
+                    counters.bytes_read += entry.nbytes
+                    if position in get.from_ssd:
+                        counters.hits_from_ssd += 1
                 self._index.unpin(entry)
 
     # --------------------------------------------------------------------- misc
@@ -255,29 +326,36 @@ class StoreCore:
                 self._cold_keys.clear()
         return True
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, asking: Session | None = None) -> dict[str, Any]:
+        """The figures; `asking` (the connection that asks) is not counted among the
+        connections: `umbp stats` should not see itself."""
         with self._lock:
             index = self._index
             page_bytes = index.page_bytes
             dram = {
                 "capacity_bytes": index.total_pages * page_bytes,
                 "used_bytes": index.used_pages * page_bytes,
+                "resident_bytes": sum(
+                    pages_for(entry.nbytes, page_bytes) for entry in index.entries()
+                ) * page_bytes,
                 "page_bytes": page_bytes,
                 "objects": len(index),
                 "pinned_objects": sum(1 for entry in index.entries() if entry.pins),
+                "retired_pinned_objects": index.pinned_retired,
                 "high_watermark_bytes": index.high_pages * page_bytes,
                 "low_watermark_bytes": index.low_pages * page_bytes,
             }
+            others = [s for s in self._sessions if s is not asking]
             sessions = {
-                "connections": len(self._sessions),
+                "connections": len(others),
                 "reservations": sum(
                     len(items) for s in self._sessions for items in s.reservations.values()
                 ),
                 "pins": sum(
                     1
                     for s in self._sessions
-                    for pinned in s.gets.values()
-                    for entry in pinned
+                    for get in s.gets.values()
+                    for entry in get.pinned
                     if entry is not None
                 ),
             }
@@ -358,12 +436,18 @@ class StoreCore:
         generation = self._generation
         outcomes: list[str] = []
         try:
-            already = cold.lookup([victim.key for victim in victims])
-            for victim, present in zip(victims, already):
+            already: Sequence[bool] = cold.lookup([victim.key for victim in victims])
+        except Exception:  # then each victim is written (a put of a resident key is free)
+            logger.exception("umbp serve: the SSD tier's lookup failed")
+            already = [False] * len(victims)
+        for victim, present in zip(victims, already):
+            # One victim's failure costs that victim only, never the rest of the batch,
+            # and never leaks its pin.
+            try:
                 outcomes.append("present" if present else self._demote_one(cold, victim))
-        except Exception:  # a broken cold tier must not leak pinned victims
-            logger.exception("umbp serve: demotion to the SSD tier failed")
-            outcomes += ["failed"] * (len(victims) - len(outcomes))
+            except Exception:
+                logger.exception("umbp serve: demoting %r to the SSD tier failed", victim.key)
+                outcomes.append("failed")
         evicted = self._evicted_from_cold(cold)
         with self._lock:
             for victim, outcome in zip(victims, outcomes):
@@ -442,22 +526,25 @@ class StoreCore:
                 with self._lock:
                     self._cold_keys.discard(key)
         with self._lock:
+            get = session.gets.get(token)
+            for position, regions, checksum in loaded:
+                entry = self._settle_promotion_locked(
+                    keys[position], regions, sizes[position], checksum, generation
+                )
+                if entry is None or get is None:
+                    answers[position] = protocol.GET_MISSING
+                    continue
+                self._index.pin(entry)
+                get.pinned[position] = entry
+                get.from_ssd.add(position)
+                answers[position] = (entry.nbytes, entry.checksum, entry.regions)
+            # Counted once every answer is final: a position answers MISSING until its
+            # promotion settles, and a promoted object is a hit (of the SSD tier).
             for position in positions:
                 if answers[position] == protocol.GET_MISSING:
                     self._counters.misses += 1
                 elif answers[position] == protocol.GET_CORRUPT:
                     self._counters.corrupt_loads += 1
-            pinned = session.gets.get(token)
-            for position, regions, checksum in loaded:
-                entry = self._settle_promotion_locked(
-                    keys[position], regions, sizes[position], checksum, generation
-                )
-                if entry is None or pinned is None:
-                    answers[position] = protocol.GET_MISSING
-                    continue
-                self._index.pin(entry)
-                pinned[position] = entry
-                answers[position] = (entry.nbytes, entry.checksum, entry.regions)
 
     def _settle_promotion_locked(
         self, key: str, regions: Regions, nbytes: int, checksum: int, generation: int
@@ -541,4 +628,4 @@ _COLD_ANSWERS = {
 
 def _require_same_length(keys: Sequence[str], sizes: Sequence[int]) -> None:
     if len(keys) != len(sizes):
-        raise ValueError(f"keys and sizes differ in length: {len(keys)} != {len(sizes)}")
+        raise RequestRefused(f"keys and sizes differ in length: {len(keys)} != {len(sizes)}")

@@ -1,0 +1,227 @@
+"""The server's protocol boundary: every request body checked against one schema before
+anything in the server's state changes.
+
+Each op has a fixed set of fields with fixed types, ranges and lengths (`parse` below).
+A request that breaks any rule raises `BadRequest`, whose message names the field and the
+rule; the server answers it with an ERROR frame and has changed nothing. What a schema
+cannot know (whether a token names a batch of this connection, whether a checksum count
+matches what was reserved) the state checks, also before changing anything.
+
+Limits (also what the client may send; a client batch beyond them is a bug):
+* a key is a non-empty str of at most `MAX_KEY_BYTES` UTF-8 bytes (the SSD tier's record
+  holds that much) with no control characters;
+* a batch holds at most `MAX_BATCH` keys;
+* a size is an int in [0, `MAX_OBJECT_BYTES`]; a checksum an int in [0, 2**64) or null;
+  a token an int in [1, 2**63); JSON booleans are not ints here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from umbp.runtime.server import protocol
+
+__all__ = [
+    "MAX_BATCH",
+    "MAX_KEY_BYTES",
+    "BadRequest",
+    "BeginGet",
+    "BeginPut",
+    "CommitPut",
+    "EndGet",
+    "Keys",
+    "NoFields",
+    "body_limit",
+    "parse",
+]
+
+MAX_KEY_BYTES: Final = 960
+MAX_BATCH: Final = 1 << 16
+MAX_OBJECT_BYTES: Final = 1 << 40
+_MAX_TOKEN: Final = 1 << 63
+_MAX_CHECKSUM: Final = 1 << 64
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+_SMALL_BODY: Final = 4 << 10
+_INDEX_BODY: Final = 2 << 20
+_KEYS_BODY: Final = 16 << 20
+
+BODY_LIMITS: Final = {
+    protocol.HELLO: _SMALL_BODY,
+    protocol.CLEAR: _SMALL_BODY,
+    protocol.STATS: _SMALL_BODY,
+    protocol.LOOKUP: _KEYS_BODY,
+    protocol.WHERE: _KEYS_BODY,
+    protocol.BEGIN_PUT: _KEYS_BODY,
+    protocol.BEGIN_GET: _KEYS_BODY,
+    protocol.COMMIT_PUT: _INDEX_BODY,
+    protocol.END_GET: _INDEX_BODY,
+}
+"""Largest body each op can need: a batch of keys (~110 bytes each for umbp's keys; 16 MiB
+holds 100,000 of them), a list of checksums or positions, or an empty object. A header
+announcing more is refused before any body byte is read or any memory allocated."""
+
+
+class BadRequest(ValueError):
+    """A request that breaks the schema; the message says which field and how."""
+
+
+def body_limit(op: int) -> int:
+    """Largest body `op` can need; raises `ProtocolError` for an op this server lacks."""
+    limit = BODY_LIMITS.get(op)
+    if limit is None:
+        raise protocol.ProtocolError(f"unknown op {op}")
+    return limit
+
+
+@dataclass(frozen=True, slots=True)
+class NoFields:
+    """HELLO, CLEAR, STATS: an empty object (or an empty body)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """LOOKUP, WHERE."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BeginPut:
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPut:
+    token: int
+    checksums: tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BeginGet:
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EndGet:
+    token: int
+    corrupt: tuple[int, ...]
+
+
+Request = NoFields | Keys | BeginPut | CommitPut | BeginGet | EndGet
+
+
+def parse(op: int, body: bytes) -> Request:
+    """The request in `body` for `op`, checked whole; raises `BadRequest`."""
+    fields = _decode(body)
+    if op in (protocol.HELLO, protocol.CLEAR, protocol.STATS):
+        _exact_fields(fields, ())
+        return NoFields()
+    if op in (protocol.LOOKUP, protocol.WHERE):
+        _exact_fields(fields, ("keys",))
+        return Keys(_keys(fields["keys"]))
+    if op in (protocol.BEGIN_PUT, protocol.BEGIN_GET):
+        _exact_fields(fields, ("keys", "sizes"))
+        keys = _keys(fields["keys"])
+        sizes = _sizes(fields["sizes"])
+        if len(sizes) != len(keys):
+            raise BadRequest(f"'sizes' has {len(sizes)} entries for {len(keys)} keys")
+        return BeginPut(keys, sizes) if op == protocol.BEGIN_PUT else BeginGet(keys, sizes)
+    if op == protocol.COMMIT_PUT:
+        _exact_fields(fields, ("token", "checksums"))
+        return CommitPut(_token(fields["token"]), _checksums(fields["checksums"]))
+    if op == protocol.END_GET:
+        _exact_fields(fields, ("token", "corrupt"))
+        return EndGet(_token(fields["token"]), _positions(fields["corrupt"]))
+    raise protocol.ProtocolError(f"unknown op {op}")
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    if not body:
+        return {}
+    try:
+        value = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as error:  # RecursionError: absurd nesting
+        raise BadRequest(f"the body is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not a number this protocol accepts")
+
+
+def _exact_fields(fields: dict[str, Any], names: tuple[str, ...]) -> None:
+    if set(fields) != set(names):
+        missing = sorted(set(names) - set(fields))
+        extra = sorted(set(fields) - set(names))
+        raise BadRequest(f"fields must be exactly {list(names)}: missing {missing}, unknown {extra}")
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise BadRequest(f"'{name}' must be a list, got {type(value).__name__}")
+    if len(value) > MAX_BATCH:
+        raise BadRequest(f"'{name}' has {len(value)} entries, more than {MAX_BATCH}")
+    return value
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    """An int in [low, high) (bool excluded: JSON true is not 1 here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value < high:
+        raise BadRequest(f"{name} must be in [{low}, {high}), got {value}")
+    return value
+
+
+def _keys(value: Any) -> tuple[str, ...]:
+    keys = _list(value, "keys")
+    for position, key in enumerate(keys):
+        if not isinstance(key, str):
+            raise BadRequest(f"keys[{position}] must be a string, got {type(key).__name__}")
+        if not key:
+            raise BadRequest(f"keys[{position}] is empty")
+        try:
+            encoded = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise BadRequest(f"keys[{position}] is not valid Unicode (a lone surrogate)") from None
+        if encoded > MAX_KEY_BYTES:
+            raise BadRequest(f"keys[{position}] has {encoded} UTF-8 bytes, more than {MAX_KEY_BYTES}")
+        if _CONTROL.search(key):
+            raise BadRequest(f"keys[{position}] contains a control character")
+    return tuple(keys)
+
+
+def _sizes(value: Any) -> tuple[int, ...]:
+    return tuple(
+        _int(size, f"sizes[{position}]", 0, MAX_OBJECT_BYTES + 1)
+        for position, size in enumerate(_list(value, "sizes"))
+    )
+
+
+def _token(value: Any) -> int:
+    return _int(value, "token", 1, _MAX_TOKEN)
+
+
+def _checksums(value: Any) -> tuple[int | None, ...]:
+    return tuple(
+        None if checksum is None else _int(checksum, f"checksums[{position}]", 0, _MAX_CHECKSUM)
+        for position, checksum in enumerate(_list(value, "checksums"))
+    )
+
+
+def _positions(value: Any) -> tuple[int, ...]:
+    positions = tuple(
+        _int(position, f"corrupt[{index}]", 0, MAX_BATCH)
+        for index, position in enumerate(_list(value, "corrupt"))
+    )
+    if len(set(positions)) != len(positions):
+        raise BadRequest("'corrupt' names a position twice")
+    return positions
