@@ -119,3 +119,27 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     ranked = RankedLookup({rank_tag(keyspace.key(RankCoord(0, 0, 0, 0), 0, b"")): store0,
                            "umbp:1:elsewhere:tp9:pcp0:dcp0:pp0": other})
     assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
+
+
+def _serve_and_exit_without_close(path_out: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
+    pool = SlabPool(1 << 20, page_bytes=4096)
+    service = LookupService(pool)
+    path_out.put(service.path)
+    # returns without service.close(): a worker whose connector was never shut down
+
+
+def test_socket_folder_is_removed_when_the_owner_exits_without_closing() -> None:
+    context = multiprocessing.get_context("spawn")
+    paths: multiprocessing.Queue[str] = context.Queue()
+    child = context.Process(target=_serve_and_exit_without_close, args=(paths,))
+    child.start()
+    path = paths.get(timeout=60)
+    child.join(60)
+    assert child.exitcode == 0
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+
+
+def test_close_removes_the_socket_folder(pool: SlabPool) -> None:
+    service = LookupService(pool)
+    service.close()
+    assert not os.path.exists(os.path.dirname(service.path))

@@ -18,6 +18,7 @@ import socketserver
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -72,12 +73,17 @@ class _LookupServer(socketserver.ThreadingUnixStreamServer):
 
 
 class LookupService:
-    """Serves ``lookup`` and ``clear`` of a local store on an owner-only socket."""
+    """Serves ``lookup`` and ``clear`` of a local store on an owner-only socket.
+
+    The socket and its private directory are removed by ``close`` and, should the
+    owner never call it (a worker process that exits without shutting its
+    connector down), when the interpreter exits."""
 
     def __init__(self, store: SchedulerStore) -> None:
         self._directory = tempfile.mkdtemp(prefix="umbp-lookup-")
         os.chmod(self._directory, 0o700)
         self.path = str(Path(self._directory) / "lookup.sock")
+        self._cleanup = weakref.finalize(self, _remove_socket, self.path, self._directory)
         self._server = _LookupServer(self.path, store)
         os.chmod(self.path, 0o600)
         self._thread = threading.Thread(
@@ -88,11 +94,15 @@ class LookupService:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        for leftover in (self.path, self._directory):
-            try:
-                os.unlink(leftover) if leftover == self.path else os.rmdir(leftover)
-            except OSError:
-                pass
+        self._cleanup()
+
+
+def _remove_socket(path: str, directory: str) -> None:
+    for remove, leftover in ((os.unlink, path), (os.rmdir, directory)):
+        try:
+            remove(leftover)
+        except FileNotFoundError:
+            pass
 
 
 class LookupClient:

@@ -21,12 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
 from umbp.core.support import Support, check_support
 from umbp.shell import vllm_compat
+from umbp.shell.logs import route_to_vllm_logging
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
 from umbp.shell.scheduler import UMBPScheduler
 from umbp.shell.stats import StatsDelta, UMBPConnectorStats, UMBPPromMetrics
 from umbp.shell.worker import UMBPWorker
 
 logger = logging.getLogger("umbp")
+route_to_vllm_logging()  # vLLM configured its logging when it was imported above
 
 
 def connector_config(vllm_config: Any) -> ConnectorConfig:
