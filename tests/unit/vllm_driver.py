@@ -1,0 +1,381 @@
+"""Drive vLLM's real scheduler (``Scheduler``, ``KVCacheManager``, block pool,
+block hasher, ``SchedulerOutput``, ``KVConnectorOutput``) with umbp's two
+connector roles, without a model.
+
+The scheduler builds umbp's scheduler-role connector itself (from the
+``kv_transfer_config``, as in an engine). A worker-role connector is built next to
+it and registers CPU KV tensors; a fake forward pass writes every computed
+token's K/V rows with a value that depends only on (layer, position, token), so
+a restored block can be checked byte for byte against what a recompute writes.
+Nothing here depends on umbp's internals: only vLLM's hooks are called.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NULL_BLOCK = 0
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+KV_HEADS = 2
+HEAD_SIZE = 32
+
+
+def write_model_config(directory: Path, max_positions: int = 2048) -> Path:
+    """A config.json vLLM's ModelConfig reads; no weights are ever loaded."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": len(LAYERS), "num_attention_heads": 4,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_SIZE, "vocab_size": 512,
+        "max_position_embeddings": max_positions, "torch_dtype": "float32",
+    }))
+    return directory
+
+
+def kv_value(layer: int, position: int, token: int) -> float:
+    """What the fake forward pass writes for one token (exact in float32)."""
+    return float(layer * 2_000_000 + position * 1000 + token)
+
+
+def step_starts(output: Any) -> dict[str, int]:
+    """Where each scheduled request's tokens start this step (vLLM advances
+    ``request.num_computed_tokens`` inside ``schedule()``)."""
+    starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return starts
+
+
+def resolve_layout(vllm_config: Any, specs: Iterable[Any]) -> None:
+    """What the engine core does before planning the KV cache: one layout that
+    the platform's attention back-ends support."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.worker.worker_base import get_supported_kv_cache_layouts, record_kv_cache_layout
+
+    backends = get_current_attn_backends(vllm_config)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs))
+    record_kv_cache_layout(vllm_config.cache_config, layout.name)
+
+
+class RecordingPublisher:
+    """Stands in for vLLM's KV event publisher (ZMQ): keeps every batch."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, events: Any) -> None:
+        self.events.extend(events.events)
+
+    def shutdown(self) -> None:
+        return None
+
+
+@dataclass
+class StepRecord:
+    output: Any
+    engine_outputs: Any
+    kv_output: Any
+    loads: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per request, the (group, block id) pairs whose bytes changed by the
+    worker's load this step."""
+
+
+class Driver:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 32,
+        max_model_len: int = 1024,
+        max_num_batched_tokens: int = 512,
+        sliding_window: int | None = None,
+        extra: dict[str, Any] | None = None,
+        kv_events: bool = True,
+    ) -> None:
+        from vllm.config import (
+            CacheConfig,
+            KVEventsConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        import umbp
+        from umbp.shell import vllm_compat
+
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                            max_model_len=max_model_len)
+        self.vllm_config = VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+                max_model_len=max_model_len, is_encoder_decoder=False,
+                enable_chunked_prefill=True,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="UMBPStoreConnector", kv_connector_module_path="umbp",
+                kv_role="kv_both",
+                kv_connector_extra_config={"capacity_bytes": 64 << 20, **(extra or {})},
+            ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events,
+                                            publisher="null"),
+        )
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+
+        def spec(layer: int) -> Any:
+            if sliding_window is not None and layer == 0:
+                return SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                                         head_size=HEAD_SIZE, dtype=torch.float32,
+                                         sliding_window=sliding_window)
+            return FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                                     head_size=HEAD_SIZE, dtype=torch.float32)
+
+        specs = {name: spec(i) for i, name in enumerate(LAYERS)}
+        resolve_layout(self.vllm_config, specs.values())
+        page = next(iter(specs.values())).page_size_bytes
+        worker_config, scheduler_config = vllm_compat.engine_kv_cache_configs(
+            self.vllm_config, specs, num_blocks * page * len(LAYERS)
+        )
+        self.kv_cache_config = scheduler_config
+        block_size_, hash_block_size = vllm_compat.block_sizes(self.vllm_config, scheduler_config)
+        self.scheduler = Scheduler(
+            self.vllm_config, scheduler_config, StructuredOutputManager(self.vllm_config),
+            block_size=block_size_, hash_block_size=hash_block_size, log_stats=True,
+        )
+        self.publisher = RecordingPublisher()
+        self.scheduler.kv_event_publisher = self.publisher
+        self.connector: Any = self.scheduler.connector
+        assert isinstance(self.connector, umbp.UMBPStoreConnector)
+        self.worker = umbp.UMBPStoreConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                              worker_config)
+        self.num_blocks = int(worker_config.num_blocks)
+        self.group_of_layer = {
+            name: g for g, group in enumerate(scheduler_config.kv_cache_groups)
+            for name in group.layer_names
+        }
+        self.kv = self.new_kv_tensors()
+        self.worker.register_kv_caches(self.kv)
+        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(hash_block_size, sha256)
+        self.requests: dict[str, Any] = {}
+        self.steps: list[StepRecord] = []
+
+    # -- set-up -------------------------------------------------------------
+
+    def new_kv_tensors(self) -> dict[str, torch.Tensor]:
+        """One CPU KV tensor per layer, vLLM's CPU layout
+        ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, filled with a
+        marker no forward pass writes."""
+        return {
+            name: torch.full((self.num_blocks, KV_HEADS, self.block_size, 2 * HEAD_SIZE), -1.0)
+            for name in LAYERS
+        }
+
+    def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id, list(tokens), params, None, block_hasher=self._hasher)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+    # -- one engine step ------------------------------------------------------
+
+    def schedule(self) -> Any:
+        return self.scheduler.schedule()
+
+    def execute(self, output: Any) -> tuple[Any, dict[str, list[tuple[int, int]]]]:
+        """The worker's part of a step, in the order vLLM's model runner calls the
+        connector (``KVConnectorModelRunnerMixin``)."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        before = {name: tensor.clone() for name, tensor in self.kv.items()}
+        if output.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        self._forward(output)
+        if not output.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(output.finished_req_ids)
+        kv_output = KVConnectorOutput(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=worker.get_kv_connector_stats(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        return kv_output, self._changed_blocks(before, output)
+
+    def finish(self, output: Any, kv_output: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for request_id in req_ids:
+            request = self.requests[request_id]
+            reached = request.num_computed_tokens >= request.num_tokens
+            sampled.append([7] if reached else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[], kv_connector_output=kv_output,
+        )
+        return self.scheduler.update_from_output(output, runner_output)
+
+    def step(self) -> StepRecord:
+        output = self.schedule()
+        kv_output, loads = self.execute(output)
+        engine_outputs = self.finish(output, kv_output)
+        record = StepRecord(output, engine_outputs, kv_output, loads)
+        self.steps.append(record)
+        return record
+
+    def run(self, request_ids: Iterable[str], max_steps: int = 400) -> list[StepRecord]:
+        """Step until every named request has finished."""
+        wanted = set(request_ids)
+        records = []
+        for _ in range(max_steps):
+            records.append(self.step())
+            if not wanted & set(self.scheduler.requests):
+                return records
+        raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
+
+    def drain(self, max_steps: int = 200) -> None:
+        """Step an idle engine until the connector has no pending work (store
+        acknowledgements, KV event residency checks)."""
+        for _ in range(max_steps):
+            self.step()
+            if not self.connector.has_pending_push_work():
+                return
+            time.sleep(0.01)
+        raise AssertionError("the connector kept pending push work")
+
+    # -- what a step did -------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(list(g) for g in
+                     self.scheduler.kv_cache_manager.get_block_ids(request_id))
+
+    def _forward(self, output: Any) -> None:
+        """Write K and V of every token the step computes."""
+        starts = step_starts(output)
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            start = starts[request_id]
+            tables = self.block_ids(request_id)
+            for position in range(start, start + count):
+                self.write_token(tables, position, request.all_token_ids[position])
+
+    def write_token(self, tables: Sequence[Sequence[int]], position: int, token: int) -> None:
+        for layer, name in enumerate(LAYERS):
+            table = tables[self.group_of_layer[name]]
+            index, offset = divmod(position, self.block_size)
+            if index >= len(table) or table[index] == NULL_BLOCK:
+                continue
+            self.kv[name][table[index], :, offset, :] = kv_value(layer, position, token)
+
+    def _changed_blocks(
+        self, before: dict[str, torch.Tensor], output: Any
+    ) -> dict[str, list[tuple[int, int]]]:
+        """Blocks the worker's load wrote (those the forward pass did not)."""
+        computed: set[tuple[int, int]] = set()
+        starts = step_starts(output)
+        for request_id, count in output.num_scheduled_tokens.items():
+            tables = self.block_ids(request_id)
+            for position in range(starts[request_id], starts[request_id] + count):
+                index = position // self.block_size
+                for g, table in enumerate(tables):
+                    if index < len(table):
+                        computed.add((g, table[index]))
+        changed: dict[tuple[int, int], None] = {}
+        for name, tensor in self.kv.items():
+            g = self.group_of_layer[name]
+            diff = (tensor != before[name]).flatten(1).any(dim=1).nonzero().flatten().tolist()
+            for block in diff:
+                if (g, block) not in computed:
+                    changed[(g, block)] = None
+        owners: dict[str, list[tuple[int, int]]] = {}
+        for request_id in self.requests:
+            if request_id not in self.scheduler.requests:
+                continue
+            tables = self.block_ids(request_id)
+            for g, table in enumerate(tables):
+                for block in table:
+                    if (g, block) in changed:
+                        owners.setdefault(request_id, []).append((g, block))
+        return owners
+
+    def expected_block(self, name: str, tokens: Sequence[int], index: int) -> torch.Tensor:
+        layer = LAYERS.index(name)
+        rows = [
+            torch.full((KV_HEADS, 2 * HEAD_SIZE), kv_value(layer, p, tokens[p]))
+            for p in range(index * self.block_size, (index + 1) * self.block_size)
+        ]
+        return torch.stack(rows, dim=1)
+
+    def assert_blocks_hold(self, request_id: str, tokens: Sequence[int],
+                           block_indices: Iterable[int], group: int | None = None) -> int:
+        """The request's blocks at ``block_indices`` hold exactly what the
+        forward pass writes for ``tokens``; returns how many blocks were checked."""
+        tables = self.block_ids(request_id)
+        checked = 0
+        for name in LAYERS:
+            g = self.group_of_layer[name]
+            if group is not None and g != group:
+                continue
+            for index in block_indices:
+                block = tables[g][index]
+                if block == NULL_BLOCK:
+                    continue
+                assert torch.equal(self.kv[name][block], self.expected_block(name, tokens, index)), (
+                    f"{name} block {index} (id {block}) of {request_id} differs"
+                )
+                checked += 1
+        return checked
+
+    def cached_tokens(self, request_id: str) -> int:
+        """``num_cached_tokens`` vLLM reported for the request (local + external
+        hits), from the engine-core outputs of the steps so far."""
+        for record in reversed(self.steps):
+            for outputs in record.engine_outputs.values():
+                for out in outputs.outputs:
+                    stats = getattr(out, "prefill_stats", None)
+                    if out.request_id == request_id and stats is not None:
+                        return int(stats.num_cached_tokens)
+        raise AssertionError(f"no output for request {request_id}")
+
+    def stored_events(self) -> list[Any]:
+        from vllm.distributed.kv_events import BlockStored
+
+        return [e for e in self.publisher.events
+                if isinstance(e, BlockStored) and e.medium == "CPU"]
