@@ -5,7 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.umbp-installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-vllm033 lint clean
+
+# vLLM 0.33.0, the version GPU machines install: its Python code (not its CUDA
+# ops) runs the version-independent tests (marker vllm_versions) inside this venv.
+# The wheel is cached outside the clone, so CI on the same machine downloads it once.
+VLLM033 := 0.33.0
+VLLM033_CACHE := $(HOME)/.cache/umbp/wheels
+VLLM033_DIR := .vllm-$(VLLM033)
+VLLM033_STAMP := $(VLLM033_DIR)/.umbp-extracted
+VLLM033_ENV := PYTHONPATH=$(abspath $(VLLM033_DIR)) VLLM_TARGET_DEVICE=cpu UMBP_EXPECT_VLLM=$(VLLM033)
 
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -26,12 +35,29 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	@$(BIN)/umbp demo
 
-test: $(STAMP)
+$(VLLM033_STAMP): | $(STAMP)
+	@mkdir -p $(VLLM033_CACHE)
+	@ls $(VLLM033_CACHE)/vllm-$(VLLM033)-*.whl >/dev/null 2>&1 || { \
+		echo "umbp: downloading the vllm $(VLLM033) wheel (~336 MB) into $(VLLM033_CACHE)"; \
+		$(BIN)/pip download --no-deps -q --progress-bar off vllm==$(VLLM033) -d $(VLLM033_CACHE); }
+	@rm -rf $(VLLM033_DIR)
+	@# Only the vllm/ package, without its compiled (CUDA) extensions.
+	@$(BIN)/python -c "import glob, sys, zipfile; \
+		z = zipfile.ZipFile(sorted(glob.glob(sys.argv[1]))[-1]); \
+		[z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('vllm/') and not n.endswith('.so')]" \
+		'$(VLLM033_CACHE)/vllm-$(VLLM033)-*.whl' $(VLLM033_DIR)
+	@touch $(VLLM033_STAMP)
+
+test: $(STAMP) $(VLLM033_STAMP)
 	$(BIN)/mypy --strict umbp
 	$(BIN)/python -m pytest -q tests
+	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit
+
+test-vllm033: $(STAMP) $(VLLM033_STAMP)
+	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check umbp tests benchmarks
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033_DIR) .mypy_cache .pytest_cache .hypothesis
