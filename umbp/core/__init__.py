@@ -11,12 +11,24 @@ importable as attributes too (``umbp.core.events``).
 
 from __future__ import annotations
 
-from umbp.core import config, events, identity, lookup, plans, store_events, support
+from umbp.core import (
+    config,
+    events,
+    identity,
+    lookup,
+    page_identity,
+    plans,
+    stack_config,
+    store_events,
+    support,
+)
 from umbp.core.config import *
 from umbp.core.events import *
 from umbp.core.identity import *
 from umbp.core.lookup import *
+from umbp.core.page_identity import *
 from umbp.core.plans import *
+from umbp.core.stack_config import *
 from umbp.core.store_events import *
 from umbp.core.support import *
 
@@ -25,7 +37,9 @@ __all__ = [
     "events",
     "identity",
     "lookup",
+    "page_identity",
     "plans",
+    "stack_config",
     "store_events",
     "support",
 ]
@@ -33,6 +47,8 @@ __all__ += config.__all__
 __all__ += events.__all__
 __all__ += identity.__all__
 __all__ += lookup.__all__
+__all__ += page_identity.__all__
 __all__ += plans.__all__
+__all__ += stack_config.__all__
 __all__ += store_events.__all__
 __all__ += support.__all__

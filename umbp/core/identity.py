@@ -25,6 +25,7 @@ __all__ = [
     "KeyParts",
     "KeySpace",
     "NamespaceInputs",
+    "RESERVED_NAMESPACE_PREFIXES",
     "RankCoord",
     "RankTopology",
     "check_namespace_override",
@@ -40,6 +41,9 @@ __all__ = [
 FORMAT_VERSION: Final = 1
 KEY_PREFIX: Final = "umbp"
 _NAMESPACE_OVERRIDE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# Namespaces of other serving stacks (core.page_identity) start with these; an explicit
+# namespace may not, so no stack's keys can ever name another stack's bytes.
+RESERVED_NAMESPACE_PREFIXES: Final = ("sglang.",)
 _KEY = re.compile(
     r"umbp:(?P<fmt>\d+):(?P<ns>[A-Za-z0-9._-]+):tp(?P<tp>\d+):pcp(?P<pcp>\d+)"
     r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>(?:[0-9a-f]{2})+)"
@@ -104,6 +108,12 @@ def check_namespace_override(override: str) -> Result[str, str]:
     if not _NAMESPACE_OVERRIDE.fullmatch(override):
         return Failure(
             f"namespace {override!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+        )
+    if override.startswith(RESERVED_NAMESPACE_PREFIXES):
+        return Failure(
+            f"namespace {override!r} must not start with "
+            f"{' or '.join(map(repr, RESERVED_NAMESPACE_PREFIXES))}: reserved for another "
+            "serving stack's keys"
         )
     return Success(override)
 
