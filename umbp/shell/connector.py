@@ -92,6 +92,19 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: the worker follows sleep mode's KV cache remap."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def get_handshake_metadata(self) -> UMBPHandshake | None:
         return None if self._worker is None else self._worker.handshake()
 

@@ -82,6 +82,10 @@ class UMBPWorker:
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         self._copiers: dict[int, BlockCopier] = {}
+        # The tensors vLLM registered, kept for sleep mode's restore (vLLM 0.33).
+        self._kv_caches: dict[str, Any] | None = None
+        self._object_bytes: dict[int, int] = {}
+        self._asleep = False
         self._staging: dict[int, torch.Tensor] = {}
         self._backend: WorkerBackend | None = None
         self._load_error_blocks: set[int] = set()
@@ -110,12 +114,9 @@ class UMBPWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self._active:
             return
-        num_blocks = int(self._kv_cache_config.num_blocks)
-        for group_id in self._group_ids:
-            group = self._kv_cache_config.kv_cache_groups[group_id]
-            layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
-            if layers:
-                self._copiers[group_id] = BlockCopier(layers, num_blocks)
+        self._kv_caches = kv_caches
+        self._copiers = self._copiers_for(kv_caches)
+        self._object_bytes = {g: copier.object_bytes for g, copier in self._copiers.items()}
         object_sizes = [copier.object_bytes for copier in self._copiers.values()]
         page_bytes = self._config.page_bytes or auto_page_bytes(object_sizes)
         executor = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
@@ -128,6 +129,52 @@ class UMBPWorker:
             self._rank, self.namespace, len(self._copiers), object_sizes,
             self._config.mode, self._config.capacity_bytes >> 20,
         )
+
+    def _copiers_for(self, kv_caches: dict[str, Any]) -> dict[int, BlockCopier]:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        copiers: dict[int, BlockCopier] = {}
+        for group_id in self._group_ids:
+            group = self._kv_cache_config.kv_cache_groups[group_id]
+            layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
+            if layers:
+                copiers[group_id] = BlockCopier(layers, num_blocks)
+        return copiers
+
+    @property
+    def asleep(self) -> bool:
+        """Between ``unregister_kv_caches`` and ``restore_kv_caches``."""
+        return self._asleep
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33): the KV tensors' device memory is about to be
+        released. Every copier (views into that memory, device bounce buffers,
+        streams) is dropped, so no load or store can touch it until restore: a
+        load asked for meanwhile reports its blocks failed (vLLM recomputes) and
+        a store stores nothing. Copies are synchronous inside vLLM's hooks, so
+        none is in flight here. The pool and the host staging buffers stay: sleep
+        loses no stored block. Idempotent."""
+        if not self._active or self._kv_caches is None:
+            return
+        self._copiers = {}
+        self._asleep = True
+
+    def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
+        """After wake-up: copiers are rebuilt from the KV tensors as they are now
+        (the ones vLLM registered, or ``kv_caches`` if given), so no pointer
+        derived before the sleep is used. Idempotent."""
+        if not self._active or self._kv_caches is None or not (
+            self._asleep or kv_caches is not None
+        ):
+            return
+        caches = self._kv_caches if kv_caches is None else kv_caches
+        copiers = self._copiers_for(caches)
+        sizes = {g: copier.object_bytes for g, copier in copiers.items()}
+        if sizes != self._object_bytes:
+            raise RuntimeError(
+                f"umbp: the KV caches restored after sleep have other object sizes "
+                f"{sizes} than those registered {self._object_bytes}"
+            )
+        self._kv_caches, self._copiers, self._asleep = caches, copiers, False
 
     def refresh_pool_counters(self) -> None:
         """The store's own figures (in the shared modes, the whole store's, which other
