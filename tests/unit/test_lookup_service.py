@@ -3,9 +3,11 @@ routing keys to the pool of the rank named in them."""
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
-import stat
+import tempfile
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -56,11 +58,37 @@ def test_client_answers_what_the_pool_holds_and_clears_it(pool: SlabPool) -> Non
         service.close()
 
 
-def test_socket_is_owner_only(pool: SlabPool) -> None:
+def test_socket_has_no_file(pool: SlabPool) -> None:
     service = LookupService(pool)
     try:
-        assert stat.S_IMODE(os.stat(service.path).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(os.path.dirname(service.path)).st_mode) == 0o700
+        assert service.path.startswith("\0")  # abstract namespace: nothing to remove
+    finally:
+        service.close()
+
+
+def _lookup_as(uid: int, path: str, answers: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
+    os.setuid(uid)
+    try:
+        answers.put(repr(LookupClient(path, timeout_s=5.0).lookup(["a"])))
+    except StoreUnavailable as error:
+        answers.put(f"refused: {error}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_gets_no_answer(pool: SlabPool) -> None:
+    pool.put_batch(["a"], [memoryview(b"x" * 10)])
+    service = LookupService(pool)
+    context = multiprocessing.get_context("fork")
+    answers: multiprocessing.Queue[str] = context.Queue()
+    try:
+        child = context.Process(target=_lookup_as, args=(65534, service.path, answers))
+        child.start()
+        answer = answers.get(timeout=30)
+        child.join(30)
+        assert answer.startswith("refused"), answer
+        own = LookupClient(service.path, timeout_s=5.0)
+        assert own.lookup(["a"]) == (True,)
+        own.close()
     finally:
         service.close()
 
@@ -121,25 +149,24 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
 
 
-def _serve_and_exit_without_close(path_out: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
+def _serve_and_die(path_out: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
     pool = SlabPool(1 << 20, page_bytes=4096)
     service = LookupService(pool)
     path_out.put(service.path)
-    # returns without service.close(): a worker whose connector was never shut down
+    time.sleep(60)  # killed before it could close anything
 
 
-def test_socket_folder_is_removed_when_the_owner_exits_without_closing() -> None:
+def test_a_killed_owner_leaves_nothing_behind() -> None:
+    """vLLM SIGKILLs its workers at shutdown: no socket file may outlive them."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "umbp-lookup-*")))
     context = multiprocessing.get_context("spawn")
     paths: multiprocessing.Queue[str] = context.Queue()
-    child = context.Process(target=_serve_and_exit_without_close, args=(paths,))
+    child = context.Process(target=_serve_and_die, args=(paths,))
     child.start()
     path = paths.get(timeout=60)
-    child.join(60)
-    assert child.exitcode == 0
-    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
-
-
-def test_close_removes_the_socket_folder(pool: SlabPool) -> None:
-    service = LookupService(pool)
-    service.close()
-    assert not os.path.exists(os.path.dirname(service.path))
+    assert LookupClient(path, timeout_s=5.0).lookup(["k"]) == (False,)
+    child.kill()
+    child.join(30)
+    with pytest.raises(StoreUnavailable):
+        LookupClient(path, timeout_s=5.0).lookup(["k"])
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "umbp-lookup-*"))) == before

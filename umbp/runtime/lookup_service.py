@@ -2,8 +2,8 @@
 
 In embedded mode each worker owns the pool holding its rank's shards. When the
 scheduler runs in a different process (several workers, or an executor that
-spawns them) it asks each worker's pool over a Unix socket. Only existence
-answers cross the socket, never KV bytes.
+spawns them) it asks each worker's pool over a Unix socket (abstract namespace,
+same user only). Only existence answers cross the socket, never KV bytes.
 
 Wire format (little-endian): request = op (1 byte: ``L`` lookup, ``C`` clear) +
 payload length (u32) + payload (keys joined by newlines, UTF-8); the answer to
@@ -16,17 +16,16 @@ import os
 import socket
 import socketserver
 import struct
-import tempfile
 import threading
-import weakref
+import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 
 _HEADER = struct.Struct("<cI")
 _LOOKUP = b"L"
 _CLEAR = b"C"
+_PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes:
@@ -46,6 +45,8 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
+        if peer_uid(sock) != os.getuid():
+            return  # another user: closed unanswered
         try:
             while True:
                 op, length = _HEADER.unpack(_read_exactly(sock, _HEADER.size))
@@ -73,19 +74,17 @@ class _LookupServer(socketserver.ThreadingUnixStreamServer):
 
 
 class LookupService:
-    """Serves ``lookup`` and ``clear`` of a local store on an owner-only socket.
+    """Serves ``lookup`` and ``clear`` of a local store to processes of the same user.
 
-    The socket and its private directory are removed by ``close`` and, should the
-    owner never call it (a worker process that exits without shutting its
-    connector down), when the interpreter exits."""
+    The socket lives in Linux's abstract namespace (its address starts with a NUL
+    byte): it has no file, so nothing is left behind however the owner ends. vLLM
+    SIGKILLs its worker processes at shutdown, so a socket file would outlive every
+    engine. Without file permissions, the handler admits only peers whose user id
+    (``SO_PEERCRED``) is this process's, as a 0600 socket file would."""
 
     def __init__(self, store: SchedulerStore) -> None:
-        self._directory = tempfile.mkdtemp(prefix="umbp-lookup-")
-        os.chmod(self._directory, 0o700)
-        self.path = str(Path(self._directory) / "lookup.sock")
-        self._cleanup = weakref.finalize(self, _remove_socket, self.path, self._directory)
+        self.path = f"\0umbp-lookup-{os.getpid()}-{uuid.uuid4().hex}"
         self._server = _LookupServer(self.path, store)
-        os.chmod(self.path, 0o600)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="umbp-lookup-service", daemon=True
         )
@@ -94,15 +93,14 @@ class LookupService:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._cleanup()
 
 
-def _remove_socket(path: str, directory: str) -> None:
-    for remove, leftover in ((os.unlink, path), (os.rmdir, directory)):
-        try:
-            remove(leftover)
-        except FileNotFoundError:
-            pass
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    _pid, uid, _gid = _PEER_CREDENTIALS.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
+    )
+    return int(uid)
 
 
 class LookupClient:
