@@ -509,35 +509,22 @@ def with_file_size_limit(limit: int, command: list[str]) -> list[str]:
     return [sys.executable, "-c", wrapper, *command]
 
 
-def test_a_full_disk_drops_objects_but_never_corrupts_or_serves_wrong_bytes(
+def test_a_file_size_limit_below_the_ssd_tier_fails_start_up_clearly(
     servers: Servers,
 ) -> None:
-    """The slot file may not grow past ~200 KiB (RLIMIT_FSIZE): its preallocation fails,
-    and demotions start failing with EFBIG once the writable part is used up."""
+    """Behaviour changed (issue 11): the slot file may not grow past 200 KiB
+    (RLIMIT_FSIZE), so its 4 MiB cannot be reserved, and the server no longer starts with
+    a tier that collapses at the first EFBIG: it exits 1 saying what to do, and leaves no
+    socket behind."""
     Path(servers.socket).parent.mkdir(mode=0o700, parents=True)
     command = serve_command(servers.socket, 128 * KIB, ssd_dir=servers.ssd_dir,
                             ssd_capacity_bytes=4 * MIB, page_bytes=4096)
-    with open(servers.directory / "serve.log", "ab") as log:
-        process = subprocess.Popen(with_file_size_limit(200 * KIB, command), cwd=REPO,
-                                   stdout=log, stderr=subprocess.STDOUT)
-    servers.processes.append(process)
-    assert wait_until(lambda: server_reachable(servers.socket, 1.0), 30.0), (
-        (servers.directory / "serve.log").read_text()
-    )
-    data = payloads(40, 20 * KIB, seed=8)
-    keys = keys_of(40)
-    with ServerStore(servers.socket) as store:
-        for index in range(40):
-            assert store.put_batch([keys[index]], [data[index]]) == (True,)
-        figures = store.server_stats()
-        assert figures["counters"]["ssd_put_failures"] > 0, figures
-        statuses, outs = load(store, keys, 20 * KIB)
-        assert LoadStatus.HIT in statuses and LoadStatus.MISSING in statuses
-        for index, status in enumerate(statuses):
-            assert status in (LoadStatus.HIT, LoadStatus.MISSING), status
-            if status is LoadStatus.HIT:
-                assert np.array_equal(outs[index], data[index]), keys[index]
-        assert process.poll() is None, "the server survived the full disk"
+    done = subprocess.run(with_file_size_limit(200 * KIB, command), cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    assert "cannot reserve" in done.stderr and "--ssd-capacity" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not os.path.exists(servers.socket)
 
 
 # --------------------------------------------------------- launching and stats

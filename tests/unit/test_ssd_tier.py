@@ -332,7 +332,9 @@ def test_truncated_file_keeps_only_objects_whose_bytes_survive(
 
     reopened = open_tier()
     assert reopened.keys() == ("whole",)
-    assert reopened.stats().dropped_at_open == 2
+    # "cut" and "gone", and (since issue 11) the truncation itself, which also loses
+    # whatever was recorded past the cut.
+    assert reopened.stats().dropped_at_open == 2 + 1
     assert read(reopened, "whole", 2 * SLOT) == (LoadStatus.HIT, content(0, 2 * SLOT))
     assert reopened.path.stat().st_size == reopened.slot_data_offset(8)  # grown back
     assert reopened.put("new", content(3, 6 * SLOT))
@@ -348,7 +350,9 @@ def test_file_truncated_into_the_header_area(open_tier: Callable[..., SsdTier]) 
     os.truncate(path, cut_at)
     reopened = open_tier()
     assert reopened.keys() == ()  # every object's data was past the cut
-    assert reopened.stats().dropped_at_open == 3 + 1  # three whole records, one torn
+    # three whole records, one torn, and (since issue 11) the truncation itself, which
+    # stands for the records past the cut
+    assert reopened.stats().dropped_at_open == 3 + 1 + 1
     assert slot_accounting_holds(reopened) and reopened.free_slot_count() == 8
 
 
@@ -664,60 +668,32 @@ def test_kill_9_mid_puts_then_reopen_serves_only_exact_objects(tmp_path: Path) -
 # ----------------------------------------------------------------- full disks
 
 FSIZE_SCRIPT = """
-import json, random, resource, signal, sys
-from umbp.runtime import LoadStatus
+import json, resource, signal, sys
 from umbp.runtime.ssd_tier import SsdTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so writes past the limit fail with EFBIG
 directory, slot = sys.argv[1], 4096
-probe = SsdTier(directory, 16 * slot, slot)
-limit = probe.slot_data_offset(5) + 100  # slots 0-4 fit, slot 5 is cut short
-probe.close()
-import os; os.unlink(probe.path)
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-tier = SsdTier(directory, 16 * slot, slot)
-sizes = [("k0", slot), ("k1", slot), ("k2", slot - 1), ("k3", 1), ("big", 3 * slot),
-         ("k5", slot), ("k6", 2 * slot)]
-def data(key, size):
-    return random.Random(key).randbytes(size)
-results, after_failure = [], None
-for key, size in sizes:
-    results.append(tier.put(key, data(key, size)))
-    if key == "big":
-        after_failure = {k: tier.get_into(k, bytearray(s)).value for k, s in sizes[:5]}
-        exact = [bytes(o) == data(k, s) for k, s in sizes[:4]
-                 for o in [bytearray(s)] if tier.get_into(k, o) is LoadStatus.HIT]
-stats = tier.stats()
-print(json.dumps({"results": results, "after_failure": after_failure, "exact": exact,
-    "keys": list(tier.keys()), "capacity": stats.capacity_bytes,
-    "failures": stats.put_failures, "evictions": stats.evictions,
-    "free": tier.free_slot_count(), "usable": tier.usable_slot_count()}))
+resource.setrlimit(resource.RLIMIT_FSIZE, (5 * slot, resource.RLIM_INFINITY))
+try:
+    SsdTier(directory, 16 * slot, slot)
+except OSError as error:
+    print(json.dumps({"refused": str(error)}))
+else:
+    print(json.dumps({"refused": None}))
 """
 
 
-def test_file_size_limit_fails_the_put_and_retires_slots(tmp_path: Path) -> None:
-    directory = tmp_path / "limited"
+def test_a_file_size_limit_below_the_slot_file_refuses_to_open(tmp_path: Path) -> None:
+    """Behaviour changed (issue 11): the tier no longer opens with a file that grows as it
+    goes and collapses at the first ENOSPC/EFBIG; it reserves its file at open or refuses,
+    saying what it needs and what to do."""
     done = subprocess.run(
-        [sys.executable, "-c", FSIZE_SCRIPT, str(directory)],
+        [sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path / "limited")],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    # "big" needs slots 4-6 and slot 5 crosses the limit: that put fails, and from then on
-    # only slots 0-4 are offered, so k6 evicts instead of failing again.
-    assert report["results"] == [True, True, True, True, False, True, True]
-    assert report["after_failure"] == {"k0": "hit", "k1": "hit", "k2": "hit", "k3": "hit",
-                                       "big": "missing"}  # fmt: skip
-    assert report["exact"] == [True] * 4
-    assert report["failures"] == 1 and report["capacity"] == 5 * 4096
-    assert report["keys"] == ["k2", "k3", "k5", "k6"] and report["evictions"] == 2
-    assert report["free"] == 0 and report["usable"] == 5
-    # Without the limit the reopened tier serves the same objects and nothing of "big".
-    with SsdTier(directory, 16 * 4096, 4096) as tier:
-        assert tier.keys() == ("k2", "k3", "k5", "k6")
-        assert tier.stats().dropped_at_open == 0
-        for key, size in (("k2", 4095), ("k3", 1), ("k5", 4096), ("k6", 8192)):
-            assert read(tier, key, size) == (LoadStatus.HIT, random.Random(key).randbytes(size))
-        assert tier.usable_slot_count() == 16
+    refused = json.loads(done.stdout)["refused"]
+    assert refused is not None and "cannot reserve" in refused, refused
+    assert "file size limit" in refused and "--ssd-capacity" in refused
 
 
 @pytest.fixture
@@ -739,27 +715,55 @@ def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_full_filesystem_fails_the_put_and_keeps_earlier_objects(tiny_filesystem: Path) -> None:
+def test_a_tier_larger_than_its_filesystem_refuses_to_open(tiny_filesystem: Path) -> None:
+    """2 MiB asked of a 1 MiB filesystem: refused at open, before the index is built,
+    with the figures (it used to open, grow lazily and lose slots at every ENOSPC)."""
+    with pytest.raises(OSError, match="needs .* bytes .* has .* available; lower --ssd-capacity"):
+        SsdTier(tiny_filesystem / "ssd", 32 * (64 << 10), 64 << 10)
+    with pytest.raises(OSError, match="available"):
+        SsdTier(tiny_filesystem / "huge", 1 << 60, 64 << 10)  # no MemoryError either
+
+
+def test_the_space_is_reserved_and_a_failed_write_retires_only_its_slot(
+    tiny_filesystem: Path,
+) -> None:
+    """A tier that fits is preallocated for real: another file filling the disk costs it
+    nothing. When a slot's blocks are taken from under it anyway (a hole punched in the
+    file, the disk then full), the put that hits it fails and only that slot is retired:
+    the slots after it keep working."""
     slot = 64 << 10
     directory = tiny_filesystem / "ssd"
-    with SsdTier(directory, 32 * slot, slot) as tier:  # 2 MiB asked of a 1 MiB filesystem
-        assert tier.path.stat().st_size < tier.slot_data_offset(32)  # preallocation failed
-        results = []
-        for index in range(24):
-            results.append(tier.put(f"k{index}", content(index, slot)))
-            if not results[-1]:
-                assert tier.lookup([f"k{index}"]) == (False,)
-                for earlier in range(index):
-                    expected = (LoadStatus.HIT, content(earlier, slot))
-                    assert read(tier, f"k{earlier}", slot) == expected
-        failed = results.index(False)
-        assert failed >= 10 and results == [True] * failed + [False] + [True] * (23 - failed)
+    filler = tiny_filesystem / "filler"
+    with SsdTier(directory, 8 * slot, slot) as tier:
+        assert os.stat(tier.path).st_blocks * 512 >= tier.slot_data_offset(8)
+        _fill(filler)
+        for index in range(3):
+            assert tier.put(f"k{index}", content(index, slot))  # slots 0-2, on reserved space
+        subprocess.run(["fallocate", "--punch-hole", "--offset", str(tier.slot_data_offset(3)),
+                        "--length", str(slot), str(tier.path)], check=True)  # fmt: skip
+        _fill(filler)
+        results = [tier.put(f"k{index}", content(index, slot)) for index in range(3, 8)]
+        assert results == [False, True, True, True, True]  # slot 3 failed, 4-7 work
         assert tier.stats().put_failures == 1
-        assert tier.usable_slot_count() == failed and tier.stats().capacity_bytes == failed * slot
+        assert tier.usable_slot_count() == 7 and tier.stats().capacity_bytes == 7 * slot
+        assert tier.lookup(["k3"]) == (False,)
+        for index in (0, 1, 2, 4, 5, 6, 7):
+            assert read(tier, f"k{index}", slot) == (LoadStatus.HIT, content(index, slot))
+        assert tier.put("k8", content(8, slot))  # evicts k0 rather than failing again
+        assert read(tier, "k8", slot) == (LoadStatus.HIT, content(8, slot))
+        assert slot_accounting_holds(tier)
         resident = tier.keys()
-        assert len(resident) == failed and f"k{failed}" not in resident
-        for key in resident:
-            index = int(key[1:])
-            assert read(tier, key, slot) == (LoadStatus.HIT, content(index, slot))
-    with SsdTier(directory, 32 * slot, slot) as reopened:
+    filler.unlink()
+    with SsdTier(directory, 8 * slot, slot) as reopened:
         assert reopened.keys() == resident and reopened.stats().dropped_at_open == 0
+        assert reopened.usable_slot_count() == 8  # the hole is reserved again at open
+
+
+def _fill(path: Path) -> None:
+    """Append to `path` until the filesystem is full."""
+    with open(path, "ab", buffering=0) as out:  # unbuffered: nothing left to flush at close
+        try:
+            while True:
+                out.write(bytes(4096))
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error

@@ -44,13 +44,21 @@ payload checksum is verified on every read, a mismatch answers CORRUPT and drops
 object (its records zeroed, its slots freed). `flush()` is there for a caller that wants
 the current state on stable storage (e.g. at shutdown).
 
-Preallocation: `os.posix_fallocate` reserves the whole file up front so writes cannot hit
-ENOSPC later. When it fails (filesystem too small, RLIMIT_FSIZE, no fallocate support) the
-tier still opens and the file grows as slots are written. A write that then fails with
-ENOSPC or EFBIG makes that put answer False (nothing of the object is readable: its
-records were never written) and retires every slot from the failing one upward, so later
-puts evict within the slots that work instead of failing again at the same place.
-`stats().capacity_bytes` shrinks accordingly.
+Preallocation: `os.posix_fallocate` reserves the whole file at open, for real, so that
+writes cannot hit ENOSPC later. When the space cannot be had (filesystem too small,
+RLIMIT_FSIZE, no fallocate support) the tier does not open: the constructor raises an
+OSError saying how many bytes it needs and what to do (a tier that grows as it goes
+collapses the day another file takes the disk). The free space is checked before any
+memory is allocated for the index, so an absurd capacity is refused, not a MemoryError.
+A write that still fails (EIO; ENOSPC or EFBIG when the file was cut short underneath)
+makes that put answer False (nothing of the object is readable: its records were never
+written) and retires only the slot the write failed in, so that later puts do not fail
+there again; `stats().capacity_bytes` shrinks by that slot.
+
+Files: the directory must be this user's (or root's) and not writable by others unless
+sticky; the slot file is opened without following symlinks and must be a regular file of
+this user's with mode 0600 (created so); anything else is refused with an `UnsafePath`
+naming the fix (`umbp.runtime.private_files`).
 
 Recency is kept in memory only: after a reopen, LRU order is put order (refreshing it on
 disk would cost a write per read).
@@ -82,6 +90,7 @@ import xxhash
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
+from umbp.runtime.private_files import open_private_file, prepare_directory
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -235,17 +244,17 @@ class SsdTier(ClosesOnExit):
         self._objects: OrderedDict[str, _StoredObject] = OrderedDict()  # LRU first
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         self._free_slots: list[int] = []
-        # Slots at or above this index are never handed out: a write there failed with
-        # ENOSPC/EFBIG. `_retired` counts the slots above it that no object owns.
-        self._slot_limit = self._total_slots
-        self._retired = 0
+        # Slots never handed out again: a write there failed with ENOSPC/EFBIG.
+        self._retired_slots: set[int] = set()
         self._next_generation = 1
         self._counters = _Counters()
         self._lock = threading.Lock()
         self._closed = False
         self._fd = self._open_locked(Path(directory))
         try:
+            self._require_room()
             self._load_or_format()
+            self._preallocate()
         except BaseException:
             os.close(self._fd)
             raise
@@ -272,7 +281,7 @@ class SsdTier(ClosesOnExit):
                 self._objects.move_to_end(key)
                 return True
             needed = _slots_for(source.nbytes, self._slot_bytes)
-            if needed > self._total_slots - self._retired:
+            if needed > self._total_slots - len(self._retired_slots):
                 self._counters.put_rejects += 1
                 return False
             self._evict_for(needed)
@@ -363,7 +372,7 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             counters = self._counters
             return SsdStats(
-                capacity_bytes=(self._total_slots - self._retired) * self._slot_bytes,
+                capacity_bytes=(self._total_slots - len(self._retired_slots)) * self._slot_bytes,
                 used_bytes=self._used_slots() * self._slot_bytes,
                 slot_bytes=self._slot_bytes,
                 objects=len(self._objects),
@@ -389,8 +398,8 @@ class SsdTier(ClosesOnExit):
             self._invalidate_records(owned)
             self._objects.clear()
             self._evicted.clear()
-            self._free_slots = list(range(self._slot_limit - 1, -1, -1))
-            self._retired = self._total_slots - self._slot_limit
+            retired = self._retired_slots
+            self._free_slots = [s for s in range(self._total_slots - 1, -1, -1) if s not in retired]
             return True
 
     def flush(self) -> None:
@@ -432,7 +441,7 @@ class SsdTier(ClosesOnExit):
     def usable_slot_count(self) -> int:
         """Slots free or owned (total minus retired ones): free + owned == this."""
         with self._lock:
-            return self._total_slots - self._retired
+            return self._total_slots - len(self._retired_slots)
 
     def free_slot_count(self) -> int:
         """Slots on the free list."""
@@ -480,7 +489,7 @@ class SsdTier(ClosesOnExit):
                 self._pwrite_all(records, self.slot_record_offset(run[0]))
         except _WriteFailed as failure:
             self._invalidate_records(written_records)
-            self._after_failed_write(key, failure)
+            self._after_failed_write(key, failure, slots)
             self._release_slots(slots)
             self._counters.put_failures += 1
             return False
@@ -524,9 +533,11 @@ class SsdTier(ClosesOnExit):
             records.append(body + pack_checksum(digest(body)))
         return records[0] if len(records) == 1 else b"".join(records)
 
-    def _after_failed_write(self, key: str, failure: _WriteFailed) -> None:
-        """Log the failure; on ENOSPC/EFBIG retire the slots from the failing one up, so
-        that later puts do not fail at the same place again."""
+    def _after_failed_write(
+        self, key: str, failure: _WriteFailed, slots: tuple[int, ...]
+    ) -> None:
+        """Log the failure; on ENOSPC/EFBIG retire the one slot of this write that failed
+        (the others go back to the free list), so that later puts do not fail there."""
         error = failure.error
         if error.errno not in _NO_SPACE:
             logger.warning("ssd tier: writing %r failed: %s", key, error)
@@ -535,18 +546,17 @@ class SsdTier(ClosesOnExit):
             failed_slot = (failure.offset - self._data_offset) // self._slot_bytes
         else:
             failed_slot = max(0, failure.offset - self._header_offset) // RECORD_BYTES
-        if failed_slot >= self._slot_limit:
+        if failed_slot not in slots:
             return
+        self._retired_slots.add(failed_slot)
         logger.warning(
-            "ssd tier: %s at slot %d of %d; using only the slots below it",
+            "ssd tier: %s writing slot %d of %s; retired it (%d of %d slots retired)",
             errno.errorcode.get(error.errno or 0, error.errno),
             failed_slot,
+            self._path,
+            len(self._retired_slots),
             self._total_slots,
         )
-        self._slot_limit = failed_slot
-        kept = [slot for slot in self._free_slots if slot < failed_slot]
-        self._retired += len(self._free_slots) - len(kept)
-        self._free_slots = kept
 
     def _evict_for(self, slots_needed: int) -> None:
         """Evict LRU objects until `slots_needed` slots are free or nothing is left."""
@@ -590,12 +600,10 @@ class SsdTier(ClosesOnExit):
         return slots
 
     def _release_slots(self, slots: Sequence[int]) -> None:
-        limit = self._slot_limit
+        retired = self._retired_slots
         for slot in reversed(slots):
-            if slot < limit:
+            if slot not in retired:
                 self._free_slots.append(slot)
-            else:
-                self._retired += 1
 
     def _extents(self, slots: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int, int], ...]:
         """(file offset, object offset, length) per run of consecutive slots."""
@@ -646,12 +654,11 @@ class SsdTier(ClosesOnExit):
     # ------------------------------------------------------- opening and rebuilding
 
     def _open_locked(self, directory: Path) -> int:
-        """Create the directory (0700) and open (or create, 0600) the slot file, holding an
-        exclusive flock so that two tiers never share a file."""
-        if not directory.is_dir():
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        """Create the directory (0700) or check it, and open (or create, 0600) the slot
+        file without following a symlink, refusing one another user owns or can read;
+        hold an exclusive flock so that two tiers never share a file."""
+        prepare_directory(directory, "SSD directory")
+        fd = open_private_file(self._path, os.O_RDWR | os.O_CREAT, "SSD slot file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -680,16 +687,29 @@ class SsdTier(ClosesOnExit):
         expected = self._superblock()
         found = os.pread(self._fd, len(expected), 0) if file_bytes else b""
         if found == expected:
+            if file_bytes < self._file_bytes:
+                # Cut short (the superblock survived, records and data past the cut did not):
+                # what was recorded there is lost, and says so rather than vanishing.
+                logger.warning(
+                    "ssd tier: %s was truncated to %d of its %d bytes; the objects recorded "
+                    "past that are lost",
+                    self._path,
+                    file_bytes,
+                    self._file_bytes,
+                )
+                self._counters.dropped_at_open += 1
             self._rebuild_index(file_bytes)
         else:
             if file_bytes:
+                lost = self._count_objects_in_place(file_bytes)
                 logger.warning(
-                    "ssd tier: %s has a damaged superblock or another geometry; emptying it",
+                    "ssd tier: %s has a damaged or truncated superblock or another geometry; "
+                    "emptying it (%s)",
                     self._path,
+                    f"{lost} objects lost" if lost else "the objects it held are lost",
                 )
-                self._counters.dropped_at_open += 1
+                self._counters.dropped_at_open += max(1, lost)
             self._format()
-        self._preallocate()
 
     def _format(self) -> None:
         """Start an empty file. The superblock goes in last so that a crash while
@@ -699,28 +719,52 @@ class SsdTier(ClosesOnExit):
             os.ftruncate(self._fd, 0)
             self._pwrite_all(self._superblock(), 0)
         except (OSError, _WriteFailed) as error:
-            logger.warning("ssd tier: cannot format %s: %s; storing nothing", self._path, error)
-            self._retire_all()
+            raise OSError(
+                getattr(error, "errno", None) or errno.EIO,
+                f"cannot format the SSD slot file {self._path}: {error}; check the disk",
+            ) from None
+
+    def _require_room(self) -> None:
+        """Refuse, before anything is allocated, a file the filesystem cannot hold."""
+        info = os.fstat(self._fd)
+        try:
+            vfs = os.fstatvfs(self._fd)
+        except OSError:
+            return  # posix_fallocate will say
+        have = info.st_blocks * 512 + vfs.f_bavail * vfs.f_frsize
+        if self._file_bytes > have:
+            raise OSError(
+                errno.ENOSPC,
+                f"the SSD tier needs {self._file_bytes} bytes for {self._path} but its "
+                f"filesystem has {have} available; lower --ssd-capacity or free space",
+            )
 
     def _preallocate(self) -> None:
-        """Reserve the whole file. On failure keep going with a file that grows as slots
-        are written; writes that fail then retire slots (see `_after_failed_write`)."""
-        if self._slot_limit == 0:
-            return
+        """Reserve the whole file for real, or refuse to open (see the module docstring)."""
         try:
             os.posix_fallocate(self._fd, 0, self._file_bytes)
         except OSError as error:
-            logger.warning(
-                "ssd tier: cannot preallocate %d bytes for %s (%s); growing it lazily",
-                self._file_bytes,
-                self._path,
-                error,
-            )
+            raise OSError(
+                error.errno,
+                f"cannot reserve {self._file_bytes} bytes for the SSD slot file {self._path} "
+                f"({os.strerror(error.errno or errno.ENOSPC)}); lower --ssd-capacity, free "
+                "space, or raise the file size limit",
+            ) from None
 
-    def _retire_all(self) -> None:
-        self._slot_limit = 0
-        self._retired = self._total_slots - self._used_slots()
-        self._free_slots = []
+    def _count_objects_in_place(self, file_bytes: int) -> int:
+        """Objects whose records, read with this geometry, are intact: what a reset of a
+        file with a damaged superblock loses (0 when nothing readable is left)."""
+        if file_bytes <= self._header_offset:
+            return 0
+        generations = set()
+        try:
+            for slot, record in self._scan_records():
+                parsed = self._parse_record(slot, record)
+                if parsed is not None:
+                    generations.add(parsed.generation)
+        except OSError:
+            return 0
+        return len(generations)
 
     def _rebuild_index(self, file_bytes: int) -> None:
         """Keep every complete, self-consistent object described by the header area; zero
@@ -770,22 +814,19 @@ class SsdTier(ClosesOnExit):
             )
 
     def _scan_records(self) -> Iterator[tuple[int, bytes]]:
-        """(slot, record) for every record that starts with the record magic; free
-        (zeroed) records are skipped by a C-speed search instead of a Python loop."""
+        """(slot, record) for every record that is not all zeros (a free slot's): records
+        with the magic and garbage alike, so that garbage is counted as damage rather than
+        silently taken for free slots. All-zero chunks are skipped at C speed."""
         chunk_slots = _SCAN_CHUNK_RECORDS
         for first in range(0, self._total_slots, chunk_slots):
             count = min(chunk_slots, self._total_slots - first)
             chunk = os.pread(self._fd, count * RECORD_BYTES, self.slot_record_offset(first))
-            position = chunk.find(_RECORD_MAGIC)
-            while position != -1:
-                if position % RECORD_BYTES == 0:
-                    yield first + position // RECORD_BYTES, chunk[
-                        position : position + RECORD_BYTES
-                    ]
-                    position += RECORD_BYTES
-                else:  # the magic inside a key: records start on record boundaries
-                    position = _align_up(position, RECORD_BYTES)
-                position = chunk.find(_RECORD_MAGIC, position)
+            if not chunk.strip(b"\0"):
+                continue
+            for index in range(count):
+                record = chunk[index * RECORD_BYTES : (index + 1) * RECORD_BYTES]
+                if record.startswith(_RECORD_MAGIC) or record.strip(b"\0"):
+                    yield first + index, record
 
     def _parse_record(self, slot: int, record: bytes) -> _Record | None:
         """The record's fields when it is whole and self-consistent, else None."""
@@ -836,7 +877,7 @@ class SsdTier(ClosesOnExit):
     # ------------------------------------------------------------------ helpers
 
     def _used_slots(self) -> int:
-        return self._total_slots - self._retired - len(self._free_slots)
+        return self._total_slots - len(self._retired_slots) - len(self._free_slots)
 
     def _require_open(self) -> None:
         if self._closed:

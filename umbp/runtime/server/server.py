@@ -3,7 +3,10 @@
 A threading Unix-socket server over `StoreCore`. Its DRAM tier is a shared-memory file
 in /dev/shm that clients map; only control messages cross the socket (see `protocol`).
 The socket is owner-only (0600, its directory 0700 when the server creates it), so only
-processes of the same user can talk to it or map its pool.
+processes of the same user can talk to it or map its pool. One server per socket path:
+the holder of the flock on `<socket>.lock` (see `ownership`); a socket or shared-memory
+file is deleted only when it is provably a dead holder's. The threat model is in
+docs/operations.md.
 
 What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open).
 What it loses: the DRAM tier, which lives and dies with the process.
@@ -11,9 +14,9 @@ What it loses: the DRAM tier, which lives and dies with the process.
 SIGTERM and SIGINT shut down cleanly: the socket, the shared-memory file and the record
 of its name are removed and the process exits 0. With `persist_on_exit`
 (`--persist-on-exit`) the DRAM tier's objects are first copied to the SSD tier, so that
-the next server keeps them too. After a SIGKILL the next server started
-at the same socket path removes the shared-memory file its predecessor left behind (its
-name is recorded beside the socket, in `<socket>.pool`).
+the next server keeps them too. After a SIGKILL the next server started at the same
+socket path removes the socket and the shared-memory file its predecessor left behind
+(the file's name is recorded beside the socket, in `<socket>.pool`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -30,21 +32,19 @@ import socketserver
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from umbp.runtime.server import protocol, schema
-from umbp.runtime.server.cold import ColdTier, open_cold_tier
+from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.state import RequestRefused, Session, StoreCore
 from umbp.runtime.server.index import PoolIndex
-from umbp.runtime.server.shm import SharedPool, create_shared_pool, remove_shared_pool
+from umbp.runtime.server.ownership import SocketOwnership
+from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
 
 __all__ = ["ServerConfig", "serve"]
 
 logger = logging.getLogger("umbp.serve")
-
-_POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
 
 DEFAULT_PAGE_BYTES = 64 << 10
 """The DRAM allocation granule when none is given."""
@@ -256,24 +256,27 @@ def serve(config: ServerConfig) -> int:
     config.validate()
     stop = _stop_on_signals()
     socket_path = os.path.abspath(config.socket_path)
-    _prepare_socket_directory(socket_path)
-    remove_stale_leftovers(socket_path)
-    pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
+    ownership = SocketOwnership.acquire(socket_path)
+    pool: SharedPool | None = None
     cold: ColdTier | None = None
     server: _StoreServer | None = None
     try:
-        _record_pool_path(socket_path, pool.path)
+        ownership.clear_leftovers()
+        pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
+        ownership.record_pool(pool.path)
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
+            _report_cold_tier(cold)
         core = StoreCore(pool.view, _index_for(config, pool), cold)
         server = _bind(socket_path, config, core, _hello(config, pool))
+        ownership.bound()
         _run_until(stop, server, socket_path, pool)
         server.server_close()
         server.drop_connections()
         if config.persist_on_exit:
             _persist(core)
     finally:
-        _shut_down(server, socket_path, pool, cold)
+        _shut_down(server, ownership, pool, cold)
     return 0
 
 
@@ -298,40 +301,17 @@ def _hello(config: ServerConfig, pool: SharedPool) -> dict[str, Any]:
     }
 
 
-def _prepare_socket_directory(socket_path: str) -> None:
-    directory = Path(socket_path).parent
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
-
-
 def remove_stale_leftovers(socket_path: str) -> None:
-    """Refuse to start over a live server; clean up after a dead one (its socket and,
-    when it was killed, its shared-memory file)."""
-    if os.path.exists(socket_path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(socket_path)
-        except OSError:
-            os.unlink(socket_path)
-        else:
-            raise RuntimeError(f"another server already listens on {socket_path}")
-        finally:
-            probe.close()
-    record = Path(socket_path + ".pool")
-    with contextlib.suppress(OSError):
-        previous = record.read_text().strip()
-        if _POOL_NAME.match(previous):
-            remove_shared_pool(previous)
-        record.unlink()
-
-
-def _record_pool_path(socket_path: str, pool_path: str) -> None:
-    record = socket_path + ".pool"
-    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(pool_path + "\n")
+    """Best-effort clean-up after a server that is gone (tests' `stop_server`): when no
+    live server holds the socket path's lock, remove the dead one's socket and pool file;
+    otherwise touch nothing."""
+    ownership = SocketOwnership.try_acquire(os.path.abspath(socket_path))
+    if ownership is None:
+        return
+    try:
+        ownership.clear_leftovers(strict=False)
+    finally:
+        ownership.release()
 
 
 def _bind(
@@ -392,17 +372,27 @@ def _persist(core: StoreCore) -> None:
     print(json.dumps({"event": "persisted", "objects": written}), file=sys.stderr, flush=True)
 
 
+def _report_cold_tier(cold: ColdTier) -> None:
+    """One line at start: what the SSD tier kept from before, and what it lost."""
+    figures = stats_dict(cold.stats())
+    event = {"event": "ssd_opened", "objects": figures.get("objects"),
+             "dropped_at_open": figures.get("dropped_at_open")}
+    print(json.dumps(event), file=sys.stderr, flush=True)
+
+
 def _shut_down(
-    server: _StoreServer | None, socket_path: str, pool: SharedPool, cold: ColdTier | None
+    server: _StoreServer | None,
+    ownership: SocketOwnership,
+    pool: SharedPool | None,
+    cold: ColdTier | None,
 ) -> None:
     if server is not None:
         server.server_close()
         server.drop_connections()
-        with contextlib.suppress(OSError):
-            os.unlink(socket_path)
-    remove_shared_pool(pool.path)
-    with contextlib.suppress(OSError):
-        os.unlink(socket_path + ".pool")
+    if pool is not None:
+        release_shared_pool(pool)
     if cold is not None:
         cold.close()
-    print(json.dumps({"event": "stopped", "socket": socket_path}), file=sys.stderr, flush=True)
+    ownership.release()
+    print(json.dumps({"event": "stopped", "socket": ownership.socket_path}), file=sys.stderr,
+          flush=True)

@@ -7,13 +7,26 @@ tracker, which unlinks it when that process exits (docs/backends.md).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SHM_DIRECTORY", "SharedPool", "create_shared_pool", "map_shared_pool", "remove_shared_pool"]
+from umbp.runtime.private_files import check_private_descriptor
+
+__all__ = [
+    "SHM_DIRECTORY",
+    "SharedPool",
+    "create_shared_pool",
+    "map_shared_pool",
+    "release_shared_pool",
+    "remove_shared_pool",
+    "remove_stale_pool",
+]
 
 SHM_DIRECTORY = Path("/dev/shm")
 
@@ -26,6 +39,9 @@ class SharedPool:
     nbytes: int
     mapping: mmap.mmap
     view: memoryview
+    lock_fd: int | None = None
+    """The creator's descriptor, flocked for the pool's life: how a later server tells a
+    live pool (locked) from one a killed server left behind (`remove_stale_pool`)."""
 
 
 def create_shared_pool(nbytes: int, directory: Path = SHM_DIRECTORY) -> SharedPool:
@@ -34,20 +50,45 @@ def create_shared_pool(nbytes: int, directory: Path = SHM_DIRECTORY) -> SharedPo
     mapped."""
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
+    _require_room(directory, nbytes)
     path = str(directory / f"umbp-{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # the umask must not loosen or tighten it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as error:
+            raise OSError(
+                error.errno,
+                f"cannot allocate the {nbytes}-byte DRAM tier in {directory} "
+                f"({os.strerror(error.errno or errno.ENOSPC)}); lower --capacity or enlarge "
+                f"{directory}",
+            ) from None
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
         _unlink_quietly(path)
         raise
-    os.close(fd)
     _advise(mapping)
-    return SharedPool(path, nbytes, mapping, memoryview(mapping))
+    return SharedPool(path, nbytes, mapping, memoryview(mapping), lock_fd=fd)
+
+
+def _require_room(directory: Path, nbytes: int) -> None:
+    """Refuse at once, with the figures, a pool the filesystem cannot hold (rather than
+    after a long posix_fallocate that fails anyway)."""
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return  # posix_fallocate will say
+    free = info.f_bavail * info.f_frsize
+    if nbytes > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"the DRAM tier needs {nbytes} bytes but {directory} has {free} free; "
+            f"lower --capacity or enlarge {directory}",
+        )
 
 
 def map_shared_pool(path: str, nbytes: int) -> SharedPool:
@@ -68,6 +109,33 @@ def map_shared_pool(path: str, nbytes: int) -> SharedPool:
 
 def remove_shared_pool(path: str) -> None:
     _unlink_quietly(path)
+
+
+def release_shared_pool(pool: SharedPool) -> None:
+    """The creator's end: remove the file, then drop the lock that marked it live."""
+    remove_shared_pool(pool.path)
+    if pool.lock_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(pool.lock_fd)
+
+
+def remove_stale_pool(path: str) -> bool:
+    """Remove the pool file at `path` only when it is provably a dead server's of this
+    user: a regular file of ours that no live server holds locked. True when removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone already, or a symlink: not ours to touch
+    try:
+        check_private_descriptor(fd, path, "pool file")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # UnsafePath, or BlockingIOError: a live server holds it
+        return False
+    else:
+        _unlink_quietly(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _advise(mapping: mmap.mmap) -> None:
