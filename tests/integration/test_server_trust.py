@@ -459,3 +459,46 @@ def test_objects_lost_at_restart_are_logged_and_counted(workdir: Path) -> None:
         assert "damaged or truncated superblock" in log.read_text()
     finally:
         stop_server(server, sock)
+
+
+# ------------------------------------------------------------------ stats
+
+
+def test_umbp_stats_after_a_restart_served_from_ssd_shows_hits_not_misses(
+    workdir: Path,
+) -> None:
+    """Everything restored from SSD after a restart: hits (all of them SSD hits), no
+    misses, and `umbp stats` does not count its own connection."""
+    sock = str(workdir / "run" / "umbp.sock")
+    keys = [f"obj-{index}" for index in range(12)]
+
+    def start() -> subprocess.Popen[bytes]:
+        return start_server(sock, 1 * MIB, page_bytes=4096, ssd_dir=str(workdir / "ssd"),
+                            ssd_capacity_bytes=4 * MIB, log_path=str(workdir / "s.log"),
+                            persist_on_exit=True)
+
+    server = start()
+    with ServerStore(sock) as store:
+        assert store.put_batch(keys, [payload(i, 10 * KIB) for i in range(12)]) == (True,) * 12
+    stop_server(server, sock)
+    server = start()
+    try:
+        with ServerStore(sock) as store:
+            answers = read_back(store, keys, 10 * KIB)
+        assert answers == [(LoadStatus.HIT, payload(i, 10 * KIB)) for i in range(12)]
+        command = [sys.executable, "-m", "umbp.cli", "stats", "--socket", sock]
+        raw = subprocess.run([*command, "--json"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, check=True)  # fmt: skip
+        figures = json.loads(raw.stdout)
+        counters = figures["counters"]
+        assert (counters["hits"], counters["hits_from_ssd"], counters["misses"]) == (12, 12, 0)
+        assert figures["sessions"]["connections"] == 0
+        table = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60,
+                               check=True).stdout  # fmt: skip
+        assert any(line.split() == ["other", "connections", "now", "0", "(puts", "in",
+                                    "flight", "0,", "gets", "in", "flight", "0)"]
+                   for line in table.splitlines()), table  # fmt: skip
+        assert any(line.split() == ["of", "them", "from", "SSD", "12"]
+                   for line in table.splitlines()), table
+    finally:
+        stop_server(server, sock)
