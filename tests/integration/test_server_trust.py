@@ -142,7 +142,8 @@ def test_only_what_is_provably_a_dead_servers_is_deleted(workdir: Path) -> None:
     target = workdir / "target"
     target.write_text("keep me")
     (workdir / "link.sock").symlink_to(target)
-    assert "is not a socket" in serve_fails("--socket", str(workdir / "link.sock"), "--capacity", "1M")
+    error = serve_fails("--socket", str(workdir / "link.sock"), "--capacity", "1M")
+    assert "is not a socket" in error
     assert target.read_text() == "keep me"
 
     first, second = str(workdir / "first.sock"), str(workdir / "second.sock")

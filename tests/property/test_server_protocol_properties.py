@@ -22,7 +22,6 @@ import random
 import shutil
 import socket
 import struct
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -36,7 +35,7 @@ from hypothesis import strategies as st
 
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore, protocol
-from umbp.runtime.server.launch import serve_command, start_server, stop_server
+from umbp.runtime.server.launch import start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -83,14 +82,17 @@ def server() -> Iterator[Server]:
 
 junk = st.one_of(
     st.none(), st.booleans(), st.floats(allow_nan=True), st.integers(-(1 << 70), 1 << 70),
-    st.text(max_size=8), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.text(max_size=8), st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
 good_key = st.sampled_from(ATTACK_KEYS)
 bad_key = st.one_of(
     junk, st.just(""), st.just("x" * 961), st.just("a\x00b"), st.just("\ud800"),
     st.lists(st.text(max_size=2), max_size=2),
 )
-key_list = st.lists(st.one_of(good_key, good_key, bad_key), max_size=6) | st.lists(good_key, max_size=6)
+key_list = st.lists(st.one_of(good_key, good_key, bad_key), max_size=6) | st.lists(
+    good_key, max_size=6
+)
 good_size = st.integers(0, 24 * PAGE)
 size_list = st.lists(
     st.one_of(good_size, good_size, st.integers(-5, -1), st.floats(), st.just(1 << 60),
@@ -318,7 +320,8 @@ def test_the_malformed_requests_of_the_issue_change_nothing(server: Server) -> N
     sock.connect(server.socket)
     try:
         # A real reservation first, so that the bad COMMIT_PUTs have one to damage.
-        sock.sendall(protocol.encode_json(protocol.BEGIN_PUT, {"keys": ["hand-9"], "sizes": [PAGE]}))
+        reserve = {"keys": ["hand-9"], "sizes": [PAGE]}
+        sock.sendall(protocol.encode_json(protocol.BEGIN_PUT, reserve))
         op, _ = protocol.read_frame(sock, protocol.Deadline(20.0))
         assert op == protocol.OK
         before = server.store.server_stats()
@@ -389,13 +392,9 @@ def _rss_kib(pid: int) -> int:
 def test_connections_beyond_the_limit_are_refused_with_a_reason() -> None:
     directory = Path(tempfile.mkdtemp(prefix="umbp-c-", dir="/tmp"))
     path = str(directory / "umbp.sock")
-    command = serve_command(path, 1 << 20, page_bytes=PAGE, max_connections=4)
-    log = open(directory / "serve.log", "wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process = start_server(path, 1 << 20, page_bytes=PAGE, max_connections=4,
+                           log_path=str(directory / "serve.log"))
     try:
-        deadline = time.monotonic() + 30
-        while not Path(path).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
         held = []
         for _ in range(4):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -427,5 +426,4 @@ def test_connections_beyond_the_limit_are_refused_with_a_reason() -> None:
             sock.close()
     finally:
         stop_server(process, path)
-        log.close()
         shutil.rmtree(directory, ignore_errors=True)

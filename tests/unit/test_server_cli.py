@@ -26,6 +26,34 @@ def test_a_byte_count_that_is_not_one_is_refused() -> None:
         _byte_count("lots")
 
 
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("infG", "not a byte count"), ("nanM", "not a byte count"), ("-5", "not a byte count"),
+     ("1e3", "not a byte count"), ("1.5", "not a whole number"), ("0.3K", "not a whole number"),
+     ("1EiB", "outside [0, 1125899906842624]"), ("2P", "outside")],
+)  # fmt: skip
+def test_absurd_byte_counts_are_refused_naming_the_problem(text: str, reason: str) -> None:
+    """They used to give tracebacks (`infG`: OverflowError; `1EiB`: a MemoryError later)."""
+    with pytest.raises(argparse.ArgumentTypeError, match=reason.replace("[", r"\[")):
+        _byte_count(text)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--high-watermark", "nan"), ("--low-watermark", "inf"), ("--frame-timeout", "0"),
+     ("--frame-timeout", "nan"), ("--max-connections", "0"), ("--max-connections", "5000"),
+     ("--page-bytes", "8"), ("--capacity", "infG")],
+)  # fmt: skip
+def test_serve_options_out_of_range_exit_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    arguments = ["serve", "--socket", str(tmp_path / "s.sock"), "--capacity", "1M", option, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
 def test_serve_refuses_a_capacity_below_one_page(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,8 +14,8 @@ import xxhash
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier
-from umbp.runtime.server.state import Session, StoreCore
 from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.server.state import Session, StoreCore
 from umbp.runtime.ssd_tier import SsdTier
 
 PAGE = 4096
@@ -325,7 +325,7 @@ def test_a_bad_commit_or_end_changes_nothing_and_a_drop_releases_it(
     rig = Rig(16, cold=ssd)
     rig.put({"a": b"a" * PAGE})
     session = rig.core.open_session()
-    token, answers = rig.core.begin_put(session, ["b", "c"], [PAGE, 2 * PAGE])
+    token, _ = rig.core.begin_put(session, ["b", "c"], [PAGE, 2 * PAGE])
     with pytest.raises(RequestRefused):
         rig.core.commit_put(session, token, [1])
     with pytest.raises(RequestRefused):

@@ -149,7 +149,8 @@ class SocketOwnership:
         """Name the live pool beside the socket, for the next holder after a kill."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.record_path)
-        fd = open_private_file(self.record_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "pool record")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = open_private_file(self.record_path, flags, "pool record")
         with os.fdopen(fd, "w") as out:
             out.write(pool_path + "\n")
 

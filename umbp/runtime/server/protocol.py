@@ -122,7 +122,9 @@ def read_request(
         op, length = HEADER.unpack(header)
         limit = body_limit(op)
         if length > limit:
-            raise ProtocolError(f"a body of {length} bytes for op {op} exceeds its limit of {limit}")
+            raise ProtocolError(
+                f"a body of {length} bytes for op {op} exceeds its limit of {limit}"
+            )
         return op, _read_chunked(sock, length, deadline)
     except TimeoutError:
         raise ProtocolError(

@@ -161,7 +161,9 @@ def _exact_fields(fields: dict[str, Any], names: tuple[str, ...]) -> None:
     if set(fields) != set(names):
         missing = sorted(set(names) - set(fields))
         extra = sorted(set(fields) - set(names))
-        raise BadRequest(f"fields must be exactly {list(names)}: missing {missing}, unknown {extra}")
+        raise BadRequest(
+            f"fields must be exactly {list(names)}: missing {missing}, unknown {extra}"
+        )
 
 
 def _list(value: Any, name: str) -> list[Any]:
@@ -193,7 +195,9 @@ def _keys(value: Any) -> tuple[str, ...]:
         except UnicodeEncodeError:
             raise BadRequest(f"keys[{position}] is not valid Unicode (a lone surrogate)") from None
         if encoded > MAX_KEY_BYTES:
-            raise BadRequest(f"keys[{position}] has {encoded} UTF-8 bytes, more than {MAX_KEY_BYTES}")
+            raise BadRequest(
+                f"keys[{position}] has {encoded} UTF-8 bytes, more than {MAX_KEY_BYTES}"
+            )
         if _CONTROL.search(key):
             raise BadRequest(f"keys[{position}] contains a control character")
     return tuple(keys)

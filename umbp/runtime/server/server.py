@@ -37,10 +37,10 @@ from typing import Any
 
 from umbp.runtime.server import protocol, schema
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
-from umbp.runtime.server.state import RequestRefused, Session, StoreCore
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.ownership import SocketOwnership
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
+from umbp.runtime.server.state import RequestRefused, Session, StoreCore
 
 __all__ = ["ServerConfig", "serve"]
 
@@ -89,7 +89,8 @@ class ServerConfig:
             raise ValueError("ssd_capacity_bytes needs ssd_dir")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ValueError(
-                f"max_connections must be in [1, {MAX_CONNECTIONS_LIMIT}], got {self.max_connections}"
+                f"max_connections must be in [1, {MAX_CONNECTIONS_LIMIT}], "
+                f"got {self.max_connections}"
             )
         if not 0.01 <= self.frame_timeout_s <= 3600:
             raise ValueError(f"frame_timeout_s must be in [0.01, 3600], got {self.frame_timeout_s}")
