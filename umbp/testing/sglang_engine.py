@@ -31,6 +31,8 @@ __all__ = [
     "build_hash_extension",
     "cpu_environment",
     "engine_arguments",
+    "finish_hash_extension_build",
+    "start_hash_extension_build",
     "umbp_storage",
 ]
 
@@ -53,14 +55,31 @@ def cpu_environment(torch_extensions_dir: str | os.PathLike[str]) -> dict[str, s
     return environment
 
 
-def build_hash_extension(environment: Mapping[str, str], timeout_s: float = 600.0) -> None:
-    """Compile SGLang's page-hash C++ extension once, before any engine starts."""
-    subprocess.run(
-        [sys.executable, "-c", "from sglang.srt.mem_cache.cpp_utils.native_hash import "
-         "_load_native_hash_module as load; load()"],
-        env=dict(environment), check=True, timeout=timeout_s,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def start_hash_extension_build(environment: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start compiling SGLang's page-hash C++ extension (needs g++ and libssl-dev) into
+    the environment's TORCH_EXTENSIONS_DIR. Call it only while no engine of that folder
+    runs: it first removes the locks killed engines left there, which would otherwise
+    block every later engine forever."""
+    extensions = Path(environment["TORCH_EXTENSIONS_DIR"])
+    if extensions.is_dir():
+        for lock in extensions.rglob("lock"):
+            lock.unlink()
+    return subprocess.Popen(
+        [sys.executable, "-c", ("from sglang.srt.mem_cache.cpp_utils.native_hash import "
+                                "_load_native_hash_module as load; load()")],
+        env=dict(environment), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
+
+
+def finish_hash_extension_build(build: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
+    _, errors = build.communicate(timeout=timeout_s)
+    if build.returncode:
+        raise RuntimeError(f"building SGLang's hash extension failed: {errors.decode()[-2000:]}")
+
+
+def build_hash_extension(environment: Mapping[str, str], timeout_s: float = 900.0) -> None:
+    """Compile SGLang's page-hash extension once, before any engine starts."""
+    finish_hash_extension_build(start_hash_extension_build(environment), timeout_s)
 
 
 def umbp_storage(**options: Any) -> dict[str, Any]:
@@ -101,7 +120,10 @@ class SGLangEngineProcess:
     """One engine in a child process; ``close`` stops it (and kills it if it hangs)."""
 
     def __init__(self, arguments: Mapping[str, Any], environment: Mapping[str, str],
-                 log_path: str | os.PathLike[str], start_timeout_s: float = 600.0) -> None:
+                 log_path: str | os.PathLike[str], start_timeout_s: float = 600.0,
+                 wait: bool = True) -> None:
+        """Start the child; with ``wait=False`` call :meth:`wait_until_ready` later
+        (engines start faster side by side than one after another)."""
         self._log = open(log_path, "ab")
         self.log_path = str(log_path)
         self._process = subprocess.Popen(
@@ -109,13 +131,23 @@ class SGLangEngineProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             env=dict(environment), start_new_session=True,
         )
+        self._start_timeout_s = start_timeout_s
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
         try:
-            self._expect_ready(start_timeout_s)
+            self._expect_ready(self._start_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 max_new_tokens: int) -> list[dict[str, Any]]:
         answer = self._call({"op": "generate", "prompts": [list(p) for p in prompts],
                              "max_new_tokens": max_new_tokens})
         outputs: list[dict[str, Any]] = answer["outputs"]
@@ -126,7 +158,7 @@ class SGLangEngineProcess:
             try:
                 self._call({"op": "stop"})
                 self._process.wait(timeout=60)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - a hung child is killed below
                 pass
         if self._process.poll() is None:
             os.killpg(self._process.pid, 9)
@@ -189,7 +221,7 @@ def _serve(arguments: dict[str, Any]) -> None:
                     _generate_one(engine, prompt, int(request["max_new_tokens"]))
                     for prompt in request["prompts"]
                 ]}
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - reported to the parent
                 answer = {"error": f"{type(error).__name__}: {error}"}
             out.write(json.dumps(answer) + "\n")
             out.flush()

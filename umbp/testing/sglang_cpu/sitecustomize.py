@@ -54,12 +54,13 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[Any], dst_ptrs: Sequen
 
 
 def _patch_common(module: ModuleType) -> None:
-    setattr(module, "_cuda_host_register", _no_host_register)
-    setattr(module, "_cuda_host_unregister", _no_host_register)
+    # setattr: these names are SGLang's module globals, unknown to mypy
+    setattr(module, "_cuda_host_register", _no_host_register)  # noqa: B010
+    setattr(module, "_cuda_host_unregister", _no_host_register)  # noqa: B010
 
 
 def _patch_base(module: ModuleType) -> None:
-    setattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES", _HOST_RESERVE_BYTES)
+    setattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES", _HOST_RESERVE_BYTES)  # noqa: B010
 
 
 def _patch_transfer_ops(module: ModuleType) -> None:
@@ -67,7 +68,7 @@ def _patch_transfer_ops(module: ModuleType) -> None:
                transfer_kv_all_layer_direct_lf_pf):
         setattr(module, op.__name__, op)
     if hasattr(module, "_cuda_host_unregister"):
-        setattr(module, "_cuda_host_unregister", _no_host_register)
+        setattr(module, "_cuda_host_unregister", _no_host_register)  # noqa: B010
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {

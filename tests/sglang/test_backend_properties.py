@@ -1,0 +1,130 @@
+"""Properties of UMBPHiCacheStore itself, on a real embedded SlabPool.
+
+The host pool is a small stand-in with the ``page_first_direct`` page semantics of
+SGLang's MHA host pool (K and V of a page, every layer, as one flat page), so that the
+properties can see every slot: a load writes only the pages it was asked for and only
+the leading intact ones; a corrupt object is reported False and never reaches the host
+pool; the hit count is the leading run of stored pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+from umbp.runtime.embedded import local_pools
+from umbp.sglang.hicache_storage import UMBPHiCacheStore
+
+PAGE_SIZE = 4
+PAGES = 12
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+class PageFirstDirectHost:
+    """What the backend uses of SGLang's MHATokenToKVPoolHost, same page semantics."""
+
+    layout = "page_first_direct"
+    dtype = torch.float32
+    page_size = PAGE_SIZE
+    layer_num = LAYERS
+    head_num = HEADS
+    head_dim = DIM
+    v_head_dim = DIM
+
+    def __init__(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn((2, PAGES, LAYERS, PAGE_SIZE, HEADS, DIM),
+                                     generator=generator)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index // PAGE_SIZE : index // PAGE_SIZE + 1]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.kv_buffer[:, index // PAGE_SIZE : index // PAGE_SIZE + 1] = data_page.reshape(
+            2, 1, LAYERS, PAGE_SIZE, HEADS, DIM)
+
+
+def _backend(host: PageFirstDirectHost, tp_rank: int = 0) -> UMBPHiCacheStore:
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name="tiny", extra_config={"backend_name": "umbp_store", "interface_v1": 1,
+                                         "mode": "embedded", "capacity_bytes": 1 << 20})
+    backend = UMBPHiCacheStore(config, {})
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def _indices(slots: list[int]) -> torch.Tensor:
+    return torch.tensor([slot * PAGE_SIZE + offset for slot in slots
+                         for offset in range(PAGE_SIZE)], dtype=torch.int64)
+
+
+def _flip(backend: UMBPHiCacheStore, page_hash: str) -> None:
+    (key,) = backend._keys([page_hash]) or ()
+    (pool,) = [pool for pool in local_pools() if key in pool.stored_keys()]
+    offset, _ = pool.object_regions(key)[0]
+    pool.slab_view()[offset + 3] ^= 0xFF
+
+
+hashes = st.lists(st.binary(min_size=32, max_size=32).map(bytes.hex), min_size=1,
+                  max_size=6, unique=True)
+
+
+@settings(max_examples=25)
+@given(hashes, st.data())
+def test_hits_loads_and_corruption(page_hashes: list[str], data: Any) -> None:
+    count = len(page_hashes)
+    stored = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    corrupt = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    source_slots = data.draw(st.permutations(range(PAGES)))[:count]
+    target_slots = data.draw(st.permutations(range(PAGES)))[:count]
+    source = PageFirstDirectHost(seed=1)
+    backend = _backend(source)
+    try:
+        chosen = [i for i in range(count) if stored[i]]
+        if chosen:
+            assert all(backend.batch_set_v1([page_hashes[i] for i in chosen],
+                                            _indices([source_slots[i] for i in chosen])))
+        leading_stored = stored.index(False) if False in stored else count
+        assert backend.batch_exists(page_hashes) == leading_stored
+
+        for i in chosen:
+            if corrupt[i]:
+                _flip(backend, page_hashes[i])
+        target = PageFirstDirectHost(seed=2)
+        before = target.kv_buffer.clone()
+        backend.mem_pool_host = target  # the same store, loading into another host pool
+        results = backend.batch_get_v1(page_hashes, _indices(target_slots))
+
+        intact = [stored[i] and not corrupt[i] for i in range(count)]
+        leading = intact.index(False) if False in intact else count
+        assert results == [i < leading for i in range(count)]
+        for slot in range(PAGES):
+            written = [i for i in range(leading) if target_slots[i] == slot]
+            now = target.kv_buffer[:, slot]
+            if written:
+                assert torch.equal(now, source.kv_buffer[:, source_slots[written[0]]])
+            else:  # a page not asked for, or not restored, is untouched
+                assert torch.equal(now, before[:, slot])
+    finally:
+        backend.close()
+
+
+@given(hashes)
+def test_each_tp_rank_stores_and_asks_only_its_own_keys(page_hashes: list[str]) -> None:
+    rank0 = _backend(PageFirstDirectHost(seed=1), tp_rank=0)
+    rank1 = _backend(PageFirstDirectHost(seed=1), tp_rank=1)
+    try:
+        keys0, keys1 = rank0._keys(page_hashes), rank1._keys(page_hashes)
+        assert keys0 is not None and keys1 is not None
+        assert not set(keys0) & set(keys1)
+        assert rank0.namespace == rank1.namespace
+    finally:
+        rank0.close()
+        rank1.close()

@@ -1,0 +1,186 @@
+"""Real SGLang engines (CPU, random-weight llama, float32) with umbp as HiCache's storage.
+
+Engine A stores through umbp into a real ``umbp serve``; engine B, a fresh process,
+restores from it. Every generation is compared with a plain SGLang engine without
+HiCache. Faults are real: bytes flipped in the server's shared-memory pool, the server
+killed with SIGKILL while B serves. The engines are shared by the tests of this module
+(they run in file order; each later test builds on what the earlier ones left).
+
+Runs in .venv-sglang (``make test`` builds it); see docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from umbp.runtime.server.client import ServerStore
+from umbp.runtime.server.launch import start_server, stop_server
+from umbp.testing.models import llama_recipe, write_random_model
+from umbp.testing.sglang_engine import (
+    SGLangEngineProcess,
+    cpu_environment,
+    engine_arguments,
+    finish_hash_extension_build,
+    start_hash_extension_build,
+    umbp_storage,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPT_TOKENS = 512
+PAGE_SIZE = 16
+NEW_TOKENS = 8
+PROMPTS = {name: [random.Random(seed).randrange(1, 500) for _ in range(PROMPT_TOKENS)]
+           for seed, name in enumerate(["restore", "corrupt", "killed", "after_kill"])}
+# Full pages of a prompt: SGLang stores only full pages.
+PAGES_PER_PROMPT = PROMPT_TOKENS // PAGE_SIZE
+
+
+@dataclass
+class World:
+    socket: str
+    server: subprocess.Popen[bytes]
+    engine_b: SGLangEngineProcess
+    reference: dict[str, list[int]]
+    from_a: dict[str, dict[str, Any]]
+    pages_of: dict[str, range]
+    log_dir: Path
+    closed: list[SGLangEngineProcess] = field(default_factory=list)
+
+
+def _used_pages(socket: str) -> int:
+    with ServerStore(socket) as store:
+        figures = store.server_stats()
+    return int(figures["dram"]["used_bytes"]) // int(figures["server"]["page_bytes"])
+
+
+def _wait_for_objects(socket: str, count: int, timeout_s: float = 120.0) -> int:
+    """SGLang writes pages to storage asynchronously: poll the server."""
+    deadline = time.monotonic() + timeout_s
+    with ServerStore(socket) as store:
+        while True:
+            objects = store.stats().objects
+            if objects >= count or time.monotonic() > deadline:
+                return objects
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    work = tmp_path_factory.mktemp("sglang")
+    model = str(write_random_model(llama_recipe(), work / "model"))
+    environment = cpu_environment(os.environ.get("UMBP_TEST_TORCH_EXTENSIONS_DIR",
+                                                 str(work / "torch-extensions")))
+    socket = str(work / "umbp.sock")
+    server = start_server(socket, 256 << 20)
+    storage = umbp_storage(mode="server", endpoint=socket, io_timeout_s=2.0,
+                           reconnect_interval_s=0.5)
+    with_umbp = engine_arguments(model, storage_backend="dynamic", storage_config=storage)
+    build = start_hash_extension_build(environment)
+    # Side by side: engine starts are mostly waiting, and the extension is needed
+    # only by the first storage lookup.
+    plain = SGLangEngineProcess(engine_arguments(model, hicache=False), environment,
+                                work / "plain.log", wait=False)
+    engine_a = SGLangEngineProcess(with_umbp, environment, work / "a.log", wait=False)
+    engine_b = None
+    try:
+        finish_hash_extension_build(build)
+        plain.wait_until_ready()
+        reference = {name: out["tokens"] for name, out in
+                     zip(PROMPTS, plain.generate(list(PROMPTS.values()), NEW_TOKENS))}
+        plain.close()
+        engine_a.wait_until_ready()
+        from_a: dict[str, dict[str, Any]] = {}
+        pages_of: dict[str, range] = {}
+        for number, (name, prompt) in enumerate(PROMPTS.items(), start=1):
+            before = _used_pages(socket)
+            (from_a[name],) = engine_a.generate([prompt], NEW_TOKENS)
+            _wait_for_objects(socket, number * PAGES_PER_PROMPT)
+            pages_of[name] = range(before, _used_pages(socket))
+        engine_a.close()
+        engine_b = SGLangEngineProcess(with_umbp, environment, work / "b.log")
+        yield World(socket, server, engine_b, reference, from_a, pages_of, work)
+    finally:
+        for engine in (plain, engine_a, engine_b):
+            if engine is not None:
+                engine.close()
+        stop_server(server, socket)
+
+
+def test_engine_a_stores_every_full_page_and_generates_what_plain_sglang_does(
+    world: World,
+) -> None:
+    for name, output in world.from_a.items():
+        assert output["tokens"] == world.reference[name], name
+        assert output["details"].get("storage", 0) == 0, "nothing was stored before A"
+    assert _wait_for_objects(world.socket, 0) >= len(PROMPTS) * PAGES_PER_PROMPT
+
+
+def test_a_fresh_engine_restores_the_prefix_from_umbp_serve(world: World) -> None:
+    (output,) = world.engine_b.generate([PROMPTS["restore"]], NEW_TOKENS)
+    assert output["details"]["storage_backend"] == "UMBPHiCacheStore"
+    restored = output["details"]["storage"]
+    # SGLang computes at least the last prompt token itself.
+    assert PROMPT_TOKENS - 2 * PAGE_SIZE <= restored < PROMPT_TOKENS
+    assert output["tokens"] == world.reference["restore"] == world.from_a["restore"]["tokens"]
+
+
+def _flip_a_byte_of_server_page(socket: str, page: int) -> None:
+    """Corrupt one page of the server's DRAM pool from outside, through its file."""
+    with ServerStore(socket) as store:
+        figures = store.server_stats()["server"]
+    path, size = figures["shm_path"], int(figures["shm_bytes"])
+    page_bytes = int(figures["page_bytes"])
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(descriptor, size) as pool:
+            pool[page * page_bytes + 100] ^= 0xFF
+    finally:
+        os.close(descriptor)
+
+
+def test_a_corrupted_stored_byte_is_detected_and_recomputed(world: World) -> None:
+    """One byte of one page of the prompt's objects (the server hands out free pages in
+    order, so A's objects for this prompt lie in the pages it took while storing it)."""
+    pages = world.pages_of["corrupt"]
+    assert len(pages) >= PAGES_PER_PROMPT
+    with ServerStore(world.socket) as store:
+        corrupt_before = store.stats().corrupt_loads
+    _flip_a_byte_of_server_page(world.socket, pages[len(pages) // 2])
+    (output,) = world.engine_b.generate([PROMPTS["corrupt"]], NEW_TOKENS)
+    assert output["tokens"] == world.reference["corrupt"], "a corrupted page was served"
+    # Pages before the corrupt one may restore; it and every later one are recomputed.
+    assert output["details"].get("storage", 0) < PROMPT_TOKENS - PAGE_SIZE
+    with ServerStore(world.socket) as store:
+        assert store.stats().corrupt_loads == corrupt_before + 1
+
+
+def test_the_server_killed_mid_run_costs_hits_not_requests(world: World) -> None:
+    # Killed while B serves a request: whichever step it lands in, the request completes.
+    killer = threading.Timer(0.3, os.kill, (world.server.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        (during,) = world.engine_b.generate([PROMPTS["killed"]], NEW_TOKENS)
+    finally:
+        killer.join()
+    world.server.wait(timeout=30)
+    assert during["tokens"] == world.reference["killed"]
+    # Its pages were stored intact by A: with the server gone they cost hits only.
+    (after,) = world.engine_b.generate([PROMPTS["after_kill"]], NEW_TOKENS)
+    assert after["tokens"] == world.reference["after_kill"]
+    assert after["details"].get("storage", 0) == 0
+    # And B keeps serving what it holds itself.
+    (again,) = world.engine_b.generate([PROMPTS["restore"]], NEW_TOKENS)
+    assert again["tokens"] == world.reference["restore"]
