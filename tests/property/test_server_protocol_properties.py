@@ -48,6 +48,9 @@ ALL_OPS = (
 )
 LAST_TOKEN = "$last"  # replaced by the token of the attacker's latest BEGIN_* answer
 FIT = "$fit"  # replaced by one checksum (or null) per key the latest BEGIN_PUT reserved
+ONE_MORE = "$fit+1"  # one checksum more than that (well-formed, but not this batch's count)
+ONE_LESS = "$fit-1"  # one fewer
+OUTSIDE = "$outside"  # a corrupt position just past the latest BEGIN_GET's keys
 
 
 class Server:
@@ -190,13 +193,15 @@ def transaction(draw: st.DrawFn) -> list[tuple[str, int, Any]]:
     if draw(st.booleans()):
         sizes = draw(st.lists(good_size, min_size=len(keys), max_size=len(keys)))
         begin = ("json", protocol.BEGIN_PUT, {"keys": keys, "sizes": sizes})
-        closing = draw(with_damage({"token": LAST_TOKEN, "checksums": FIT}))
+        counts = st.sampled_from([FIT, FIT, ONE_MORE, ONE_LESS])
+        closing = draw(with_damage({"token": LAST_TOKEN, "checksums": draw(counts)}))
         end = ("json", protocol.COMMIT_PUT, closing)
     else:
         begin = ("json", protocol.BEGIN_GET, {"keys": list(GOOD) + keys,
                                               "sizes": [len(v) for v in GOOD.values()]
                                               + [1] * len(keys)})
-        closing = draw(with_damage({"token": LAST_TOKEN, "corrupt": draw(positions)}))
+        corrupt = draw(st.one_of(positions, st.just(OUTSIDE), st.just([])))
+        closing = draw(with_damage({"token": LAST_TOKEN, "corrupt": corrupt}))
         end = ("json", protocol.END_GET, closing)
     tail = draw(st.sampled_from([[end], [end], [end], [end, end], []]))
     return [begin, *tail]
@@ -214,7 +219,7 @@ def send_sequence(path: str, actions: list[tuple[str, int, Any]], tally: Counter
     """Play `actions` on one connection; True when the attacker reported corruption on
     a well-formed END_GET (which legitimately drops objects)."""
     reported_corrupt = False
-    last_token, last_reserved = 1, 0
+    last_token, last_reserved, last_get_keys = 1, 0, 0
     rng = random.Random(len(actions))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(20.0)
@@ -222,9 +227,14 @@ def send_sequence(path: str, actions: list[tuple[str, int, Any]], tally: Counter
     try:
         for kind, op, payload in actions:
             if kind == "json":
-                fit = [rng.choice([None, rng.getrandbits(64)]) for _ in range(last_reserved)]
+                fit = [None if rng.random() < 0.2 else rng.getrandbits(64)
+                       for _ in range(last_reserved + 1)]
+                placeholders = {
+                    LAST_TOKEN: last_token, FIT: fit[:-1], ONE_MORE: fit,
+                    ONE_LESS: fit[:-2], OUTSIDE: [last_get_keys],
+                }
                 request = {
-                    k: last_token if v == LAST_TOKEN else fit if v == FIT else v
+                    k: placeholders[v] if isinstance(v, str) and v in placeholders else v
                     for k, v in payload.items()
                 }
                 if op == protocol.END_GET and request.get("corrupt"):
@@ -251,6 +261,8 @@ def send_sequence(path: str, actions: list[tuple[str, int, Any]], tally: Counter
                 tally["reserved" if op == protocol.BEGIN_PUT else "pinned"] += held
                 if op == protocol.BEGIN_PUT:
                     last_reserved = held
+                else:
+                    last_get_keys = len(decoded["answers"])
             elif answer_op == protocol.OK and op == protocol.COMMIT_PUT:
                 tally["committed"] += sum(1 for stored in json.loads(answer) if stored)
     except (ConnectionError, TimeoutError):
