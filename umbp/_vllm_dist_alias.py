@@ -71,9 +71,9 @@ class VllmCpuAliasFinder(DistributionFinder):
         return None
 
     def find_distributions(
-        self, context: DistributionFinder.Context = DistributionFinder.Context()
+        self, context: DistributionFinder.Context | None = None
     ) -> Iterable[Distribution]:
-        if context.name is None or _normalized(context.name) != ALIASED:
+        if context is None or context.name is None or _normalized(context.name) != ALIASED:
             return ()
         if any(True for _ in _found(ALIASED, context.path)):
             return ()  # a real vllm is installed

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from returns.result import Failure  # noqa: E402
+from returns.result import Failure
 
-from umbp.core.config import parse_connector_config  # noqa: E402
-from umbp.shell import config_phase  # noqa: E402
-from umbp.shell.logs import ToVllmHandlers, route_to_vllm_logging  # noqa: E402
+from umbp.core.config import parse_connector_config
+from umbp.shell import config_phase
+from umbp.shell.logs import ToVllmHandlers, route_to_vllm_logging
 
 
 def _config(extra: dict[str, object], ranks: int = 1) -> SimpleNamespace:

@@ -66,7 +66,7 @@ def test_socket_has_no_file(pool: SlabPool) -> None:
         service.close()
 
 
-def _lookup_as(uid: int, path: str, answers: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
+def _lookup_as(uid: int, path: str, answers: multiprocessing.Queue[str]) -> None:  # type: ignore[type-arg]
     os.setuid(uid)
     try:
         answers.put(repr(LookupClient(path, timeout_s=5.0).lookup(["a"])))
@@ -93,7 +93,7 @@ def test_another_user_gets_no_answer(pool: SlabPool) -> None:
         service.close()
 
 
-def _serve_in_child(path_out: "multiprocessing.Queue[str]", stop: "multiprocessing.Event") -> None:  # type: ignore[type-arg]
+def _serve_in_child(path_out: multiprocessing.Queue[str], stop: multiprocessing.Event) -> None:  # type: ignore[type-arg]
     with SlabPool(1 << 20, page_bytes=4096) as pool:
         pool.put_batch(["k1"], [memoryview(b"z" * 100)])
         service = LookupService(pool)
@@ -149,7 +149,7 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
 
 
-def _serve_and_die(path_out: "multiprocessing.Queue[str]") -> None:  # type: ignore[type-arg]
+def _serve_and_die(path_out: multiprocessing.Queue[str]) -> None:  # type: ignore[type-arg]
     pool = SlabPool(1 << 20, page_bytes=4096)
     service = LookupService(pool)
     path_out.put(service.path)

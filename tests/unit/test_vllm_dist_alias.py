@@ -62,5 +62,6 @@ def test_the_installed_pth_makes_vllm_metadata_resolvable() -> None:
         "assert cpu is None or v == cpu + '+cpu', (v, cpu)\n"
         "print(v)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr

@@ -174,7 +174,7 @@ class RankedLookup:
         return tuple(merged)
 
     def clear(self) -> bool:
-        return all([store.clear() for store in self._stores.values()])
+        return all([store.clear() for store in self._stores.values()])  # noqa: C419 (clear every store)
 
     def close(self) -> None:
         for store in self._stores.values():

@@ -1,0 +1,216 @@
+"""The serving path as users run it: the ``vllm`` console script's ``vllm serve``
+(an OpenAI-compatible server on 127.0.0.1) with umbp, driven over HTTP by a real
+client. A random-weight float32 model and a tokenizer made locally; float32
+because there a restored prefix must give exactly the tokens of a cold run.
+
+Servers are shared between the tests of a class (each start costs ~1 minute
+here); the two servers of the shared-pool class start concurrently."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from umbp.runtime.server.launch import start_server, stop_server
+from umbp.testing import serve
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+PREFIX_TOKENS = 1024  # 32 blocks of 32
+SUFFIX_TOKENS = 40
+NEW_TOKENS = 12
+VOCAB = 512
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    """``count`` prompts: two long shared prefixes, each prompt its own suffix."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(PREFIX_TOKENS)] for _ in range(2)]
+    return [prefixes[i % 2] + [rng.randrange(3, VOCAB) for _ in range(SUFFIX_TOKENS)]
+            for i in range(count)]
+
+
+def _complete(client: Any, prompt: list[int]) -> tuple[int, list[int], int]:
+    """(HTTP status, generated token ids, cached prompt tokens) of one completion."""
+    answer = client.post("/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True,
+    })
+    if answer.status_code != 200:
+        return answer.status_code, [], 0
+    body = answer.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    return 200, list(body["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
+def _reset_vllm_prefix_cache(client: Any) -> None:
+    """vLLM's own cache only (dev-mode endpoint): the next hits can come from umbp alone."""
+    answer = client.post("/reset_prefix_cache")
+    assert answer.status_code == 200 and answer.json() == {"success": True}
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((name + "{", name + " "))]
+    assert values, f"/metrics has no {name}"
+    return sum(values)
+
+
+def _lookup_folders() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "umbp-lookup-*")))
+
+
+@pytest.fixture(scope="session")
+def served_model(llama_fp32: str) -> str:
+    from umbp.testing.tokenizer import write_word_tokenizer
+
+    write_word_tokenizer(Path(llama_fp32), VOCAB)
+    return llama_fp32
+
+
+@pytest.fixture(scope="module")
+def embedded_server(served_model: str, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[serve.Served, set[str]]]:
+    folders_before = _lookup_folders()
+    args = serve.serve_args(served_model, serve.free_port(),
+                            extra_config={"mode": "embedded", "capacity_bytes": 256 << 20})
+    served = serve.start(args, tmp_path_factory.mktemp("serve") / "vllm.log")
+    try:
+        serve.wait_ready(served)
+        yield served, folders_before
+    finally:
+        serve.stop(served)
+
+
+class TestEmbeddedPool:
+    def test_restored_prefixes_give_the_cold_tokens_over_http(
+        self, embedded_server: tuple[serve.Served, set[str]]
+    ) -> None:
+        served, _ = embedded_server
+        prompts = _prompts(4, seed=11)
+        with httpx.Client(base_url=served.url, timeout=300) as client:
+            cold = [_complete(client, prompt) for prompt in prompts]
+            assert all(status == 200 for status, _, _ in cold)
+            _reset_vllm_prefix_cache(client)
+            restored = [_complete(client, prompt) for prompt in prompts]
+            metrics = client.get("/metrics").text
+        assert [tokens for _, tokens, _ in restored] == [tokens for _, tokens, _ in cold]
+        assert all(len(tokens) == NEW_TOKENS for _, tokens, _ in cold)
+        # vLLM's cache was empty: every cached token of the first request per prefix
+        # came from umbp (whole blocks of the prompt, the last one recomputed).
+        for _, _, cached in restored[:2]:
+            assert cached >= PREFIX_TOKENS, restored
+        assert _metric(metrics, "umbp_worker_loaded_blocks_total") >= 2 * PREFIX_TOKENS // 32
+        assert _metric(metrics, "umbp_worker_stored_blocks_total") > 0
+        assert _metric(metrics, "umbp_scheduler_hit_tokens_total") >= 2 * PREFIX_TOKENS
+
+    def test_umbp_logs_through_vllm_logging(
+        self, embedded_server: tuple[serve.Served, set[str]]
+    ) -> None:
+        log = embedded_server[0].log_text()
+        vllm_line = re.compile(r"^\((APIServer|EngineCore|Worker)[^)]* pid=\d+\) [A-Z]+ ")
+        umbp_lines = [line for line in log.splitlines()
+                      if "umbp" in line and "non-default args" not in line]
+        assert any("umbp worker rank" in line and "mode embedded" in line for line in umbp_lines)
+        assert any("kv_load_failure_policy=recompute" in line for line in umbp_lines)
+        assert any("VLLM_CPU_NUM_OF_RESERVED_CPU=" in line for line in umbp_lines)
+        bare = [line for line in umbp_lines if not vllm_line.match(line)]
+        assert not bare, f"umbp lines outside vLLM's log format: {bare}"
+
+    def test_a_stopped_server_leaves_no_lookup_socket(
+        self, embedded_server: tuple[serve.Served, set[str]]
+    ) -> None:
+        served, folders_before = embedded_server
+        serve.stop(served)  # the fixture's stop is then a no-op
+        assert served.process.returncode is not None
+        assert _lookup_folders() - folders_before == set()
+
+
+def test_a_bad_option_stops_vllm_serve_before_the_model_loads(
+    served_model: str, tmp_path: Path
+) -> None:
+    args = serve.serve_args(served_model, serve.free_port(),
+                            extra_config={"mode": "embedded", "capacity_byte": 1 << 26})
+    served = serve.start(args, tmp_path / "vllm.log")
+    try:
+        returncode = served.process.wait(600)
+    finally:
+        serve.stop(served)
+    log = served.log_text()
+    assert returncode != 0
+    assert "Traceback" not in log, log
+    # No engine process started, so no model was loaded.
+    assert "EngineCore" not in log and "Starting to load model" not in log, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert errors and "capacity_byte" in errors[0], log
+
+
+@pytest.fixture(scope="module")
+def shared_servers(served_model: str, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[tuple[Any, str, list[serve.Served]]]:
+    folder = tmp_path_factory.mktemp("shared")
+    socket_path = str(folder / "umbp.sock")
+    pool = start_server(socket_path, 256 << 20, log_path=str(folder / "umbp.log"))
+    extra = {"mode": "server", "endpoint": socket_path}
+    engines = [serve.start(serve.serve_args(served_model, serve.free_port(), extra_config=extra),
+                           folder / f"vllm-{index}.log") for index in range(2)]
+    try:
+        for engine in engines:
+            serve.wait_ready(engine)
+        yield pool, socket_path, engines
+    finally:
+        for engine in engines:
+            serve.stop(engine)
+        stop_server(pool, socket_path)
+
+
+class TestSharedServer:
+    """Two ``vllm serve`` processes on one ``umbp serve``: one engine's stores are the
+    other's hits; a ``kill -9`` of ``umbp serve`` under load loses no request."""
+
+    def test_one_engines_stores_are_the_others_hits_and_a_killed_pool_loses_nothing(
+        self, shared_servers: tuple[Any, str, list[serve.Served]]
+    ) -> None:
+        pool, _, engines = shared_servers
+        prompts = _prompts(6, seed=23)
+        first, second = (httpx.Client(base_url=e.url, timeout=300) for e in engines)
+        with first, second:
+            reference = [_complete(first, prompt) for prompt in prompts]
+            assert all(status == 200 for status, _, _ in reference)
+            shared = [_complete(second, prompt) for prompt in prompts[:2]]
+            assert [t for _, t, _ in shared] == [t for _, t, _ in reference[:2]]
+            assert all(cached >= PREFIX_TOKENS for _, _, cached in shared), shared
+
+            for client in (first, second):
+                _reset_vllm_prefix_cache(client)
+            jobs = [(client, index) for index in range(len(prompts)) for client in (first, second)]
+            jobs = jobs * 2
+            killed = threading.Event()
+
+            def run(job: tuple[Any, int]) -> tuple[int, int, list[int]]:
+                client, index = job
+                status, tokens, _ = _complete(client, prompts[index])
+                if not killed.is_set():
+                    killed.set()
+                    pool.kill()  # kill -9 while the other requests are in flight
+                return index, status, tokens
+
+            with ThreadPoolExecutor(max_workers=4) as executor:
+                answers = list(executor.map(run, jobs))
+        assert pool.wait(30) is not None
+        assert [status for _, status, _ in answers] == [200] * len(jobs)
+        for index, _, tokens in answers:
+            assert tokens == reference[index][1], index
