@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,3 +129,13 @@ def test_each_tp_rank_stores_and_asks_only_its_own_keys(page_hashes: list[str]) 
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_a_second_host_pool_stops_the_start_with_a_sentence() -> None:
+    """Hybrid models (sliding window, Mamba) need interface v2, which is not implemented."""
+    backend = _backend(PageFirstDirectHost(seed=1))
+    try:
+        with pytest.raises(ValueError, match="interface v1 .* host pool 'mamba'"):
+            backend.register_mem_host_pool_v2(PageFirstDirectHost(seed=2), "mamba")
+    finally:
+        backend.close()

@@ -110,6 +110,15 @@ class UMBPHiCacheStore(HiCacheStorage):
                     "%d-byte pages", self._config.mode, namespace.unwrap(), self._rank,
                     shape.page_bytes)
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid cache controller registers each further pool (sliding-window
+        KV, Mamba state...) here; interface v2 is not implemented, so the engine's start
+        fails with a sentence instead of a NotImplementedError at the first request."""
+        raise ValueError(
+            f"umbp's SGLang storage backend implements HiCache interface v1 (one KV pool) "
+            f"only; this model also has the host pool {str(host_pool_name)!r}, which needs "
+            "interface v2. Run it without --hicache-storage-backend dynamic (umbp).")
+
     @property
     def namespace(self) -> str:
         return self._require_space().namespace
