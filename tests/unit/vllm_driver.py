@@ -53,6 +53,40 @@ def step_starts(output: Any) -> dict[str, int]:
     return starts
 
 
+def vllm_config_for(
+    model_dir: Path, *, block_size: int = 32, max_model_len: int = 1024,
+    max_num_batched_tokens: int = 512, extra: dict[str, Any] | None = None,
+    kv_events: bool = True,
+) -> Any:
+    """An engine's VllmConfig with umbp as its KV connector (no weights are read)."""
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=max_model_len)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+            max_model_len=max_model_len, is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="UMBPStoreConnector", kv_connector_module_path="umbp",
+            kv_role="kv_both",
+            kv_connector_extra_config={"capacity_bytes": 64 << 20, **(extra or {})},
+        ),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
+    )
+
+
 def resolve_layout(vllm_config: Any, specs: Iterable[Any]) -> None:
     """What the engine core does before planning the KV cache: one layout that
     the platform's attention back-ends support."""
@@ -102,14 +136,6 @@ class Driver:
         extra: dict[str, Any] | None = None,
         kv_events: bool = True,
     ) -> None:
-        from vllm.config import (
-            CacheConfig,
-            KVEventsConfig,
-            KVTransferConfig,
-            ModelConfig,
-            SchedulerConfig,
-            VllmConfig,
-        )
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -120,23 +146,9 @@ class Driver:
         import umbp
         from umbp.shell import vllm_compat
 
-        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
-                            max_model_len=max_model_len)
-        self.vllm_config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
-                max_model_len=max_model_len, is_encoder_decoder=False,
-                enable_chunked_prefill=True,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="UMBPStoreConnector", kv_connector_module_path="umbp",
-                kv_role="kv_both",
-                kv_connector_extra_config={"capacity_bytes": 64 << 20, **(extra or {})},
-            ),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events,
-                                            publisher="null"),
+        self.vllm_config = vllm_config_for(
+            model_dir, block_size=block_size, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, extra=extra, kv_events=kv_events,
         )
         self.block_size = block_size
         self.sliding_window = sliding_window
