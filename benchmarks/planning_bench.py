@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.lookup import (
-    LoadSpec,
     LookupGeometry,
     build_lookup_query,
     fold_rank_hits,
@@ -36,17 +35,14 @@ from umbp.core.lookup import (
 )
 from umbp.core.plans import (
     BlockLoadBatch,
-    StoreBatch,
     apply_store_masks,
     load_batch,
-    resident_blocks_from_hits,
-    restored_candidates,
     save_watermark,
     storable_tokens,
-    store_batch,
     store_candidate_ranges,
 )
 from umbp.core.store_events import StoreEvent, pinned_block_ids
+from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
 
 
 def measure_us(call: Callable[[], object], budget_s: float, repeats: int = 5) -> float:
@@ -197,30 +193,22 @@ def store_step_case(requests: int, budget_s: float) -> dict[str, float]:
         hashes = block_hashes(prompt // block_size, salt=index.to_bytes(4, "big"))
         table = (tuple(range(index * 300 + 1, index * 300 + 1 + prompt // block_size)),)
         previous = (index % 6) * chunk
-        per_request.append((f"req-{index}", hashes, table, previous, LoadSpec(0, 1024)))
+        per_request.append((f"req-{index}", hashes, table, previous, 1024))
     reserved = frozenset((0, h) for h in block_hashes(1000, salt=b"reserved"))
 
     def plan_step() -> StoreEvent:
-        batches: list[StoreBatch] = []
-        # The shell's per-step accumulator: a set it owns (a frozenset union per
-        # request would copy the whole reservation 256 times).
-        taken = set(reserved)
-        for request_id, hashes, table, previous, restored in per_request:
+        # The shell's sequence: every request's candidates, one residency check
+        # for the step (every cached block resident), then the batches.
+        candidates: list[StoreCandidates] = []
+        for request_id, hashes, table, previous, cached in per_request:
             limit = storable_tokens(previous + chunk, len(hashes), block_size)
             save_to = save_watermark(previous, limit, block_size)
             ranges = store_candidate_ranges(geometry, previous, save_to, table, frozenset())
             selected = apply_store_masks(ranges, {}).unwrap()
-            check = restored_candidates(
-                geometry, keyspace, selected, table, restored.external_tokens, hashes
-            )
-            resident = resident_blocks_from_hits(check, (True,) * len(check.keys))
-            batch = store_batch(
-                request_id, geometry, selected, table, hashes, resident=resident, reserved=taken
-            )
-            if batch:
-                batches.append(batch)
-                taken.update(batch.identities())
-        event = StoreEvent(0, tuple(batches))
+            candidates.append(StoreCandidates(request_id, selected, table, hashes, cached))
+        check = residency_check(geometry, keyspace, candidates, reserved)
+        planned = plan_stores(geometry, candidates, check, (True,) * len(check.keys), reserved)
+        event = StoreEvent(0, planned.batches)
         pinned_block_ids(event)
         return event
 

@@ -205,3 +205,62 @@ def test_tensor_parallel_2_restores_each_ranks_shard_and_one_missing_rank_makes_
     # batch share the first prompt's blocks): umbp restored nothing.
     assert after["cached"] == first["cached"], "a block missing on rank 1 was restored"
     assert after["cached"][0] == 0 and after["cached"][3] == 0
+
+
+def test_a_prefix_served_from_vllms_cache_is_stored_once_and_again_after_eviction(
+    llama_fp32: str,
+) -> None:
+    # Three prompts share a 10-block prefix, each with 100 tokens of its own (13 full
+    # blocks). A stores all 13. B gets the prefix from vLLM's own cache: the scheduler
+    # finds it in the pool (one residency lookup) and stores only B's 3 new blocks.
+    # The pool is then emptied while vLLM keeps its blocks: C must store all 13 again.
+    prefix = unique_prompts(1, 320, seed=41)[0]
+    a, b, c = (prefix + suffix for suffix in unique_prompts(3, 100, seed=43))
+    steps = ["generate", "stats", "generate_b", "stats", "clear_pools", "generate_c", "stats"]
+    spec = {
+        "model_dir": llama_fp32,
+        "engine": {"block_size": 32, "dtype": "float32"},
+        "prompts": [a], "prompts_b": [b], "prompts_c": [c],
+        "max_tokens": 12,
+        "engines": [
+            {"connector": None, "steps": ["generate", "generate_b", "generate_c"]},
+            {"connector": EMBEDDED, "steps": steps},
+        ],
+    }
+    (base_a, base_b, base_c), (gen_a, after_a, gen_b, after_b, cleared, gen_c, after_c) = (
+        run_scenario(spec)["engines"]
+    )
+    assert (gen_a["tokens"], gen_b["tokens"], gen_c["tokens"]) == (
+        base_a["tokens"], base_b["tokens"], base_c["tokens"]
+    )
+    assert gen_b["cached"] == [320] and gen_c["cached"] == [320]  # vLLM's own hits
+
+    def delta(before: dict[str, Any] | None, after: dict[str, Any], role: str, name: str) -> int:
+        start = 0 if before is None else before[role][name]
+        return int(after[role][name] - start)
+
+    def pool_delta(before: dict[str, Any] | None, after: dict[str, Any], name: str) -> int:
+        start = 0 if before is None else before["pools"][0][name]
+        return int(after["pools"][0][name] - start)
+
+    assert delta(None, after_a, "worker", "stored_blocks") == 13
+    block_bytes = after_a["worker"]["stored_bytes"] // 13
+    assert block_bytes > 0 and after_a["pools"][0]["objects"] == 13
+    assert after_a["scheduler"]["store_skipped_resident_blocks"] == 0
+
+    # B: only its new blocks are copied out of vLLM's KV cache and written.
+    assert delta(after_a, after_b, "worker", "stored_blocks") == 3
+    assert delta(after_a, after_b, "worker", "stored_bytes") == 3 * block_bytes
+    assert pool_delta(after_a, after_b, "bytes_written") == 3 * block_bytes
+    assert pool_delta(after_a, after_b, "objects") == 3
+    assert delta(after_a, after_b, "scheduler", "planned_store_blocks") == 3
+    assert delta(after_a, after_b, "scheduler", "store_skipped_resident_blocks") == 10
+    assert delta(after_a, after_b, "scheduler", "residency_lookups") == 1
+    assert after_b["worker"]["loaded_blocks"] == 0  # vLLM served the prefix itself
+
+    # C after the pool lost everything: nothing stale is remembered.
+    assert cleared["dropped"] == 16
+    assert delta(after_b, after_c, "worker", "stored_blocks") == 13
+    assert pool_delta(after_b, after_c, "bytes_written") == 13 * block_bytes
+    assert after_c["pools"][0]["objects"] == 13
+    assert delta(after_b, after_c, "scheduler", "store_skipped_resident_blocks") == 0

@@ -39,8 +39,6 @@ from umbp.core.plans import (
     finished_partial_tail_plans,
     is_prefill,
     load_batch,
-    resident_blocks_from_hits,
-    restored_candidates,
     save_watermark,
     storable_tokens,
     store_batch,
@@ -56,6 +54,12 @@ from umbp.core.store_events import (
     pinned_block_ids,
     reserved_identities,
     stored_identities,
+)
+from umbp.core.store_pass import (
+    StoreCandidates,
+    plan_stores,
+    residency_check,
+    resident_blocks_from_hits,
 )
 
 # ------------------------------------------------------------------------- loads
@@ -230,29 +234,18 @@ def plan_store(
         for group_id, indices in ranges
     }
     selected = apply_store_masks(ranges, masks).unwrap()
-    resident: frozenset[tuple[int, bytes]] = frozenset()
-    if scenario.restored_tokens is not None:
-        check = restored_candidates(
-            geometry,
-            scenario.keyspace,
-            selected,
-            scenario.block_table,
-            scenario.restored_tokens,
-            scenario.hashes,
-        )
-        resident = resident_blocks_from_hits(check, scenario.pool.answers(check.keys))
     token_ids = tuple(range(1000, 1000 + scenario.num_tokens))
-    batch = store_batch(
-        "r",
-        geometry,
-        selected,
-        scenario.block_table,
-        scenario.hashes,
-        resident=resident,
-        reserved=scenario.reserved,
-        events_enabled=events_enabled,
-        token_ids=token_ids,
+    candidates = StoreCandidates(
+        "r", selected, scenario.block_table, scenario.hashes,
+        scenario.restored_tokens or 0, token_ids,
     )
+    check = residency_check(geometry, scenario.keyspace, [candidates], scenario.reserved)
+    answers = scenario.pool.answers(check.keys)
+    resident = resident_blocks_from_hits(check, answers)
+    planned = plan_stores(
+        geometry, [candidates], check, answers, scenario.reserved, events_enabled=events_enabled
+    )
+    (batch,) = planned.batches or (StoreBatch("r", (), (), (), (), (), ()),)
     return PlannedStore(scenario, save_to, dict(ranges), dict(selected), resident, batch)
 
 
@@ -417,14 +410,10 @@ def test_a_residency_answer_of_the_wrong_length_marks_nothing_resident(
         (group_id, tuple(range(len(table))))
         for group_id, table in zip(geometry.group_ids, scenario.block_table)
     )
-    check = restored_candidates(
-        geometry,
-        scenario.keyspace,
-        selected,
-        scenario.block_table,
-        scenario.num_tokens,
-        scenario.hashes,
+    candidates = StoreCandidates(
+        "r", selected, scenario.block_table, scenario.hashes, scenario.num_tokens
     )
+    check = residency_check(geometry, scenario.keyspace, [candidates])
     assume(len(check.keys) + delta >= 0)
     assert resident_blocks_from_hits(check, [True] * (len(check.keys) + delta)) == frozenset()
     assert resident_blocks_from_hits(check, [True] * len(check.keys)) == frozenset(check.identities)
@@ -458,7 +447,8 @@ def test_tracker_appends_per_group_replaces_whole_and_resets_to_nothing(
         with pytest.raises(ValueError):
             tracker.with_blocks_appended(added)
     assert tracker.with_saved_tokens(16).saved_tokens == 32
-    assert tracker.with_load_spec(LoadSpec(0, 8)).load_spec == LoadSpec(0, 8)
+    assert tracker.with_cached_tokens(8).cached_tokens == 8
+    assert tracker.with_cached_tokens(8).with_saved_tokens(40).cached_tokens == 8
     assert tracker.reset() == StoreTracker()
     assert StoreTracker().with_blocks_appended(added).block_table == tuple(map(tuple, added))
 

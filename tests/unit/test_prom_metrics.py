@@ -69,3 +69,18 @@ def test_pool_levels_follow_their_deltas_up_and_down() -> None:
     labels = {"model_name": "m", "engine": "0"}
     assert registry.get_sample_value("umbp_worker_pool_used_bytes", labels) == 3072.0
     assert registry.get_sample_value("umbp_worker_pool_objects", labels) == 1.0
+
+
+def test_stores_skipped_as_resident_reach_prometheus_apart_from_bytes_written() -> None:
+    registry = CollectorRegistry()
+    metrics = _metrics(registry)
+    counters = SchedulerCounters(planned_store_blocks=3, store_skipped_resident_blocks=10,
+                                 residency_lookups=1)
+    metrics.observe({f"scheduler_{k}": v for k, v in flat_counters(counters).items()}, 0)
+    metrics.observe({"worker_stored_blocks": 3.0, "worker_stored_bytes": 3 * 32768.0}, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    sample = registry.get_sample_value
+    assert sample("umbp_scheduler_store_skipped_resident_blocks_total", labels) == 10.0
+    assert sample("umbp_scheduler_residency_lookups_total", labels) == 1.0
+    assert sample("umbp_scheduler_planned_store_blocks_total", labels) == 3.0
+    assert sample("umbp_worker_stored_bytes_total", labels) == 3 * 32768.0

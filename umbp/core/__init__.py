@@ -20,6 +20,7 @@ from umbp.core import (
     plans,
     stack_config,
     store_events,
+    store_pass,
     support,
 )
 from umbp.core.config import *
@@ -30,6 +31,7 @@ from umbp.core.page_identity import *
 from umbp.core.plans import *
 from umbp.core.stack_config import *
 from umbp.core.store_events import *
+from umbp.core.store_pass import *
 from umbp.core.support import *
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "plans",
     "stack_config",
     "store_events",
+    "store_pass",
     "support",
 ]
 __all__ += config.__all__
@@ -51,4 +54,5 @@ __all__ += page_identity.__all__
 __all__ += plans.__all__
 __all__ += stack_config.__all__
 __all__ += store_events.__all__
+__all__ += store_pass.__all__
 __all__ += support.__all__

@@ -9,9 +9,9 @@ identified by the hash ending at ``(i+1)*B``.
 * Load plans (:func:`load_batch`) turn a :class:`LoadSpec` and the block table
   vLLM allocated into destination blocks.
 * Store plans are computed in steps, so the shell can put vLLM's reachability masks
-  and one residency lookup between them: :func:`store_candidate_ranges`,
-  :func:`apply_store_masks`, :func:`restored_candidates` /
-  :func:`resident_blocks_from_hits`, :func:`store_batch`.
+  and one residency lookup per step between them: :func:`store_candidate_ranges`,
+  :func:`apply_store_masks`, then :mod:`umbp.core.store_pass` (the residency check
+  of every request of the step and the batches, built with :func:`store_batch`).
 * Boundary-state plans (:func:`boundary_state_plans`) store Mamba "align" states
   that vLLM hands off at committed boundaries; finished-partial-tail plans
   (:func:`finished_partial_tail_plans`) store the pages of a finished request's
@@ -32,7 +32,6 @@ from typing import TypeAlias
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LoadSpec, LookupGeometry, hashes_at_token_ends
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "DropReason",
     "DroppedOffloads",
     "Identity",
-    "ResidencyCheck",
     "StoreBatch",
     "StoreSelection",
     "StoreTracker",
@@ -51,8 +49,6 @@ __all__ = [
     "finished_partial_tail_plans",
     "is_prefill",
     "load_batch",
-    "resident_blocks_from_hits",
-    "restored_candidates",
     "save_watermark",
     "storable_tokens",
     "store_batch",
@@ -244,18 +240,19 @@ class StoreTracker:
 
     ``saved_tokens`` is the hash-aligned watermark below which every block was
     already planned; ``block_table`` is the request's table as last reported;
-    ``load_spec`` the window it was restored with (restored blocks may already be
-    resident in the pool).
+    ``cached_tokens`` the tokens it had when scheduled without computing them
+    (vLLM's prefix-cache hits and umbp's restored window): their blocks may
+    already be in the pool.
     """
 
     saved_tokens: int = 0
     block_table: BlockTable = ()
-    load_spec: LoadSpec | None = None
+    cached_tokens: int = 0
 
     def with_blocks_replaced(self, block_table: Sequence[Sequence[int]]) -> StoreTracker:
         """vLLM passed the whole table (admission, resumption)."""
         return StoreTracker(
-            self.saved_tokens, tuple(tuple(group) for group in block_table), self.load_spec
+            self.saved_tokens, tuple(tuple(group) for group in block_table), self.cached_tokens
         )
 
     def with_blocks_appended(self, new_blocks: Sequence[Sequence[int]]) -> StoreTracker:
@@ -269,14 +266,16 @@ class StoreTracker:
         return StoreTracker(
             self.saved_tokens,
             tuple(group + tuple(added) for group, added in zip(self.block_table, new_blocks)),
-            self.load_spec,
+            self.cached_tokens,
         )
 
     def with_saved_tokens(self, saved_tokens: int) -> StoreTracker:
-        return StoreTracker(max(self.saved_tokens, saved_tokens), self.block_table, self.load_spec)
+        return StoreTracker(
+            max(self.saved_tokens, saved_tokens), self.block_table, self.cached_tokens
+        )
 
-    def with_load_spec(self, load_spec: LoadSpec | None) -> StoreTracker:
-        return StoreTracker(self.saved_tokens, self.block_table, load_spec)
+    def with_cached_tokens(self, cached_tokens: int) -> StoreTracker:
+        return StoreTracker(self.saved_tokens, self.block_table, cached_tokens)
 
     def reset(self) -> StoreTracker:
         """After preemption: the blocks are gone and the request starts over."""
@@ -353,71 +352,6 @@ def apply_store_masks(
             )
         selected.append((group_id, tuple(compress(indices, mask))))
     return Success(tuple(selected))
-
-
-@dataclass(frozen=True, slots=True)
-class ResidencyCheck:
-    """Restored blocks whose objects may already be in the pool.
-
-    ``keys`` are object-major: the ``rank_count`` keys of ``identities[i]`` are
-    ``keys[i*rank_count:(i+1)*rank_count]``.
-    """
-
-    identities: tuple[Identity, ...]
-    keys: tuple[str, ...]
-    rank_count: int
-
-
-def restored_candidates(
-    geometry: LookupGeometry,
-    keyspace: KeySpace,
-    selected: StoreSelection,
-    block_table: BlockTable,
-    restored_tokens: int,
-    request_hashes: Sequence[bytes],
-) -> ResidencyCheck:
-    """The selected blocks below the restored token count (non-null, hashed): they
-    came from the pool or from vLLM's cache and need storing only if not resident."""
-    coords = keyspace.topology.coords()
-    hash_block_size = geometry.hash_block_size
-    covered = len(request_hashes) * hash_block_size
-    identities: list[Identity] = []
-    keys: list[str] = []
-    for group_id, indices in selected:
-        position = geometry.position(group_id)
-        block_size = geometry.group_block_sizes[position]
-        table = block_table[position]
-        limit = min(min(restored_tokens, covered) // block_size, len(table))
-        per_block = block_size // hash_block_size
-        hashes = [
-            request_hashes[index * per_block + per_block - 1]
-            for index in indices
-            if index < limit and table[index] != NULL_BLOCK_ID
-        ]
-        if not hashes:
-            continue
-        identities.extend(zip([group_id] * len(hashes), hashes))
-        digests = list(map(bytes.hex, hashes))
-        prefixes = [keyspace.key(rank, group_id, b"") for rank in coords]
-        if len(prefixes) == 1:
-            keys.extend(map(prefixes[0].__add__, digests))
-        else:
-            keys.extend(prefix + digest for digest in digests for prefix in prefixes)
-    return ResidencyCheck(tuple(identities), tuple(keys), len(coords))
-
-
-def resident_blocks_from_hits(
-    check: ResidencyCheck, answers: Sequence[bool]
-) -> frozenset[Identity]:
-    """The checked identities every rank holds. A wrong-length answer (or none)
-    means nothing is known to be resident: storing again is safe, skipping is not."""
-    ranks = check.rank_count
-    if len(answers) != len(check.keys):
-        return frozenset()
-    if ranks == 1:
-        return frozenset(compress(check.identities, answers))
-    every_rank = map(all, zip(*[iter(answers)] * ranks))
-    return frozenset(compress(check.identities, every_rank))
 
 
 @dataclass(frozen=True, slots=True)

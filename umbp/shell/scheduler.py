@@ -16,6 +16,7 @@ from returns.result import Failure, Success
 
 from umbp.core import lookup as core_lookup
 from umbp.core import plans as core_plans
+from umbp.core import store_pass as core_store_pass
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import LookupGeometry, LookupQuery, LoadSpec
@@ -25,6 +26,7 @@ from umbp.runtime.lookup_service import rank_tag
 from umbp.shell import vllm_compat
 from umbp.shell.vllm_compat import RequestLike
 from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.store_pass import ResidencyCheck, StoreCandidates
 from umbp.core.store_events import (
     StoreEvent,
     StoreEventResult,
@@ -57,6 +59,10 @@ class SchedulerCounters:
     queried_tokens: int = 0
     planned_load_blocks: int = 0
     planned_store_blocks: int = 0
+    # Distinct objects not stored because every rank already held them, and the
+    # batched residency lookups (one per step at most) that found them.
+    store_skipped_resident_blocks: int = 0
+    residency_lookups: int = 0
     kv_events_suppressed: int = 0
     kv_events_published: int = 0
 
@@ -268,7 +274,7 @@ class UMBPScheduler:
                 f"umbp matched {None if spec is None else spec.num_tokens_to_load} external "
                 f"tokens for request {request_id} but vLLM allocated {num_external_tokens}"
             )
-        self._trackers[request_id] = tracker.with_load_spec(spec)
+        self._trackers[request_id] = tracker
         match core_plans.load_batch(
             request_id, self._geometry, spec, block_table, tuple(request.block_hashes),
             num_external_tokens,
@@ -287,24 +293,23 @@ class UMBPScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
         # In-flight events' objects and this step's plans: stored once.
-        reserved = set(reserved_identities(event for event, _ in self._store_events.values()))
+        reserved = reserved_identities(event for event, _ in self._store_events.values())
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
-        stores: list[StoreBatch] = []
+        candidates: list[StoreCandidates] = []
         for new in scheduler_output.scheduled_new_reqs:
-            transfer = self._plan_new_request(new, scheduler_output, reserved)
-            if transfer is not None:
-                stores.append(transfer)
-                reserved.update(transfer.identities())
+            candidate = self._new_request_candidates(new, scheduler_output)
+            if candidate is not None:
+                candidates.append(candidate)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()))
         for index, request_id in enumerate(cached.req_ids):
-            transfer = self._plan_cached_request(
-                request_id, index, cached, request_id in resumed, scheduler_output, reserved
+            candidate = self._cached_request_candidates(
+                request_id, index, cached, request_id in resumed, scheduler_output
             )
-            if transfer is not None:
-                stores.append(transfer)
-                reserved.update(transfer.identities())
+            if candidate is not None:
+                candidates.append(candidate)
+        stores = list(self._store_pass(candidates, reserved))
         # Async loads are admitted without scheduled tokens: forward every plan.
         meta.loads = list(self._pending_loads.values())
         meta.unplanned_loads, self._unplanned_loads = self._unplanned_loads, {}
@@ -358,26 +363,25 @@ class UMBPScheduler:
                          drop.request_id, drop.entries, drop.reason.value)
         return core_plans.transfer_batches(plans)
 
-    def _plan_new_request(
-        self, new: Any, scheduler_output: Any, reserved: AbstractSet[tuple[int, bytes]]
-    ) -> StoreBatch | None:
+    def _new_request_candidates(self, new: Any, scheduler_output: Any) -> StoreCandidates | None:
+        # A request loading synchronously this step is planned too: the load lands
+        # before the forward pass, the store reads after it. Its computed tokens
+        # (vLLM's prefix-cache hits and umbp's window) are checked for residency.
         request_id = new.req_id
         if not self._store_enabled:
             return None
         request = self._requests.get(request_id)
         if request is None:
             return None
+        tracker = self._trackers.get(request_id, core_plans.StoreTracker())
+        self._trackers[request_id] = tracker.with_cached_tokens(new.num_computed_tokens)
         total = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[request_id]
         table = _table(tuple(new.block_ids[g] for g in self._geometry.group_ids))
-        return self._plan_store(request, table, total, reserved)
+        return self._store_candidates(request, table, total)
 
-    def _plan_cached_request(
+    def _cached_request_candidates(
         self, request_id: str, index: int, cached: Any, resumed: bool, scheduler_output: Any,
-        reserved: AbstractSet[tuple[int, bytes]],
-    ) -> StoreBatch | None:
-        # A request loading synchronously this step is planned too: the load lands
-        # before the forward pass, the store reads after it, and restored blocks
-        # still in the pool are skipped by the residency check.
+    ) -> StoreCandidates | None:
         if not self._store_enabled:
             return None
         request = self._requests.get(request_id)
@@ -385,6 +389,9 @@ class UMBPScheduler:
         if request is None or tracker is None:
             return None
         computed = cached.num_computed_tokens[index]
+        if resumed:  # started over: what it has again came from a cache
+            tracker = tracker.with_cached_tokens(computed)
+            self._trackers[request_id] = tracker
         if not core_plans.is_prefill(computed, request.num_prompt_tokens) and not (
             self._config.save_decode_cache
         ):
@@ -409,12 +416,11 @@ class UMBPScheduler:
             request.num_prompt_tokens,
             self._config.save_decode_cache,
         )
-        return self._plan_store(request, tracker.block_table, total, reserved)
+        return self._store_candidates(request, tracker.block_table, total)
 
-    def _plan_store(
+    def _store_candidates(
         self, request: RequestLike, table: tuple[tuple[int, ...], ...], total_tokens: int,
-        reserved: AbstractSet[tuple[int, bytes]],
-    ) -> StoreBatch | None:
+    ) -> StoreCandidates | None:
         request_id = request.request_id
         tracker = self._trackers.get(request_id, core_plans.StoreTracker())
         hashes = tuple(request.block_hashes)
@@ -432,16 +438,43 @@ class UMBPScheduler:
             case Failure(reason):
                 logger.warning("umbp store mask for request %s: %s", request_id, reason)
                 return None
-        resident = self._resident_restored_blocks(tracker, block_ranges, table, hashes)
-        batch = core_plans.store_batch(
-            request_id, geometry, block_ranges, table, hashes, resident=resident,
-            reserved=reserved, events_enabled=self._events_enabled,
-            token_ids=request.all_token_ids if self._events_enabled else (),
+        return StoreCandidates(
+            request_id, block_ranges, table, hashes, tracker.cached_tokens,
+            request.all_token_ids if self._events_enabled else (),
         )
-        if not batch.block_ids:
+
+    def _store_pass(
+        self, candidates: list[StoreCandidates], reserved: AbstractSet[tuple[int, bytes]]
+    ) -> tuple[StoreBatch, ...]:
+        """Every request's candidates at once: one residency lookup for the blocks
+        that came from a cache, then the batches without what the pool holds."""
+        if not candidates:
+            return ()
+        keyspace = self._keyspace
+        check = (
+            ResidencyCheck((), (), 1) if keyspace is None
+            else core_store_pass.residency_check(self._geometry, keyspace, candidates, reserved)
+        )
+        planned = core_store_pass.plan_stores(
+            self._geometry, candidates, check, self._residency_answers(check), reserved,
+            events_enabled=self._events_enabled,
+        )
+        self.counters.planned_store_blocks += sum(len(batch) for batch in planned.batches)
+        self.counters.store_skipped_resident_blocks += planned.skipped_resident
+        return planned.batches
+
+    def _residency_answers(self, check: ResidencyCheck) -> tuple[bool, ...] | None:
+        """None (nothing known resident, so everything is stored) when there is
+        nothing to ask or the store cannot answer."""
+        if not check.keys or self._store is None:
             return None
-        self.counters.planned_store_blocks += len(batch.block_ids)
-        return batch
+        self.counters.residency_lookups += 1
+        try:
+            return self._store.lookup(check.keys)
+        except (StoreUnavailable, OSError) as error:
+            self.counters.lookup_failures += 1
+            logger.debug("umbp residency lookup failed: %s", error)
+            return None
 
     def _store_mask(self, request: RequestLike, group_id: int, indices: range) -> tuple[bool, ...] | None:
         """vLLM's own rule for which blocks it can later reuse (sliding windows),
@@ -469,25 +502,6 @@ class UMBPScheduler:
             dcp_world_size=self._topology.dcp_size,
         )
         return None if mask is None else tuple(bool(m) for m in mask)
-
-    def _resident_restored_blocks(
-        self, tracker: core_plans.StoreTracker, block_ranges: core_plans.StoreSelection,
-        table: tuple[tuple[int, ...], ...], hashes: tuple[bytes, ...],
-    ) -> frozenset[tuple[int, bytes]]:
-        """Restored blocks still in the pool need no store: one batched lookup."""
-        if tracker.load_spec is None or self._store is None or self._keyspace is None:
-            return frozenset()
-        check = core_plans.restored_candidates(
-            self._geometry, self._keyspace, block_ranges, table, tracker.load_spec.external_tokens,
-            hashes,
-        )
-        if not check.keys:
-            return frozenset()
-        try:
-            answers = self._store.lookup(check.keys)
-        except (StoreUnavailable, OSError):
-            return frozenset()
-        return core_plans.resident_blocks_from_hits(check, answers)
 
     def _open_store_event(self, stores: list[StoreBatch]) -> int:
         event_id = self._next_store_event

@@ -80,8 +80,8 @@ class StatsDelta:
 COUNTER_DOCS: dict[str, str] = {
     "worker_loaded_blocks": "KV blocks restored from the umbp pool into vLLM's KV cache",
     "worker_loaded_bytes": "bytes restored from the umbp pool",
-    "worker_stored_blocks": "KV blocks written to the umbp pool",
-    "worker_stored_bytes": "bytes written to the umbp pool",
+    "worker_stored_blocks": "KV blocks copied from vLLM's KV cache into the umbp pool",
+    "worker_stored_bytes": "bytes copied from vLLM's KV cache into the umbp pool",
     "worker_store_failures": "KV blocks the umbp pool did not accept",
     "worker_load_seconds": "seconds spent restoring from the umbp pool",
     "worker_store_seconds": "seconds spent storing to the umbp pool",
@@ -91,6 +91,10 @@ COUNTER_DOCS: dict[str, str] = {
     "scheduler_queried_tokens": "prompt tokens looked up in umbp (beyond vLLM's own hits)",
     "scheduler_planned_load_blocks": "KV blocks umbp planned to restore",
     "scheduler_planned_store_blocks": "KV blocks umbp planned to store",
+    "scheduler_store_skipped_resident_blocks": "KV blocks not stored because the umbp pool "
+    "already held them (vLLM's prefix-cache hits and restored blocks, checked each step)",
+    "scheduler_residency_lookups": "batched lookups (at most one per step) checking whether "
+    "blocks to store are already in the umbp pool",
     "scheduler_kv_events_suppressed": "umbp KV events not published (tracking bound reached)",
     "scheduler_kv_events_published": "BlockStored/BlockRemoved events umbp published",
     "worker_pool_evictions": "objects the umbp pool evicted to make room",

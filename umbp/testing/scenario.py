@@ -11,7 +11,10 @@ after another, each with steps: ``generate``, ``reset`` (empty vLLM's own
 prefix cache), ``corrupt`` (flip one byte in every object of this process's
 pools), ``stats`` (pool and connector counters of this process),
 ``clear_tp_rank_1`` (on every worker process, empty the pools of the worker whose
-tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2).
+tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2), ``clear_pools``
+(empty this process's pools, as if they had evicted everything, while vLLM's own
+cache keeps its blocks). With the engine core in this process, ``stats`` also
+reports the scheduler's counters.
 
 Steps that act on a node-local store server (spec key ``server``: ``socket``,
 ``capacity_bytes``, ``pid`` of the server the test started, optional ``ssd_dir`` and
@@ -69,7 +72,17 @@ def _clear_pools_of_tp_rank(worker: Any, rank: int) -> int:
     return dropped
 
 
-def _local_stats() -> dict[str, Any]:
+def _clear_local_pools() -> int:
+    from umbp.runtime.embedded import local_pools
+
+    dropped = 0
+    for pool in local_pools():
+        dropped += len(pool.stored_keys())
+        pool.clear()
+    return dropped
+
+
+def _local_stats(llm: Any) -> dict[str, Any]:
     from umbp.runtime.embedded import local_pools
     from umbp.testing.engine import local_connector
 
@@ -78,7 +91,13 @@ def _local_stats() -> dict[str, Any]:
     counters = None
     if connector is not None and getattr(connector, "_worker", None) is not None:
         counters = dataclasses.asdict(connector.worker.counters)
-    return {"pools": pools, "worker": counters}
+    # The engine core runs in this process only without multiprocessing.
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler_connector: Any = getattr(getattr(core, "scheduler", None), "connector", None)
+    scheduler = None
+    if getattr(scheduler_connector, "_scheduler", None) is not None:
+        scheduler = dataclasses.asdict(scheduler_connector.scheduler.counters)
+    return {"pools": pools, "worker": counters, "scheduler": scheduler}
 
 
 class _ServerControl:
@@ -222,7 +241,9 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                 dropped = llm.collective_rpc(_clear_pools_of_tp_rank, args=(1,))
                 results.append({"step": step, "dropped_per_worker": list(dropped)})
             elif step == "stats":
-                results.append({"step": step, **_local_stats()})
+                results.append({"step": step, **_local_stats(llm)})
+            elif step == "clear_pools":
+                results.append({"step": step, "dropped": _clear_local_pools()})
             elif step == "idle":  # engine steps with no requests: lets KV events settle
                 for _ in range(60):  # > 2 s: published objects are re-checked once a second
                     llm.llm_engine.step()

@@ -1,0 +1,197 @@
+"""Properties of one scheduler step's store pass (umbp.core.store_pass): several
+requests sharing prefixes, blocks that came from a cache checked in one lookup,
+and the batches that leave out what every rank already holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.property.strategies import (
+    Identity,
+    Pool,
+    block_tables,
+    geometries,
+    keyspaces,
+    request_hashes,
+)
+from umbp.core.identity import KeySpace
+from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
+from umbp.core.store_pass import (
+    StoreCandidates,
+    plan_stores,
+    residency_check,
+    resident_blocks_from_hits,
+)
+
+
+@dataclass(frozen=True)
+class StoreStep:
+    geometry: LookupGeometry
+    keyspace: KeySpace
+    candidates: tuple[StoreCandidates, ...]
+    reserved: frozenset[Identity]
+    pool: Pool
+
+
+@st.composite
+def store_steps(draw: st.DrawFn) -> StoreStep:
+    """Requests whose hashes share a prefix of one chain (so identities collide
+    across requests), each with random selections, null blocks and a cached
+    count; a pool holding a random set of the step's objects, with per-rank holes."""
+    geometry = draw(geometries())
+    keyspace = draw(keyspaces())
+    hbs = geometry.hash_block_size
+    shared = draw(request_hashes(draw(st.integers(0, geometry.block_size * 4 // hbs + 2))))
+    candidates: list[StoreCandidates] = []
+    every_identity: set[Identity] = set()
+    for number in range(draw(st.integers(1, 4))):
+        own = draw(request_hashes(draw(st.integers(0, 6))))
+        own = tuple(bytes([number + 1]) + h for h in own)  # never another request's
+        hashes = shared[: draw(st.integers(0, len(shared)))] + own
+        num_tokens = len(hashes) * hbs + draw(st.integers(0, hbs - 1))
+        table = draw(block_tables(geometry, max(num_tokens, 1), null_probability_one_in=5))
+        selected = []
+        for group_id, block_size, group_table in zip(
+            geometry.group_ids, geometry.group_block_sizes, table
+        ):
+            full = min(len(hashes) * hbs // block_size, len(group_table))
+            selected.append(
+                (group_id, tuple(sorted(draw(st.sets(st.integers(0, max(full - 1, 0)))))))
+            )
+            per_block = block_size // hbs
+            every_identity.update(
+                (group_id, hashes[index * per_block + per_block - 1]) for index in range(full)
+            )
+        cached = draw(st.just(0) | st.just(num_tokens) | st.integers(0, num_tokens))
+        candidates.append(StoreCandidates(f"r{number}", tuple(selected), table, hashes, cached))
+    universe = sorted(every_identity)
+    held = draw(st.sets(st.sampled_from(universe))) if universe else set()
+    coords = keyspace.topology.coords()
+    keys = {
+        keyspace.key(rank, group_id, block_hash)
+        for group_id, block_hash in held
+        for rank in coords
+        if draw(st.integers(0, 7))  # now and then a rank lost the object
+    }
+    reserved = frozenset(draw(st.sets(st.sampled_from(universe), max_size=3))) if universe else frozenset()
+    return StoreStep(geometry, keyspace, tuple(candidates), reserved, Pool(keyspace, frozenset(keys)))
+
+
+def selected_identities(step: StoreStep) -> list[tuple[StoreCandidates, int, int, Identity]]:
+    """(candidates, group block size, block index, identity) of every selected,
+    non-null block within its request's hashes, in request order."""
+    geometry = step.geometry
+    out = []
+    for candidate in step.candidates:
+        covered = len(candidate.block_hashes) * geometry.hash_block_size
+        for group_id, indices in candidate.selected:
+            position = geometry.position(group_id)
+            size = geometry.group_block_sizes[position]
+            table = candidate.block_table[position]
+            per_block = size // geometry.hash_block_size
+            for index in indices:
+                if index >= len(table) or (index + 1) * size > covered:
+                    continue
+                if table[index] == NULL_BLOCK_ID:
+                    continue
+                identity = (group_id, candidate.block_hashes[index * per_block + per_block - 1])
+                out.append((candidate, size, index, identity))
+    return out
+
+
+def run_pass(step: StoreStep, answers: tuple[bool, ...] | None = None) -> tuple[set[Identity], list[Identity], int]:
+    check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+    if answers is None:
+        answers = step.pool.answers(check.keys)
+    planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
+    flat = [identity for batch in planned.batches for identity in batch.identities()]
+    return set(flat), flat, planned.skipped_resident
+
+
+@given(store_steps())
+def test_a_store_plan_never_contains_a_block_every_rank_already_holds(step: StoreStep) -> None:
+    planned, _, _ = run_pass(step)
+    check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+    resident = resident_blocks_from_hits(check, step.pool.answers(check.keys))
+    assert not planned & resident
+    assert not planned & step.reserved
+
+
+@given(store_steps())
+def test_nothing_that_is_not_resident_is_dropped_and_each_object_is_stored_once(
+    step: StoreStep,
+) -> None:
+    planned, flat, skipped = run_pass(step)
+    assert len(flat) == len(planned), "an object planned twice in one step"
+    skipped_seen: set[Identity] = set()
+    for candidate, size, _index, identity in selected_identities(step):
+        if identity in step.reserved:
+            continue
+        cached = (_index + 1) * size <= candidate.cached_tokens
+        if cached and step.pool.held_by_every_rank(*identity):
+            skipped_seen.add(identity)
+            assert identity not in planned
+        else:
+            assert identity in planned, f"{identity} was dropped without a reason"
+    assert skipped == len(skipped_seen)
+
+
+@given(store_steps())
+def test_one_lookup_asks_about_each_cached_block_once_and_nothing_else(step: StoreStep) -> None:
+    check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+    ranks = step.keyspace.topology.coords()
+    assert len(check.identities) == len(set(check.identities))
+    assert len(check.keys) == len(check.identities) * len(ranks)
+    cached = {
+        identity
+        for candidate, size, index, identity in selected_identities(step)
+        if (index + 1) * size <= candidate.cached_tokens and identity not in step.reserved
+    }
+    assert set(check.identities) == cached
+    for position, (group_id, block_hash) in enumerate(check.identities):
+        rows = check.keys[position * len(ranks) : (position + 1) * len(ranks)]
+        assert list(rows) == [step.keyspace.key(rank, group_id, block_hash) for rank in ranks]
+
+
+@given(store_steps(), st.sampled_from(["failed", "short", "long"]))
+def test_a_lookup_that_fails_or_answers_the_wrong_length_stores_everything(
+    step: StoreStep, how: str
+) -> None:
+    check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+    answers = {
+        "failed": None,
+        "short": (True,) * max(len(check.keys) - 1, 0),
+        "long": (True,) * (len(check.keys) + 1),
+    }[how]
+    if how == "short" and not check.keys:
+        answers = (True,)
+    planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
+    flat = {identity for batch in planned.batches for identity in batch.identities()}
+    expected = {i for _, _, _, i in selected_identities(step) if i not in step.reserved}
+    assert flat == expected
+    assert planned.skipped_resident == 0
+
+
+@given(store_steps(), st.data())
+def test_an_object_evicted_after_a_check_is_stored_by_the_next_step_that_selects_it(
+    step: StoreStep, data: st.DataObject
+) -> None:
+    """Nothing survives a step: the next pass asks again and stores what went."""
+    _, _, _ = run_pass(step)
+    check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+    resident = resident_blocks_from_hits(check, step.pool.answers(check.keys))
+    evicted = data.draw(st.sets(st.sampled_from(sorted(resident)))) if resident else set()
+    survivors = frozenset(
+        key for key in step.pool.keys
+        if not any(
+            key == step.keyspace.key(rank, *identity)
+            for identity in evicted for rank in step.keyspace.topology.coords()
+        )
+    )
+    later = StoreStep(step.geometry, step.keyspace, step.candidates, step.reserved,
+                      Pool(step.keyspace, survivors))
+    planned, _, _ = run_pass(later)
+    assert evicted <= planned

@@ -1,0 +1,164 @@
+"""The store pass of one scheduler step: which candidate blocks the pool may
+already hold, and the store batches that leave out those it does hold.
+
+A block whose tokens a request did not compute itself (vLLM's prefix cache served
+them, or umbp restored them) was most likely stored before, so it is checked; a
+block the request computed is new and planned without a check. The check covers
+every request of the step in one batched lookup (:func:`residency_check`), and
+:func:`plan_stores` turns its answers into the step's batches.
+
+Nothing here remembers an answer beyond the step: an object the pool evicts after
+the check is stored again by the next request that computes or caches its block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from itertools import compress
+
+from umbp.core.identity import KeySpace
+from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
+from umbp.core.plans import BlockTable, Identity, StoreBatch, StoreSelection, store_batch
+
+__all__ = [
+    "ResidencyCheck",
+    "StoreCandidates",
+    "StorePass",
+    "plan_stores",
+    "residency_check",
+    "resident_blocks_from_hits",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCandidates:
+    """One request's blocks chosen for storing this step (after vLLM's masks).
+
+    ``cached_tokens``: the tokens the request had when it was scheduled without
+    computing them (vLLM's prefix-cache hits plus umbp's restored window). Its
+    blocks that end at or below that count may already be in the pool.
+    """
+
+    request_id: str
+    selected: StoreSelection
+    block_table: BlockTable
+    block_hashes: tuple[bytes, ...]
+    cached_tokens: int = 0
+    token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyCheck:
+    """The cached candidate blocks of one step whose objects may be in the pool,
+    each identity once, none an in-flight store already writes.
+
+    ``keys`` are object-major: the ``rank_count`` keys of ``identities[i]`` are
+    ``keys[i*rank_count:(i+1)*rank_count]``.
+    """
+
+    identities: tuple[Identity, ...]
+    keys: tuple[str, ...]
+    rank_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorePass:
+    """The step's store batches (non-empty, request order) and how many distinct
+    objects were left out because every rank already holds them."""
+
+    batches: tuple[StoreBatch, ...]
+    skipped_resident: int
+
+
+def residency_check(
+    geometry: LookupGeometry,
+    keyspace: KeySpace,
+    candidates: Sequence[StoreCandidates],
+    reserved: AbstractSet[Identity] = frozenset(),
+) -> ResidencyCheck:
+    """The keys of every selected, non-null, hashed block that ends within its
+    request's cached tokens, except identities in ``reserved`` (they are skipped
+    anyway). A request with nothing cached adds nothing."""
+    hash_block_size = geometry.hash_block_size
+    seen: dict[Identity, None] = {}
+    for candidate in candidates:
+        if candidate.cached_tokens < hash_block_size:
+            continue
+        request_hashes = candidate.block_hashes
+        cached = min(candidate.cached_tokens, len(request_hashes) * hash_block_size)
+        for group_id, indices in candidate.selected:
+            position = geometry.position(group_id)
+            block_size = geometry.group_block_sizes[position]
+            table = candidate.block_table[position]
+            limit = min(cached // block_size, len(table))
+            per_block = block_size // hash_block_size
+            for index in indices:
+                if index >= limit or table[index] == NULL_BLOCK_ID:
+                    continue
+                identity = (group_id, request_hashes[index * per_block + per_block - 1])
+                if identity not in reserved:
+                    seen[identity] = None
+    identities = tuple(seen)
+    coords = keyspace.topology.coords()
+    prefixes = {
+        group_id: [keyspace.key(rank, group_id, b"") for rank in coords]
+        for group_id in geometry.group_ids
+    }
+    keys: list[str] = []
+    for group_id, block_hash in identities:
+        digest = block_hash.hex()
+        keys.extend(prefix + digest for prefix in prefixes[group_id])
+    return ResidencyCheck(identities, tuple(keys), len(coords))
+
+
+def resident_blocks_from_hits(
+    check: ResidencyCheck, answers: Sequence[bool] | None
+) -> frozenset[Identity]:
+    """The checked identities every rank holds. A wrong-length answer (or none)
+    means nothing is known to be resident: storing again is safe, skipping is not."""
+    ranks = check.rank_count
+    if answers is None or len(answers) != len(check.keys):
+        return frozenset()
+    if ranks == 1:
+        return frozenset(compress(check.identities, answers))
+    every_rank = map(all, zip(*[iter(answers)] * ranks))
+    return frozenset(compress(check.identities, every_rank))
+
+
+def plan_stores(
+    geometry: LookupGeometry,
+    candidates: Sequence[StoreCandidates],
+    check: ResidencyCheck,
+    answers: Sequence[bool] | None,
+    reserved: AbstractSet[Identity] = frozenset(),
+    *,
+    events_enabled: bool = False,
+) -> StorePass:
+    """The step's store batches given the answers to ``check`` (built from the
+    same candidates and reservations; None when the lookup failed).
+
+    An identity is planned once, by the first request that selects it, unless it
+    is reserved or every rank holds it; null blocks and blocks past the hashes are
+    never planned (see :func:`umbp.core.plans.store_batch`).
+    """
+    resident = resident_blocks_from_hits(check, answers)
+    taken = set(reserved)
+    batches: list[StoreBatch] = []
+    for candidate in candidates:
+        batch = store_batch(
+            candidate.request_id,
+            geometry,
+            candidate.selected,
+            candidate.block_table,
+            candidate.block_hashes,
+            resident=resident,
+            reserved=taken,
+            events_enabled=events_enabled,
+            token_ids=candidate.token_ids,
+        )
+        if batch.block_ids:
+            batches.append(batch)
+            taken.update(zip(batch.group_ids, batch.block_hashes))
+    return StorePass(tuple(batches), len(resident))
