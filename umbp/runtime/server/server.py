@@ -4,7 +4,7 @@ A threading Unix-socket server over `StoreCore`. Its DRAM tier is a shared-memor
 in /dev/shm that clients map; only control messages cross the socket (see `protocol`).
 The socket is owner-only (0600, its directory 0700 when the server creates it), so only
 processes of the same user can talk to it or map its pool. One server per socket path:
-the holder of the flock on `<socket>.lock` (see `ownership`); a socket or shared-memory
+the holder of the flock on `<socket>.owner` (see `ownership`); a socket or shared-memory
 file is deleted only when it is provably a dead holder's. The threat model is in
 docs/operations.md.
 
