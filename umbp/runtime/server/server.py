@@ -306,7 +306,10 @@ def remove_stale_leftovers(socket_path: str) -> None:
     """Best-effort clean-up after a server that is gone (tests' `stop_server`): when no
     live server holds the socket path's lock, remove the dead one's socket and pool file;
     otherwise touch nothing."""
-    ownership = SocketOwnership.try_acquire(os.path.abspath(socket_path))
+    path = os.path.abspath(socket_path)
+    if not os.path.isdir(os.path.dirname(path)):
+        return  # nothing can be left there (and a clean-up must not create the directory)
+    ownership = SocketOwnership.try_acquire(path)
     if ownership is None:
         return
     try:
