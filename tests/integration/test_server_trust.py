@@ -130,6 +130,24 @@ def test_a_second_serve_never_clobbers_a_stopped_server_with_a_full_backlog(
         stop_server(live, path)
 
 
+def test_the_connectors_auto_start_lock_does_not_stop_the_server_it_starts(
+    workdir: Path,
+) -> None:
+    """auto_start holds an flock on `<socket>.lock` while it starts a server; the server's
+    own ownership lock is another file, or it would refuse to start under it."""
+    import fcntl
+
+    path = str(workdir / "run" / "umbp.sock")
+    Path(path).parent.mkdir(mode=0o700)
+    fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        server = start_server(path, 1 * MIB, page_bytes=4096, log_path=str(workdir / "s.log"))
+        stop_server(server, path)
+    finally:
+        os.close(fd)
+
+
 def test_only_what_is_provably_a_dead_servers_is_deleted(workdir: Path) -> None:
     """A regular file or a symlink at the socket path is refused, not deleted; a planted
     `<socket>.pool` naming a live server's pool deletes nothing; an invalid-UTF-8 record

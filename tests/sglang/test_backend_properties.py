@@ -133,8 +133,10 @@ def test_each_tp_rank_stores_and_asks_only_its_own_keys(page_hashes: list[str]) 
 
 def test_a_second_host_pool_stops_the_start_with_a_sentence() -> None:
     """Hybrid models (sliding window, Mamba) need interface v2, which is not implemented."""
-    backend = _backend(PageFirstDirectHost(seed=1))
+    host = PageFirstDirectHost(seed=1)
+    backend = _backend(host)
     try:
+        backend.register_mem_host_pool_v2(host, "kv")  # the KV pool itself is fine
         with pytest.raises(ValueError, match="interface v1 .* host pool 'mamba'"):
             backend.register_mem_host_pool_v2(PageFirstDirectHost(seed=2), "mamba")
     finally:

@@ -1,7 +1,7 @@
 """Real SGLang engines (CPU, random-weight llama, float32) with umbp as HiCache's storage.
 
-Engine A stores through umbp into a real ``umbp serve``; engine B, a fresh process,
-restores from it. Every generation is compared with a plain SGLang engine without
+Engine A stores through umbp into a real ``umbp serve``; engine B, a process of its
+own that never saw A's requests, restores from it. Every generation is compared with a plain SGLang engine without
 HiCache. Faults are real: bytes flipped in the server's shared-memory pool, the server
 killed with SIGKILL while B serves. The engines are shared by the tests of this module
 (they run in file order; each later test builds on what the earlier ones left).
@@ -89,19 +89,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                            reconnect_interval_s=0.5)
     with_umbp = engine_arguments(model, storage_backend="dynamic", storage_config=storage)
     build = start_hash_extension_build(environment)
-    # Side by side: engine starts are mostly waiting, and the extension is needed
-    # only by the first storage lookup.
+    # All three side by side: engine starts are mostly imports and waiting, and the
+    # extension is needed only by the first storage lookup. B is a process of its own
+    # that never sees A's requests; it is asked only after A's pages are stored.
     plain = SGLangEngineProcess(engine_arguments(model, hicache=False), environment,
                                 work / "plain.log", wait=False)
     engine_a = SGLangEngineProcess(with_umbp, environment, work / "a.log", wait=False)
-    engine_b = None
+    engine_b = SGLangEngineProcess(with_umbp, environment, work / "b.log", wait=False)
     try:
         finish_hash_extension_build(build)
-        plain.wait_until_ready()
+        for engine in (plain, engine_a, engine_b):
+            engine.wait_until_ready()
         reference = {name: out["tokens"] for name, out in
                      zip(PROMPTS, plain.generate(list(PROMPTS.values()), NEW_TOKENS))}
         plain.close()
-        engine_a.wait_until_ready()
         from_a: dict[str, dict[str, Any]] = {}
         pages_of: dict[str, range] = {}
         for number, (name, prompt) in enumerate(PROMPTS.items(), start=1):
@@ -110,12 +111,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             _wait_for_objects(socket, number * PAGES_PER_PROMPT)
             pages_of[name] = range(before, _used_pages(socket))
         engine_a.close()
-        engine_b = SGLangEngineProcess(with_umbp, environment, work / "b.log")
         yield World(socket, server, engine_b, reference, from_a, pages_of, work)
     finally:
         for engine in (plain, engine_a, engine_b):
-            if engine is not None:
-                engine.close()
+            engine.close()
         stop_server(server, socket)
 
 

@@ -50,6 +50,7 @@ from umbp.sglang.config import parse_backend_config
 __all__ = ["StoreCounters", "UMBPHiCacheStore"]
 
 logger = logging.getLogger("umbp.sglang")
+_KV_POOL = "kv"  # SGLang's PoolName.KV
 
 
 @dataclass(slots=True)
@@ -111,9 +112,13 @@ class UMBPHiCacheStore(HiCacheStorage):
                     shape.page_bytes)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang's hybrid cache controller registers each further pool (sliding-window
-        KV, Mamba state...) here; interface v2 is not implemented, so the engine's start
+        """SGLang's cache controller registers every host pool here; the KV pool is the
+        one ``register_mem_pool_host`` handed over. Any further pool (sliding-window KV,
+        Mamba state...) needs interface v2, which is not implemented: the engine's start
         fails with a sentence instead of a NotImplementedError at the first request."""
+        if str(host_pool_name) == _KV_POOL:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
         raise ValueError(
             f"umbp's SGLang storage backend implements HiCache interface v1 (one KV pool) "
             f"only; this model also has the host pool {str(host_pool_name)!r}, which needs "

@@ -1,4 +1,7 @@
-"""Who serves at a socket path: the one process holding an flock on `<socket>.lock`.
+"""Who serves at a socket path: the one process holding an flock on `<socket>.owner`.
+
+(Not `<socket>.lock`: that one is the connector's auto_start lock, held while it starts a
+server, which must then be able to take this one.)
 
 A connect probe cannot decide this (a live server that is stopped, or whose accept
 backlog is full, does not answer, and deleting its socket and pool would orphan every
@@ -26,12 +29,13 @@ import stat
 from umbp.runtime.private_files import UnsafePath, open_private_file, prepare_directory
 from umbp.runtime.server.shm import remove_stale_pool
 
-__all__ = ["AlreadyServed", "SocketOwnership"]
+__all__ = ["OWNER_SUFFIX", "AlreadyServed", "SocketOwnership"]
 
 logger = logging.getLogger("umbp.serve")
 
 _POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
 _RECORD_LIMIT = 4096
+OWNER_SUFFIX = ".owner"
 
 
 class AlreadyServed(RuntimeError):
@@ -48,7 +52,7 @@ class SocketOwnership:
 
     @property
     def lock_path(self) -> str:
-        return self.socket_path + ".lock"
+        return self.socket_path + OWNER_SUFFIX
 
     @property
     def record_path(self) -> str:
@@ -62,7 +66,7 @@ class SocketOwnership:
         raises `AlreadyServed` naming the holder, or `UnsafePath`."""
         ownership = cls.try_acquire(socket_path)
         if ownership is None:
-            holder = _read_pid(socket_path + ".lock")
+            holder = _read_pid(socket_path + OWNER_SUFFIX)
             raise AlreadyServed(
                 f"another umbp serve{f' (pid {holder})' if holder else ''} owns {socket_path}; "
                 "stop it first or choose another --socket"
@@ -72,7 +76,8 @@ class SocketOwnership:
     @classmethod
     def try_acquire(cls, socket_path: str) -> SocketOwnership | None:
         prepare_directory(os.path.dirname(socket_path) or ".", "socket directory")
-        fd = open_private_file(socket_path + ".lock", os.O_RDWR | os.O_CREAT, "lock file")
+        path = socket_path + OWNER_SUFFIX
+        fd = open_private_file(path, os.O_RDWR | os.O_CREAT, "owner lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

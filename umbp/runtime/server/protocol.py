@@ -113,12 +113,12 @@ def read_request(
     read, and the body is received in chunks, so memory grows only with bytes that
     actually arrived, never with what a header claims."""
     sock.settimeout(None)
-    first = sock.recv(1)
+    first = sock.recv(HEADER.size)  # usually the whole header: no extra syscall
     if not first:
         raise ConnectionError("the client closed the connection")
     deadline = Deadline(frame_timeout_s)
     try:
-        header = first + _read_exactly(sock, HEADER.size - 1, deadline)
+        header = first + _read_exactly(sock, HEADER.size - len(first), deadline)
         op, length = HEADER.unpack(header)
         limit = body_limit(op)
         if length > limit:

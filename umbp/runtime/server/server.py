@@ -4,7 +4,7 @@ A threading Unix-socket server over `StoreCore`. Its DRAM tier is a shared-memor
 in /dev/shm that clients map; only control messages cross the socket (see `protocol`).
 The socket is owner-only (0600, its directory 0700 when the server creates it), so only
 processes of the same user can talk to it or map its pool. One server per socket path:
-the holder of the flock on `<socket>.lock` (see `ownership`); a socket or shared-memory
+the holder of the flock on `<socket>.owner` (see `ownership`); a socket or shared-memory
 file is deleted only when it is provably a dead holder's. The threat model is in
 docs/operations.md.
 
@@ -306,7 +306,10 @@ def remove_stale_leftovers(socket_path: str) -> None:
     """Best-effort clean-up after a server that is gone (tests' `stop_server`): when no
     live server holds the socket path's lock, remove the dead one's socket and pool file;
     otherwise touch nothing."""
-    ownership = SocketOwnership.try_acquire(os.path.abspath(socket_path))
+    path = os.path.abspath(socket_path)
+    if not os.path.isdir(os.path.dirname(path)):
+        return  # nothing can be left there (and a clean-up must not create the directory)
+    ownership = SocketOwnership.try_acquire(path)
     if ownership is None:
         return
     try:

@@ -8,7 +8,9 @@ Python process started with it, SGLang's spawned schedulers included, gets:
 * ``sitecustomize``: once SGLang's host-pool modules are imported, host-memory pinning
   becomes a no-op (it needs an NVIDIA driver), the three "direct" host<->device KV
   transfer ops get pure-torch slice-copy versions (SGLang imports them only for
-  CUDA/ROCm/XPU), and the fixed 10 GiB host-memory reserve is lowered.
+  CUDA/ROCm/XPU), the pinned page buffers of SGLang's generic storage path (its
+  ``file`` backend) are allocated unpinned, and the fixed 10 GiB host-memory reserve is
+  lowered.
 
 Nothing installed is edited. umbp's SGLang backend (``umbp.sglang``) does not depend on
 any of this: it is what GPU users run.

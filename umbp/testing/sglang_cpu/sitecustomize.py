@@ -53,6 +53,15 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[Any], dst_ptrs: Sequen
             dst[pages, layer, offsets] = src_ptrs[part * layers + layer][src_indices].to(dst.device)
 
 
+def _unpinned_dummy_flat_data_page(pool: Any) -> Any:
+    """SGLang's generic (non-v1) storage path reads pages into these; it pins them,
+    which needs an NVIDIA driver."""
+    import torch
+
+    shape = (2, pool.layer_num, pool.page_size, pool.head_num, pool.head_dim)
+    return torch.zeros(shape, dtype=pool.dtype, device=pool.device).flatten()
+
+
 def _patch_common(module: ModuleType) -> None:
     # setattr: these names are SGLang's module globals, unknown to mypy
     setattr(module, "_cuda_host_register", _no_host_register)  # noqa: B010
@@ -69,6 +78,9 @@ def _patch_transfer_ops(module: ModuleType) -> None:
         setattr(module, op.__name__, op)
     if hasattr(module, "_cuda_host_unregister"):
         setattr(module, "_cuda_host_unregister", _no_host_register)  # noqa: B010
+    host_pool = getattr(module, "MHATokenToKVPoolHost", None)
+    if host_pool is not None:
+        host_pool.get_dummy_flat_data_page = _unpinned_dummy_flat_data_page
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
