@@ -39,6 +39,7 @@ from umbp.core.plans import (
     finished_partial_tail_plans,
     is_prefill,
     load_batch,
+    plan_allocated_load,
     save_watermark,
     storable_tokens,
     store_batch,
@@ -200,6 +201,48 @@ def test_a_partial_tail_loads_the_hash_at_the_window_end_into_the_split_block() 
     assert isinstance(
         load_batch("r", without_partial, LoadSpec(0, 24), ((3, 9),), hashes, 24), Failure
     )
+
+
+@given(st.one_of(single_group_loads(), coordinated_loads()), st.data())
+def test_a_load_is_planned_for_what_vllm_allocated_or_its_window_is_recomputed(
+    planned: PlannedLoad | None, data: st.DataObject
+) -> None:
+    """vLLM may lower (or, misbehaving, raise) the external count umbp matched:
+    never an exception; a plan never writes past what vLLM allocated; otherwise
+    every non-null block of the allocated window is handed back for recompute."""
+    if planned is None:
+        return
+    geometry, spec, table = planned.scenario.geometry, planned.spec, planned.table
+    matched = spec.num_tokens_to_load
+    allocated = data.draw(st.integers(1, matched + 2))
+    end = spec.local_tokens + allocated
+    result = plan_allocated_load("r", geometry, spec, table, planned.scenario.hashes, allocated)
+    if allocated == matched:
+        assert result.unwrap() == planned.batch
+    if isinstance(result, Success):
+        batch = result.unwrap()
+        assert allocated <= matched
+        assert set(batch.identities()) <= set(planned.batch.identities())
+        for group_id, block_id in zip(batch.group_ids, batch.block_ids):
+            position = geometry.position(group_id)
+            index = table[position].index(block_id)
+            assert index * geometry.group_block_sizes[position] < end
+        if not spec.block_hashes_by_group and end % geometry.block_size == 0:
+            # A block-aligned lower count (vLLM's own trim) always loads.
+            assert len(batch) == (end - spec.local_tokens) // geometry.block_size
+    else:
+        assert allocated > matched or allocated < matched
+        window = {
+            block
+            for size, group in zip(geometry.group_block_sizes, table)
+            for block in group[spec.local_tokens // size : -(-end // size)]
+            if block != NULL_BLOCK_ID
+        }
+        assert set(result.failure().block_ids) == window
+    unmatched = plan_allocated_load("r", geometry, None, table, planned.scenario.hashes, allocated)
+    assert set(unmatched.failure().block_ids) == {
+        block for group in table for block in group if block != NULL_BLOCK_ID
+    }
 
 
 # ----------------------------------------------------------------------- storing

@@ -6,8 +6,9 @@ prefix-cacheable group, aligned with :attr:`LookupGeometry.group_ids`; block
 ``i`` of a group with block size ``B`` holds tokens ``[i*B, (i+1)*B)`` and is
 identified by the hash ending at ``(i+1)*B``.
 
-* Load plans (:func:`load_batch`) turn a :class:`LoadSpec` and the block table
-  vLLM allocated into destination blocks.
+* Load plans (:func:`plan_allocated_load`) turn a :class:`LoadSpec` and what vLLM
+  allocated (its external token count, the block table) into destination blocks,
+  or into the blocks vLLM must recompute.
 * Store plans are computed in steps, so the shell can put vLLM's reachability masks
   and one residency lookup per step between them: :func:`store_candidate_ranges`,
   :func:`apply_store_masks`, then :mod:`umbp.core.store_pass` (the residency check
@@ -44,11 +45,14 @@ __all__ = [
     "StoreBatch",
     "StoreSelection",
     "StoreTracker",
+    "UnplannedLoad",
+    "allocated_window",
     "apply_store_masks",
     "boundary_state_plans",
     "finished_partial_tail_plans",
     "is_prefill",
     "load_batch",
+    "plan_allocated_load",
     "save_watermark",
     "storable_tokens",
     "store_batch",
@@ -140,6 +144,80 @@ def load_batch(
         return Failure(f"request {request_id}: a destination block is written twice")
     return Success(
         BlockLoadBatch(request_id, tuple(group_ids), tuple(block_ids), tuple(block_hashes))
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UnplannedLoad:
+    """A load that cannot be served: why, and the blocks vLLM must recompute
+    (reported to it as failed loads)."""
+
+    reason: str
+    block_ids: tuple[int, ...]
+
+
+def allocated_window(
+    geometry: LookupGeometry, spec: LoadSpec | None, num_external_tokens: int
+) -> Result[LoadSpec, str]:
+    """The window to load for what vLLM allocated.
+
+    vLLM may allocate fewer external tokens than umbp matched (its bounded-replay
+    path trims them to a block boundary): the window's first
+    ``num_external_tokens`` are loaded, its full blocks being objects the lookup
+    found. An error value for a count above the match or without a match; for a
+    lowered window ending inside a block (its partial-tail object was never looked
+    up); and for a lowered coordinated (multi-group) hit (a state group's object
+    exists only at the matched end).
+    """
+    if spec is None:
+        return Failure(f"umbp matched nothing but vLLM allocated {num_external_tokens} tokens")
+    matched = spec.num_tokens_to_load
+    if num_external_tokens == matched:
+        return Success(spec)
+    if num_external_tokens > matched:
+        return Failure(f"umbp matched {matched} tokens but vLLM allocated {num_external_tokens}")
+    if spec.block_hashes_by_group:
+        return Failure(
+            f"vLLM lowered a multi-group hit from {matched} to {num_external_tokens} tokens"
+        )
+    end = spec.local_tokens + num_external_tokens
+    if end % geometry.block_size:
+        return Failure(f"vLLM lowered the window to end inside a block (token {end})")
+    return Success(LoadSpec(spec.local_tokens, end))
+
+
+def plan_allocated_load(
+    request_id: str,
+    geometry: LookupGeometry,
+    spec: LoadSpec | None,
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    num_external_tokens: int,
+) -> Result[BlockLoadBatch, UnplannedLoad]:
+    """The load for the external tokens vLLM allocated (:func:`allocated_window`,
+    then :func:`load_batch`), or the blocks to recompute: the allocated window's,
+    or, without a match to place it, every block of the table."""
+    window = allocated_window(geometry, spec, num_external_tokens).alt(
+        lambda reason: f"request {request_id}: {reason}"
+    ).bind(
+        lambda allocated: load_batch(
+            request_id, geometry, allocated, block_table, request_hashes, num_external_tokens
+        )
+    )
+    if isinstance(window, Success):
+        return window
+    if spec is None:
+        start, end = 0, max(
+            (len(table) * size for size, table in zip(geometry.group_block_sizes, block_table)),
+            default=0,
+        )
+    else:
+        start, end = spec.local_tokens, spec.local_tokens + num_external_tokens
+    return Failure(
+        UnplannedLoad(
+            window.failure(),
+            window_block_ids(geometry, start, end, block_table),
+        )
     )
 
 

@@ -268,27 +268,20 @@ class UMBPScheduler:
             self._load_specs.pop(request_id, None)
             self._async_loads.discard(request_id)
             return
-        spec = self._load_specs.get(request_id)
-        if spec is None or spec.num_tokens_to_load != num_external_tokens:
-            raise RuntimeError(
-                f"umbp matched {None if spec is None else spec.num_tokens_to_load} external "
-                f"tokens for request {request_id} but vLLM allocated {num_external_tokens}"
-            )
         self._trackers[request_id] = tracker
-        match core_plans.load_batch(
-            request_id, self._geometry, spec, block_table, tuple(request.block_hashes),
-            num_external_tokens,
+        # vLLM may allocate fewer external tokens than umbp matched: the load is
+        # planned for what it allocated, and what cannot be loaded is recomputed.
+        match core_plans.plan_allocated_load(
+            request_id, self._geometry, self._load_specs.get(request_id), block_table,
+            tuple(request.block_hashes), num_external_tokens,
         ):
             case Success(batch):
                 self._pending_loads[request_id] = batch
                 self.counters.planned_load_blocks += len(batch.block_ids)
-            case Failure(reason):
-                # Cannot happen for a table vLLM allocated for this window; if it does,
-                # the window's blocks are reported failed and vLLM recomputes them.
-                logger.error("umbp load plan for request %s: %s; recomputing", request_id, reason)
-                self._unplanned_loads[request_id] = core_plans.window_block_ids(
-                    self._geometry, spec.local_tokens, spec.external_tokens, block_table
-                )
+            case Failure(unplanned):
+                logger.warning("umbp load plan: %s; vLLM recomputes those tokens",
+                               unplanned.reason)
+                self._unplanned_loads[request_id] = unplanned.block_ids
 
     def build_connector_meta(self, scheduler_output: Any) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
