@@ -36,6 +36,7 @@ from umbp.core.plans import (
     StoreTracker,
     apply_store_masks,
     boundary_state_plans,
+    eagle_store_groups,
     finished_partial_tail_plans,
     is_prefill,
     load_batch,
@@ -46,6 +47,8 @@ from umbp.core.plans import (
     store_candidate_ranges,
     store_token_limit,
     stores_this_step,
+    stores_under_role,
+    transfer_batch,
 )
 from umbp.core.store_events import (
     StoreEvent,
@@ -469,6 +472,61 @@ def test_store_token_limits() -> None:
     assert store_token_limit(120, 100, save_decode_cache=True) == 120
     assert is_prefill(99, 100) and not is_prefill(100, 100)
     assert stores_this_step(100, 100, True) and not stores_this_step(100, 100, False)
+    assert stores_under_role(True, "kv_both") and stores_under_role(True, "kv_producer")
+    assert stores_under_role(True, None)
+    assert not stores_under_role(True, "kv_consumer") and not stores_under_role(False, "kv_both")
+
+
+def test_eagle_store_groups_are_vllms_marked_groups_else_every_group_with_eagle() -> None:
+    assert eagle_store_groups({2}, (0, 1, 2), use_eagle=True) == {2}
+    assert eagle_store_groups(set(), (0, 1), use_eagle=True) == {0, 1}
+    assert eagle_store_groups(set(), (0, 1), use_eagle=False) == frozenset()
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 99), max_size=3), min_size=1, max_size=3),
+    st.data(),
+)
+def test_a_steps_blocks_append_unless_resumed_and_a_reported_current_table_wins(
+    first: list[list[int]], data: st.DataObject
+) -> None:
+    groups = len(first)
+    new = data.draw(st.none() | st.lists(st.lists(st.integers(1, 99), max_size=3),
+                                         min_size=groups, max_size=groups))
+    resumed = data.draw(st.booleans())
+    current = data.draw(st.none() | st.lists(st.lists(st.integers(1, 99), max_size=3),
+                                             min_size=groups, max_size=groups))
+    tracker = StoreTracker().with_blocks_replaced(first).with_saved_tokens(16)
+    after = tracker.with_step_blocks(new, resumed, current)
+    assert after.saved_tokens == 16
+    if current is not None:
+        assert after.block_table == tuple(map(tuple, current))
+    elif new and resumed:
+        assert after.block_table == tuple(map(tuple, new))
+    elif new:
+        assert after.block_table == tuple(tuple(a) + tuple(b) for a, b in zip(first, new))
+    else:
+        assert after == tracker
+
+
+@given(store_scenarios(), st.data())
+def test_masked_out_blocks_are_never_candidates_again(
+    scenario: StoreScenario, data: st.DataObject
+) -> None:
+    """The rule apply_store_masks names: the watermark passes masked blocks too."""
+    planned = plan_store(scenario, data)
+    geometry = scenario.geometry
+    masked = {
+        (group_id, index)
+        for group_id, indices in planned.candidates.items()
+        for index in indices
+        if index not in planned.selected[group_id]
+    }
+    later = store_candidate_ranges(
+        geometry, planned.save_to, planned.save_to + 4 * geometry.block_size,
+        scenario.block_table, scenario.boundary_groups,
+    )
+    assert not masked & {(g, i) for g, indices in later for i in indices}
 
 
 @given(
@@ -659,18 +717,20 @@ def store_events(draw: st.DrawFn) -> StoreEvent:
         BlockTransferPlan("r", draw(st.integers(0, 2)), draw(block), draw(identity_hash), None, 16)
         for _ in range(draw(st.integers(0, 4)))
     )
-    return StoreEvent(draw(st.integers(0, 9)), tuple(batches), transfers)
+    if transfers:  # boundary states and partial tails travel as batches too
+        batches.append(transfer_batch("r", transfers))
+    return StoreEvent(draw(st.integers(0, 9)), tuple(batches))
 
 
 @given(store_events())
 def test_pinned_block_ids_cover_every_block_of_every_plan_exactly_once(event: StoreEvent) -> None:
     pinned = pinned_block_ids(event)
-    every = [b for batch in event.batches for b in batch.block_ids] + [
-        plan.block_id for plan in event.transfers
-    ]
+    every = [b for batch in event.batches for b in batch.block_ids]
     assert len(pinned) == len(set(pinned))
     assert set(pinned) == set(every)
     assert list(pinned) == list(dict.fromkeys(every))
+    for batch in event.batches:  # a batch pinned alone (a finished tail) is pinned alike
+        assert pinned_block_ids(batch) == tuple(dict.fromkeys(batch.block_ids))
 
 
 @given(store_events(), st.lists(store_events(), max_size=3))
@@ -681,7 +741,6 @@ def test_reserved_identities_are_every_identity_of_every_in_flight_event(
     for e in (event, *others):
         for batch in e.batches:
             assert set(batch.identities()) <= reserved
-        assert {plan.identity for plan in e.transfers} <= reserved
     assert len(event.identities()) == len(set(event.identities()))
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "allocated_window",
     "apply_store_masks",
     "boundary_state_plans",
+    "eagle_store_groups",
     "finished_partial_tail_plans",
     "is_prefill",
     "load_batch",
@@ -59,6 +60,7 @@ __all__ = [
     "store_candidate_ranges",
     "store_token_limit",
     "stores_this_step",
+    "stores_under_role",
     "transfer_batch",
     "transfer_batches",
     "window_block_ids",
@@ -347,6 +349,26 @@ class StoreTracker:
             self.cached_tokens,
         )
 
+    def with_step_blocks(
+        self,
+        new_blocks: Sequence[Sequence[int]] | None,
+        resumed: bool,
+        current_table: Sequence[Sequence[int]] | None,
+    ) -> StoreTracker:
+        """The table after one step's report: a resumed request's new blocks are
+        its whole table, any other request's are appended; a current table vLLM
+        reports (``kv_connector_block_state``, tables that are not append-only)
+        wins over both."""
+        tracker = self
+        if new_blocks:
+            tracker = (
+                tracker.with_blocks_replaced(new_blocks) if resumed
+                else tracker.with_blocks_appended(new_blocks)
+            )
+        if current_table is not None:
+            tracker = tracker.with_blocks_replaced(current_table)
+        return tracker
+
     def with_saved_tokens(self, saved_tokens: int) -> StoreTracker:
         return StoreTracker(
             max(self.saved_tokens, saved_tokens), self.block_table, self.cached_tokens
@@ -380,6 +402,23 @@ def store_token_limit(total_tokens: int, num_prompt_tokens: int, save_decode_cac
 def is_prefill(num_computed_tokens: int, num_prompt_tokens: int) -> bool:
     """``num_tokens`` counts sampled tokens, so only the prompt bounds the prefill."""
     return num_computed_tokens < num_prompt_tokens
+
+
+def stores_under_role(active: bool, kv_role: str | None) -> bool:
+    """A consumer (``kv_role="kv_consumer"``) only loads; an inactive umbp does
+    neither."""
+    return active and kv_role != "kv_consumer"
+
+
+def eagle_store_groups(
+    explicit: AbstractSet[int], group_ids: Sequence[int], use_eagle: bool
+) -> frozenset[int]:
+    """The groups whose last block the EAGLE drafter recomputes (their store masks
+    drop it): those vLLM marks as EAGLE groups, else every prefix-cacheable group
+    when EAGLE drops a block."""
+    if explicit:
+        return frozenset(explicit)
+    return frozenset(group_ids) if use_eagle else frozenset()
 
 
 def stores_this_step(
@@ -417,7 +456,12 @@ def apply_store_masks(
 ) -> Result[StoreSelection, str]:
     """Keep the blocks vLLM's cache semantics can later reuse (its reachability
     masks, one entry per candidate; None or absent keeps all). A mask of the wrong
-    length is an error value."""
+    length is an error value.
+
+    Masked-out blocks are never retried: the save watermark passes every candidate
+    before the masks apply, so a block masked out once (or a step whose mask was
+    malformed) is not a candidate again for that request.
+    """
     selected: list[tuple[int, tuple[int, ...]]] = []
     for group_id, indices in ranges:
         mask = masks.get(group_id)

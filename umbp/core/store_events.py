@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from umbp.core.plans import BlockTransferPlan, Identity, StoreBatch
+from umbp.core.plans import Identity, StoreBatch
 
 __all__ = [
     "StoreEvent",
@@ -26,32 +26,31 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
-    """The stores of one scheduler step: per-request batches, then transfer plans
-    (boundary states and finished partial tails)."""
+    """The stores of one scheduler step: one batch per request and kind (new
+    blocks, boundary states, finished partial tails)."""
 
     event_id: int
     batches: tuple[StoreBatch, ...] = ()
-    transfers: tuple[BlockTransferPlan, ...] = ()
 
     def __bool__(self) -> bool:
-        return any(self.batches) or bool(self.transfers)
+        return any(self.batches)
 
     def identities(self) -> tuple[Identity, ...]:
         """Every identity the event writes, unique, in first-seen order."""
         seen: dict[Identity, None] = {}
         for batch in self.batches:
             seen.update(dict.fromkeys(zip(batch.group_ids, batch.block_hashes)))
-        seen.update(dict.fromkeys(plan.identity for plan in self.transfers))
         return tuple(seen)
 
 
-def pinned_block_ids(event: StoreEvent) -> tuple[int, ...]:
-    """The source blocks to pin until the event is acknowledged: each once, in
-    first-seen order (unpin in reverse to keep vLLM's eviction order)."""
+def pinned_block_ids(event: StoreEvent | StoreBatch) -> tuple[int, ...]:
+    """The source blocks to pin until the event (or a batch waiting for one) is
+    acknowledged: each once, in first-seen order (unpin the same ids, in reverse
+    to keep vLLM's eviction order)."""
+    batches = (event,) if isinstance(event, StoreBatch) else event.batches
     seen: dict[int, None] = {}
-    for batch in event.batches:
+    for batch in batches:
         seen.update(dict.fromkeys(batch.block_ids))
-    seen.update(dict.fromkeys(plan.block_id for plan in event.transfers))
     return tuple(seen)
 
 

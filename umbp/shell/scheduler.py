@@ -87,11 +87,10 @@ class UMBPScheduler:
         self._geometry = geometry if self._hybrid is None else self._hybrid.geometry
         groups = kv_cache_config.kv_cache_groups
         # The drafter recomputes the last block of its groups: their masks drop it.
-        explicit_eagle = frozenset(
-            g for g, group in enumerate(groups) if getattr(group, "is_eagle_group", False)
-        )
-        self._eagle_store_groups = explicit_eagle or (
-            frozenset(self._geometry.group_ids) if self._geometry.use_eagle else frozenset()
+        self._eagle_store_groups = core_plans.eagle_store_groups(
+            frozenset(g for g, group in enumerate(groups)
+                      if getattr(group, "is_eagle_group", False)),
+            self._geometry.group_ids, self._geometry.use_eagle,
         )
         self._boundary_groups = frozenset(
             group_id for group_id, group in enumerate(groups)
@@ -107,7 +106,9 @@ class UMBPScheduler:
         if warning is not None:
             logger.warning("umbp: %s", warning)
         transfer_config = vllm_config.kv_transfer_config
-        self._store_enabled = active and getattr(transfer_config, "kv_role", None) != "kv_consumer"
+        self._store_enabled = core_plans.stores_under_role(
+            active, getattr(transfer_config, "kv_role", None)
+        )
         self._num_workers = int(getattr(vllm_config.parallel_config, "world_size", 1))
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -289,20 +290,10 @@ class UMBPScheduler:
         reserved = reserved_identities(event for event, _ in self._store_events.values())
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
-        candidates: list[StoreCandidates] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            candidate = self._new_request_candidates(new, scheduler_output)
-            if candidate is not None:
-                candidates.append(candidate)
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", ()))
-        for index, request_id in enumerate(cached.req_ids):
-            candidate = self._cached_request_candidates(
-                request_id, index, cached, request_id in resumed, scheduler_output
-            )
-            if candidate is not None:
-                candidates.append(candidate)
-        stores = list(self._store_pass(candidates, reserved))
+        stores = list(
+            self._store_pass(self._step_candidates(scheduler_output), reserved)
+            if self._store_enabled else ()
+        )
         # Async loads are admitted without scheduled tokens: forward every plan.
         meta.loads = list(self._pending_loads.values())
         meta.unplanned_loads, self._unplanned_loads = self._unplanned_loads, {}
@@ -332,7 +323,8 @@ class UMBPScheduler:
         if finished and self._gpu_block_pool is not None:
             # The event pins them now; release the pins taken at request finish.
             pool = self._gpu_block_pool
-            pool.free_blocks(pool.blocks[b] for batch in finished.values() for b in batch.block_ids)
+            for batch in finished.values():  # the ids pinned at finish, once each
+                pool.free_blocks(pool.blocks[b] for b in reversed(pinned_block_ids(batch)))
         return meta
 
     def _boundary_stores(
@@ -356,13 +348,27 @@ class UMBPScheduler:
                          drop.request_id, drop.entries, drop.reason.value)
         return core_plans.transfer_batches(plans)
 
+    def _step_candidates(self, scheduler_output: Any) -> list[StoreCandidates]:
+        candidates: list[StoreCandidates] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            candidate = self._new_request_candidates(new, scheduler_output)
+            if candidate is not None:
+                candidates.append(candidate)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()))
+        for index, request_id in enumerate(cached.req_ids):
+            candidate = self._cached_request_candidates(
+                request_id, index, cached, request_id in resumed, scheduler_output
+            )
+            if candidate is not None:
+                candidates.append(candidate)
+        return candidates
+
     def _new_request_candidates(self, new: Any, scheduler_output: Any) -> StoreCandidates | None:
         # A request loading synchronously this step is planned too: the load lands
         # before the forward pass, the store reads after it. Its computed tokens
         # (vLLM's prefix-cache hits and umbp's window) are checked for residency.
         request_id = new.req_id
-        if not self._store_enabled:
-            return None
         request = self._requests.get(request_id)
         if request is None:
             return None
@@ -375,8 +381,6 @@ class UMBPScheduler:
     def _cached_request_candidates(
         self, request_id: str, index: int, cached: Any, resumed: bool, scheduler_output: Any,
     ) -> StoreCandidates | None:
-        if not self._store_enabled:
-            return None
         request = self._requests.get(request_id)
         tracker = self._trackers.get(request_id)
         if request is None or tracker is None:
@@ -385,25 +389,20 @@ class UMBPScheduler:
         if resumed:  # started over: what it has again came from a cache
             tracker = tracker.with_cached_tokens(computed)
             self._trackers[request_id] = tracker
-        if not core_plans.is_prefill(computed, request.num_prompt_tokens) and not (
-            self._config.save_decode_cache
+        if not core_plans.stores_this_step(
+            computed, request.num_prompt_tokens, self._config.save_decode_cache
         ):
             return None
+        group_ids = self._geometry.group_ids
         new_blocks = cached.new_block_ids[index]
-        if new_blocks:
-            selected = _table(tuple(new_blocks[g] for g in self._geometry.group_ids))
-            tracker = (
-                tracker.with_blocks_replaced(selected) if resumed
-                else tracker.with_blocks_appended(selected)
-            )
-            self._trackers[request_id] = tracker
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         current = None if block_state is None else block_state.get_block_ids(request_id)
-        if current is not None:
-            tracker = tracker.with_blocks_replaced(
-                _table(tuple(current[g] for g in self._geometry.group_ids))
-            )
-            self._trackers[request_id] = tracker
+        tracker = tracker.with_step_blocks(
+            None if not new_blocks else _table(tuple(new_blocks[g] for g in group_ids)),
+            resumed,
+            None if current is None else _table(tuple(current[g] for g in group_ids)),
+        )
+        self._trackers[request_id] = tracker
         total = core_plans.store_token_limit(
             computed + scheduler_output.num_scheduled_tokens[request_id],
             request.num_prompt_tokens,
@@ -554,7 +553,7 @@ class UMBPScheduler:
                          plans.failure())
             return False
         batch = core_plans.transfer_batch(request_id, plans.unwrap())
-        pool.touch([pool.blocks[b] for b in dict.fromkeys(batch.block_ids)])
+        pool.touch([pool.blocks[b] for b in pinned_block_ids(batch)])
         self._pending_finished_stores[request_id] = batch
         return False
 
