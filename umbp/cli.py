@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "ssd": "ssd_bench.py",
     "shared-server": "shared_server_bench.py",
     "mooncake": "mooncake_bench.py",
+    "serve": "serve_bench.py",
 }
 
 

@@ -81,7 +81,7 @@ def wait_ready(served: Served, timeout_s: float = 600.0) -> None:
     while time.monotonic() < deadline:
         if served.process.poll() is not None:
             raise RuntimeError(f"vllm serve exited ({served.process.returncode}):\n"
-                               + served.log_text()[-4000:])
+                               + _first_errors(served.log_text()))
         try:
             with urllib.request.urlopen(served.url + "/health", timeout=5) as answer:
                 if answer.status == 200:
@@ -91,6 +91,12 @@ def wait_ready(served: Served, timeout_s: float = 600.0) -> None:
         time.sleep(1.0)
     stop(served)
     raise TimeoutError(f"vllm serve not ready in {timeout_s} s:\n" + served.log_text()[-4000:])
+
+
+def _first_errors(log: str, count: int = 8) -> str:
+    """The first error lines (the root cause precedes vLLM's tracebacks) and the tail."""
+    errors = [line for line in log.splitlines() if "Error" in line or " ERROR " in line]
+    return "\n".join(errors[:count]) + "\n...\n" + log[-2000:]
 
 
 def stop(served: Served, wait_s: float = 90.0) -> None:
