@@ -160,7 +160,9 @@ def lookup_skip_reason(
     """The first guard that rules out a lookup, in the reference's order, or None.
 
     ``enabled`` folds together the user's switch and the runtime being bound.
-    On ``NO_TOKEN_LEFT_TO_LOAD`` the caller also forgets any earlier load spec.
+    On any skip the caller also forgets an earlier load spec of the request: the
+    answer is then 0 tokens, so an older window no longer describes what vLLM
+    allocates (the reference forgets it only on ``NO_TOKEN_LEFT_TO_LOAD``).
     """
     if not enabled:
         return LookupSkip.DISABLED
