@@ -51,6 +51,7 @@ __all__ = ["StoreCounters", "UMBPHiCacheStore"]
 
 logger = logging.getLogger("umbp.sglang")
 _KV_POOL = "kv"  # SGLang's PoolName.KV
+_PAGE_ROW_LAYOUTS = ("page_first_direct", "page_head")
 
 
 @dataclass(slots=True)
@@ -159,8 +160,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         slots = self._page_slots(host_indices, len(keys))
         if umbp_keys is None or slots is None:
             return [False] * len(keys)
-        pool = self.mem_pool_host
-        staging = torch.empty((len(keys), self._page_elements), dtype=pool.dtype)
+        staging = torch.empty((len(keys), self._page_elements), dtype=self.mem_pool_host.dtype)
         rows = staging.view(torch.uint8).numpy()
         try:
             statuses = self._store().get_batch_into(umbp_keys, [memoryview(row) for row in rows])
@@ -169,8 +169,7 @@ class UMBPHiCacheStore(HiCacheStorage):
                            len(keys), error)
             statuses = tuple(LoadStatus.UNAVAILABLE for _ in keys)
         written = pages_to_write([status is LoadStatus.HIT for status in statuses])
-        for index in written:
-            pool.set_from_flat_data_page(slots[index], staging[index])
+        self._write_pages(slots[: len(written)], staging[: len(written)])
         with self._lock:
             self.counters.pages_loaded += len(written)
             self.counters.pages_failed += len(keys) - len(written)
@@ -188,9 +187,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         slots = self._page_slots(host_indices, len(keys))
         if umbp_keys is None or slots is None:
             return [False] * len(keys)
-        pool = self.mem_pool_host
-        pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
-        return self._put(umbp_keys, pages)
+        return self._put(umbp_keys, list(self._read_pages(slots)))
 
     # -- the single-key methods HiCacheStorage declares abstract ----------------
 
@@ -251,7 +248,43 @@ class UMBPHiCacheStore(HiCacheStorage):
 
     # -- helpers --------------------------------------------------------------------
 
+    def _read_pages(self, slots: Sequence[int]) -> torch.Tensor:
+        """The flat pages at ``slots``, one row each (a copy)."""
+        pool = self.mem_pool_host
+        if self._pages_are_rows:
+            pages = pool.kv_buffer[:, self._page_numbers(slots)]
+            return pages.transpose(0, 1).reshape(len(slots), -1)
+        return torch.stack([pool.get_data_page(slot, flat=True) for slot in slots])
+
+    def _write_pages(self, slots: Sequence[int], rows: torch.Tensor) -> None:
+        """Copy ``rows`` (flat pages) into the host pool at ``slots``."""
+        if not slots:
+            return
+        pool = self.mem_pool_host
+        if self._pages_are_rows:
+            buffer = pool.kv_buffer
+            pages = rows.view(len(slots), 2, *buffer.shape[2:]).transpose(0, 1)
+            buffer[:, self._page_numbers(slots)] = pages
+            return
+        for slot, row in zip(slots, rows):
+            pool.set_from_flat_data_page(slot, row)
+
+    @property
+    def _pages_are_rows(self) -> bool:
+        """Layouts whose page p is ``kv_buffer[:, p]`` (K then V): one batched gather or
+        scatter moves a whole call's pages. Batched, not page by page, because these calls
+        run in SGLang's background threads while its scheduler thread spins: every
+        per-page torch call hands the GIL back and forth, which cost seconds per prefix."""
+        pool = self.mem_pool_host
+        return pool.layout in _PAGE_ROW_LAYOUTS and getattr(pool, "kv_buffer", None) is not None \
+            and pool.kv_buffer.dim() == 6
+
+    def _page_numbers(self, slots: Sequence[int]) -> torch.Tensor:
+        page_size = self._require_shape().page_size
+        return torch.tensor([slot // page_size for slot in slots], dtype=torch.int64)
+
     def _put(self, umbp_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """``pages``: contiguous flat pages (rows of one tensor, or single pages)."""
         try:
             results = self._store().put_batch(
                 umbp_keys, [memoryview(page.view(torch.uint8).numpy()) for page in pages])
