@@ -1,7 +1,7 @@
 """`MooncakeStore`: the store contract over a Mooncake Store cluster (one master, a
 client per process, each node contributing a memory segment).
 
-What Mooncake gives and what this adapter adds (facts in /work/shared/docs/backends.md,
+What Mooncake gives and what this adapter adds (facts in docs/backends.md,
 checked against `mooncake-transfer-engine-non-cuda==0.3.13.post1`):
 
 * Zero-copy batched I/O from *registered* memory only (`batch_put_from_multi_buffers`,

@@ -1,7 +1,7 @@
 """`MoriStore`: the store contract over MORI UMBP's `mori.umbp.UMBPClient`, in its
 embedded, standalone (node-local server) and distributed deployments.
 
-MORI ships only for ROCm (backends.md), so this adapter is exercised here against
+MORI ships only for ROCm (docs/backends.md), so this adapter is exercised here against
 `umbp.testing.fake_mori`, a fake of the documented API; pass `module=` to choose the
 module (the fake in tests), else `mori.umbp` is imported on construction.
 
@@ -21,7 +21,7 @@ How the contract is met with the documented API (batch calls answer `list[bool]`
   that key is accepted. Other clients detect the corruption on their own, by checksum.
 * A sidecar may be evicted apart from its payload (the store evicts objects, not pairs):
   a load then answers MISSING though `lookup` said resident, as any eviction race does.
-* Known defects (backends.md): in 1.2.4 every put after `clear()` fails, so on that
+* Known defects (docs/backends.md): in 1.2.4 every put after `clear()` fails, so on that
   version `clear()` replaces the client by a fresh one (re-registering memory); nightly
   builds have no `close()`, so `close()` calls it only when it exists and otherwise drops
   the client to its destructor.

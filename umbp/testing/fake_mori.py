@@ -1,7 +1,7 @@
 """An in-process fake of MORI UMBP's Python module `mori.umbp`, so that `MoriStore` runs
 unchanged in tests on machines where MORI cannot be installed.
 
-It follows the API as /work/shared/docs/backends.md records it (amd-mori 1.2.4 and
+It follows the API as docs/backends.md records it (amd-mori 1.2.4 and
 amd-mori-nightly): the same class and method names and argument order, batch calls that
 answer `list[bool]`, `batch_exists_consecutive` answering the length of the leading run of
 hits, `register_memory` / `deregister_memory`, `clear`, `flush`, `is_distributed`,
@@ -10,7 +10,7 @@ hits, `register_memory` / `deregister_memory`, `clear`, `flush`, `is_distributed
 * "1.2.4": every put after `clear()` fails (on that client);
 * "nightly": puts after `clear()` work, and `UMBPClient` has no `close()`.
 
-Chosen where backends.md is silent (assumptions, to be checked against real MORI):
+Chosen where docs/backends.md is silent (assumptions, to be checked against real MORI):
 * the deployment is picked by the config: `standalone_process.address` set -> standalone,
   `distributed.master_address` set -> distributed, neither -> embedded;
 * clients of one standalone or distributed address share objects (a process-wide table
