@@ -101,6 +101,8 @@ def engine_arguments(model: str, *, storage_backend: str | None = None,
         "disable_cuda_graph": True, "max_total_tokens": max_total_tokens,
         "mem_fraction_static": 0.05, "dtype": "float32", "log_level": "warning",
         "random_seed": 0,
+        # An idle scheduler spins a core by default; engines here share two cores.
+        "sleep_on_idle": True,
     }
     if hicache:
         arguments.update(
