@@ -24,7 +24,8 @@ def run_scenario(spec: dict[str, Any], *, env: dict[str, str] | None = None) -> 
     for line in process.stdout.splitlines():
         if line.startswith("UMBP-SCENARIO "):
             report: dict[str, Any] = json.loads(line.removeprefix("UMBP-SCENARIO "))
-            report["stderr"] = process.stderr
+            # vLLM logs (umbp's lines included) to stdout, Python warnings to stderr.
+            report["log"] = process.stdout + process.stderr
             return report
     raise AssertionError(
         f"scenario exited {process.returncode} without a report\n"
