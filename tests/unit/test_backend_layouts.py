@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.vllm_driver import vllm_config_for, write_model_config
+from tests.unit.vllm_driver import vllm_config_for
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.layout import describe_layer
 
@@ -87,11 +87,6 @@ def layer_specs(kind: str) -> dict[str, Any]:
         full[name(0)] = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=4, head_size=64,
                                           dtype=torch.float16, sliding_window=64)
     return full
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def gpu_like_kv_caches(model_dir: Path, kind: str, layout_name: str) -> tuple[Any, dict[str, Any]]:

@@ -19,16 +19,11 @@ from typing import Any
 
 import pytest
 
-from tests.unit.vllm_driver import Driver, write_model_config
+from tests.unit.vllm_driver import Driver
 
 pytestmark = pytest.mark.vllm_versions
 
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from tests.unit.test_scheduler_lifecycle import BLOCK, connector_stats, fill_poo
 from tests.unit.vllm_driver import Driver
 
 # The lifecycle tests' fixtures: a model config written once, drivers closed after.
-model_dir = lifecycle.model_dir
 make_driver = lifecycle.make_driver
 
 pytestmark = pytest.mark.vllm_versions
