@@ -21,6 +21,7 @@ from umbp.runtime.contract import SchedulerStore, WorkerStore
 from umbp.runtime.embedded import EmbeddedPool, PoolAddress, connect_to_pool, open_embedded_pool
 from umbp.runtime.lookup_service import RankedLookup
 from umbp.runtime.pool import SlabPool
+from umbp.runtime.private_files import UnsafePath, open_private_file, prepare_directory
 
 logger = logging.getLogger("umbp")
 
@@ -108,9 +109,12 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
     from umbp.runtime.server.launch import server_reachable, start_server
     from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
-    Path(endpoint).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock_path = endpoint + ".lock"
-    descriptor = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        prepare_directory(Path(endpoint).parent, "server socket directory")
+        descriptor = open_private_file(endpoint + ".lock", os.O_CREAT | os.O_RDWR,
+                                       "auto_start lock file")
+    except UnsafePath as error:
+        raise BackendUnavailable(f"umbp: auto_start refused: {error}") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         if server_reachable(endpoint, config.io_timeout_s):
