@@ -29,6 +29,7 @@ from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore
 from umbp.runtime.server.launch import server_reachable, start_server, stop_server
 from umbp.runtime.ssd_tier import RECORD_BYTES, SLOT_FILE_NAME, SUPERBLOCK_BYTES
+from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 pytestmark = pytest.mark.integration
 
@@ -351,17 +352,11 @@ def small_filesystem(workdir: Path) -> Iterator[Path]:
     """A real 2 MiB tmpfs (root only); unmounted after, lazily if something holds it."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mount_point = workdir / "small"
-    mount_point.mkdir(mode=0o700)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs",
-                              str(mount_point)], capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], check=False)
+        with small_tmpfs(workdir / "small", "2m") as mount_point:
+            yield mount_point
+    except CannotMount as reason:
+        pytest.skip(str(reason))
 
 
 def test_a_full_disk_costs_the_ssd_tier_nothing_once_it_started(

@@ -20,6 +20,7 @@ import pytest
 
 from umbp.runtime import LoadStatus, StoreUnavailable
 from umbp.runtime.ssd_tier import MAX_KEY_BYTES, RECORD_BYTES, SsdTier
+from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 SLOT = 4096
@@ -699,20 +700,11 @@ def test_a_file_size_limit_below_the_slot_file_refuses_to_open(tmp_path: Path) -
 @pytest.fixture
 def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, where root may mount one; skipped elsewhere."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-        capture_output=True, check=False,
-    )  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        yield mount_point
-    finally:
-        # Lazily if a failed test still holds a file open there: never leave a mount behind.
-        if subprocess.run(["umount", str(mount_point)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], check=False)
+        with small_tmpfs(tmp_path / "tiny", "1m", mode="1777") as mount_point:
+            yield mount_point
+    except CannotMount as reason:
+        pytest.skip(str(reason))
 
 
 def test_a_tier_larger_than_its_filesystem_refuses_to_open(tiny_filesystem: Path) -> None:
