@@ -26,7 +26,6 @@ from umbp.core.events import (
     apply_residency,
     clear,
     has_pending,
-    invalidate_removed,
     new_event_tracker,
     residency_batch,
     track_stored,
@@ -88,7 +87,7 @@ class EventReconciliation(RuleBasedStateMachine):
         super().__init__()
         self.state = new_event_tracker(4)
         self.told_stored: set[ObjectIdentity] = set()  # announced and not since removed
-        self.forgotten: set[ObjectIdentity] = set()  # invalidated/cleared, not stored since
+        self.forgotten: set[ObjectIdentity] = set()  # cleared, not stored since
         self.latest: dict[ObjectIdentity, StoredObject] = {}
         self.medium_told: dict[ObjectIdentity, str] = {}
 
@@ -146,14 +145,6 @@ class EventReconciliation(RuleBasedStateMachine):
         batch = residency_batch(self.state, size, recheck)
         self._check_batch(batch, size, recheck)
         self._answer(batch, data)
-
-    @rule(removed=st.lists(identities, max_size=4))
-    def vllm_removed(self, removed: list[ObjectIdentity]) -> None:
-        self.state = invalidate_removed(self.state, removed)
-        for identity in removed:
-            assert identity not in self.state.objects
-            self.told_stored.discard(identity)
-            self.forgotten.add(identity)
 
     @rule()
     def pool_cleared(self) -> None:
@@ -288,8 +279,6 @@ def busy_trackers(draw: st.DrawFn) -> EventTracker:
         batch = residency_batch(state, draw(st.integers(1, 64)), draw(st.booleans()))
         answer = draw(st.none() | st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
         state, _ = apply_residency(state, batch, answer)
-        removed = draw(st.lists(st.integers(0, universe), max_size=10))
-        state = invalidate_removed(state, [(key % 3, key.to_bytes(4, "big")) for key in removed])
     check_structure(state)
     return state
 

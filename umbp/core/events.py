@@ -27,7 +27,7 @@ whole while young. A sharded map (many small pmaps) was tried and was slower
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, TypeAlias, TypeVar
 
@@ -47,7 +47,6 @@ __all__ = [
     "apply_residency",
     "clear",
     "has_pending",
-    "invalidate_removed",
     "new_event_tracker",
     "residency_batch",
     "track_stored",
@@ -186,17 +185,6 @@ def track_stored(
             record = TrackedObject(serial, False, True, stored, stored.medium)
         edit.objects[identity] = record
         edit.pending_queue[serial] = identity
-    return edit.finish()
-
-
-def invalidate_removed(state: EventTracker, identities: Iterable[ObjectIdentity]) -> EventTracker:
-    """Forget objects vLLM itself reported removed; they are only reported again
-    after they are stored again."""
-    edit = _Edit(state)
-    for identity in identities:
-        record = _get(edit.objects, identity)
-        if record is not None:
-            edit.forget(identity, record)
     return edit.finish()
 
 
