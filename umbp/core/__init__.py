@@ -15,6 +15,7 @@ from umbp.core import (
     config,
     events,
     identity,
+    load_outcomes,
     lookup,
     page_identity,
     plans,
@@ -26,6 +27,7 @@ from umbp.core import (
 from umbp.core.config import *
 from umbp.core.events import *
 from umbp.core.identity import *
+from umbp.core.load_outcomes import *
 from umbp.core.lookup import *
 from umbp.core.page_identity import *
 from umbp.core.plans import *
@@ -38,6 +40,7 @@ __all__ = [
     "config",
     "events",
     "identity",
+    "load_outcomes",
     "lookup",
     "page_identity",
     "plans",
@@ -49,6 +52,7 @@ __all__ = [
 __all__ += config.__all__
 __all__ += events.__all__
 __all__ += identity.__all__
+__all__ += load_outcomes.__all__
 __all__ += lookup.__all__
 __all__ += page_identity.__all__
 __all__ += plans.__all__

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -22,3 +24,42 @@ def allocate_staging(
         dtype=torch.uint8,
         pin_memory=torch.device(device_of_kv).type == "cuda",
     )
+
+
+class StagingRows:
+    """One reused host buffer per cache group, grown by doubling: fresh memory costs
+    a page fault per 4 KiB, which is slower than the copy itself.
+
+    ``on_allocate`` / ``on_release`` see each buffer when it is made and before it
+    is dropped (a transport that moves bytes only from registered memory registers
+    it there)."""
+
+    def __init__(
+        self,
+        on_allocate: Callable[[torch.Tensor], None] = lambda buffer: None,
+        on_release: Callable[[torch.Tensor], None] = lambda buffer: None,
+    ) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._on_allocate = on_allocate
+        self._on_release = on_release
+
+    def rows(
+        self, group_id: int, num_objects: int, object_bytes: int, device_of_kv: torch.device
+    ) -> torch.Tensor:
+        """The first ``num_objects`` rows of the group's buffer (the same memory on
+        every call until the buffer has to grow)."""
+        buffer = self._buffers.get(group_id)
+        if buffer is None or buffer.shape[0] < num_objects or buffer.shape[1] != object_bytes:
+            capacity = max(num_objects, 2 * (0 if buffer is None else int(buffer.shape[0])))
+            if buffer is not None:
+                self._on_release(buffer)
+            buffer = allocate_staging(capacity, object_bytes, device_of_kv)
+            self._on_allocate(buffer)
+            self._buffers[group_id] = buffer
+        return buffer[:num_objects]
+
+    def release(self) -> None:
+        """Drop every buffer (after ``on_release`` saw it)."""
+        for buffer in self._buffers.values():
+            self._on_release(buffer)
+        self._buffers = {}

@@ -19,7 +19,8 @@ thread, which keeps every back-end simple and lets the overlap policy live in on
 Expected failures are values, not exceptions: a rejected put is `False`, a failed load is a
 `LoadStatus`. The one exception is `StoreUnavailable`, raised by `lookup` when the back-end
 cannot be reached at all (a `lookup` answer of "not resident" would be a lie the scheduler
-could not tell from a miss).
+could not tell from a miss). `LoadStatus` is defined in `umbp.core.load_outcomes`, where
+the worker's load outcomes are decided from it, and re-exported here.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
+
+from umbp.core.load_outcomes import LoadStatus
 
 __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "LoadStatus",
+    "Medium",
     "PoolStats",
     "RegistersHostMemory",
     "ReportsTiers",
@@ -42,30 +46,25 @@ __all__ = [
     "WorkerStore",
 ]
 
-MEDIUM_CPU = "CPU"
-"""Where an object lives, as vLLM's KV events name it: host memory..."""
-MEDIUM_DISK = "DISK"
-"""...or a disk tier."""
+
+class Medium(enum.StrEnum):
+    """Where an object lives, as vLLM's KV events name it (``BlockStored.medium``
+    is a string, so the members are strings)."""
+
+    CPU = "CPU"
+    """Host memory."""
+    DISK = "DISK"
+    """A disk tier."""
+
+
+# The names back-ends and the KV-event shell import, typed as the strings vLLM's
+# events carry (their lists and maps of media are typed str).
+MEDIUM_CPU: Final[str] = Medium.CPU
+MEDIUM_DISK: Final[str] = Medium.DISK
 
 
 class StoreUnavailable(Exception):
     """The back-end cannot be reached (closed, server down, network partition)."""
-
-
-class LoadStatus(enum.Enum):
-    """Outcome of loading one key into a caller-provided buffer."""
-
-    HIT = "hit"
-    """The buffer now holds exactly the bytes stored under the key."""
-    MISSING = "missing"
-    """The key is not resident; the buffer is untouched."""
-    CORRUPT = "corrupt"
-    """The stored bytes failed their checksum; the object was dropped. The buffer holds
-    garbage and must not be used."""
-    SIZE_MISMATCH = "size_mismatch"
-    """The buffer's length differs from the stored object's; nothing was copied."""
-    UNAVAILABLE = "unavailable"
-    """The back-end (or the part of it holding this key) cannot be reached."""
 
 
 @dataclass(frozen=True, slots=True)

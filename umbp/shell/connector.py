@@ -120,17 +120,11 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self.worker.save(self._meta())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished, _ = self.worker.take_finished_loads()
-        return None, finished or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished, failed = self.worker.take_finished_loads()
-        # With several cache groups vLLM takes request-level failures only.
-        request_level = failed if len(self._kv_cache_config.kv_cache_groups) > 1 else set()
-        return KVConnectorTransferResults(
-            finished_recving=finished, failed_recving=request_level
-        )
+        # vLLM 0.32 and 0.33 ask this (not get_finished, whose two sets cannot carry
+        # request-level failures). The worker decided which failures go here.
+        finished, failed = self.worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_error_blocks()

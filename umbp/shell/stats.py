@@ -4,12 +4,41 @@ what changed since their last report; vLLM sums the reports and logs them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from umbp.core.load_outcomes import LOAD_FAILURES, LoadStatus
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerCounters:
+    """Counted where the copies happen, so the figures can be trusted."""
+
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Failed block loads by kind, keyed by the `LoadStatus` value (plain strings:
+    the counters travel as JSON and as metric names)."""
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    store_failures: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    # The pool's own figures, refreshed when stats are reported.
+    pool_evictions: int = 0
+    pool_used_bytes: int = 0
+    pool_objects: int = 0
+    pool_disk_used_bytes: int = 0
+    pool_disk_objects: int = 0
+
+    def count_load_failures(self, failures: Iterable[LoadStatus]) -> None:
+        for status in failures:
+            self.load_failures[status.value] = self.load_failures.get(status.value, 0) + 1
 
 
 @dataclasses.dataclass
@@ -109,7 +138,7 @@ GAUGE_DOCS: dict[str, str] = {
     "(summed over workers)",
 }
 LOAD_FAILURES_KEY = "worker_load_failures_"
-LOAD_FAILURE_REASONS = ("missing", "corrupt", "size_mismatch", "unavailable")
+LOAD_FAILURE_REASONS = tuple(status.value for status in LOAD_FAILURES)
 
 
 class UMBPPromMetrics(KVConnectorPromMetrics):

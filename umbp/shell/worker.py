@@ -12,57 +12,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from umbp.core.config import ConnectorConfig
 from umbp.core.identity import KeySpace, RankCoord, resolve_namespace
-from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.load_outcomes import (
+    GroupLoadOutcome,
+    LoadReport,
+    LoadStatus,
+    RequestLoadOutcome,
+    batch_load_outcome,
+    failed_store_identities,
+    failure_reporting,
+    failure_unreportable,
+    pool_page_bytes,
+    report_load,
+    rows_by_group,
+    unplanned_load_outcome,
+)
+from umbp.core.plans import BlockLoadBatch, Identity, StoreBatch
 from umbp.core.store_events import StoreEventResult
 from umbp.gpu.copier import BlockCopier
-from umbp.gpu.staging import allocate_staging
+from umbp.gpu.staging import StagingRows
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import (
-    MEDIUM_DISK,
-    LoadStatus,
-    RegistersHostMemory,
-    ReportsTiers,
-    WorkerStore,
-)
+from umbp.runtime.contract import Medium, RegistersHostMemory, ReportsTiers, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
+from umbp.shell.stats import WorkerCounters
 
 logger = logging.getLogger("umbp")
 
 POOL_STATS_EVERY_S = 1.0
-
-
-@dataclass(slots=True)
-class WorkerCounters:
-    """Counted where the copies happen, so the figures can be trusted."""
-
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    load_failures: dict[str, int] = field(default_factory=dict)
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    store_failures: int = 0
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
-    # The pool's own figures, refreshed when stats are reported.
-    pool_evictions: int = 0
-    pool_used_bytes: int = 0
-    pool_objects: int = 0
-    pool_disk_used_bytes: int = 0
-    pool_disk_objects: int = 0
-
-    def count_load_failure(self, status: LoadStatus) -> None:
-        name = status.name.lower()
-        self.load_failures[name] = self.load_failures.get(name, 0) + 1
 
 
 class UMBPWorker:
@@ -80,17 +64,16 @@ class UMBPWorker:
         self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config))
         self._rank: RankCoord = vllm_compat.this_worker_rank(vllm_config)
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
-        self._single_group = len(kv_cache_config.kv_cache_groups) == 1
+        # vLLM's one way to hear of failed loads for this model, decided once.
+        self._reporting = failure_reporting(len(kv_cache_config.kv_cache_groups))
         self._copiers: dict[int, BlockCopier] = {}
         # The tensors vLLM registered, kept for sleep mode's restore (vLLM 0.33).
         self._kv_caches: dict[str, Any] | None = None
         self._object_bytes: dict[int, int] = {}
         self._asleep = False
-        self._staging: dict[int, torch.Tensor] = {}
+        self._staging = StagingRows(self._register, self._unregister)
         self._backend: WorkerBackend | None = None
-        self._load_error_blocks: set[int] = set()
-        self._finished_loads: set[str] = set()
-        self._failed_loads: set[str] = set()
+        self._report = LoadReport()
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
         self._next_pool_stats = 0.0
@@ -118,7 +101,7 @@ class UMBPWorker:
         self._copiers = self._copiers_for(kv_caches)
         self._object_bytes = {g: copier.object_bytes for g, copier in self._copiers.items()}
         object_sizes = [copier.object_bytes for copier in self._copiers.values()]
-        page_bytes = self._config.page_bytes or auto_page_bytes(object_sizes)
+        page_bytes = pool_page_bytes(self._config.page_bytes, object_sizes)
         executor = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
         self._backend = open_worker_backend(
             self._config, page_bytes, serve_other_processes=executor != "uni"
@@ -199,7 +182,7 @@ class UMBPWorker:
             except Exception as error:
                 logger.debug("umbp store tier usage unavailable: %s", error)
                 return
-            disk = usage.get(MEDIUM_DISK, (0, 0))
+            disk = usage.get(Medium.DISK, (0, 0))
             self.counters.pool_disk_used_bytes, self.counters.pool_disk_objects = disk
 
     def handshake(self) -> UMBPHandshake | None:
@@ -209,54 +192,103 @@ class UMBPWorker:
         return UMBPHandshake(self.namespace, self._rank,
                              None if embedded is None else embedded.address)
 
-    def start_loads(self, meta: UMBPConnectorMetadata) -> None:
-        for request_id, block_ids in meta.unplanned_loads.items():
-            self._record_load(request_id, set(block_ids), request_id in meta.async_loads)
-        for transfer in meta.loads:
-            started = time.perf_counter()
-            failed_blocks = self._load(transfer)
-            self.counters.load_seconds += time.perf_counter() - started
-            self._record_load(
-                transfer.request_id, failed_blocks, transfer.request_id in meta.async_loads
-            )
+    # -- loads: read -> core outcome -> scatter and report ------------------------
 
-    def _record_load(self, request_id: str, failed_blocks: set[int], is_async: bool) -> None:
+    def start_loads(self, meta: UMBPConnectorMetadata) -> None:
+        outcomes = [
+            unplanned_load_outcome(request_id, block_ids, request_id in meta.async_loads)
+            for request_id, block_ids in meta.unplanned_loads.items()
+        ]
+        for batch in meta.loads:
+            started = time.perf_counter()
+            outcomes.append(self._load(batch, batch.request_id in meta.async_loads))
+            self.counters.load_seconds += time.perf_counter() - started
+        for outcome in outcomes:
+            self._report_load(outcome)
+
+    def _load(self, batch: BlockLoadBatch, is_async: bool) -> RequestLoadOutcome:
+        statuses = {
+            group_id: self._read_group(group_id, batch, rows)
+            for group_id, rows in rows_by_group(batch.group_ids)
+        }
+        outcome = batch_load_outcome(batch, statuses, is_async)
+        for group in outcome.groups:
+            self._scatter_loaded(group)
+        return outcome
+
+    def _read_group(
+        self, group_id: int, batch: BlockLoadBatch, rows: Sequence[int]
+    ) -> tuple[LoadStatus, ...] | None:
+        """The statuses of reading the group's objects into its staging rows; None
+        when the group cannot be read (no store, or no KV memory while asleep)."""
+        copier = self._copiers.get(group_id)
+        if copier is None or self._store is None:
+            return None
+        staging = self._staging.rows(group_id, len(rows), copier.object_bytes, copier.device)
+        payload = staging.numpy()
+        try:
+            return self._store.get_batch_into(
+                self._keys(batch, rows), [payload[i] for i in range(len(rows))]
+            )
+        except Exception as error:  # the store failing must never fail the request
+            logger.warning("umbp load failed: %s", error)
+            return None
+
+    def _scatter_loaded(self, group: GroupLoadOutcome) -> None:
+        """Only the rows core says loaded intact reach the KV cache."""
+        if group.problem is not None:
+            logger.error("umbp load: %s", group.problem)
+        if not group.loaded_rows:
+            return
+        copier = self._copiers[group.group_id]
+        size = len(group.loaded_rows) + len(group.failed_block_ids)
+        staging = self._staging.rows(group.group_id, size, copier.object_bytes, copier.device)
+        if not group.all_loaded:  # rare: pick the intact rows
+            staging = staging.index_select(0, torch.tensor(group.loaded_rows, dtype=torch.long))
+        copier.scatter(group.loaded_block_ids, staging)
+        self.counters.loaded_blocks += len(group.loaded_rows)
+        self.counters.loaded_bytes += len(group.loaded_rows) * copier.object_bytes
+
+    def _report_load(self, outcome: RequestLoadOutcome) -> None:
+        self.counters.count_load_failures(outcome.failures)
+        if outcome.failed:
+            logger.warning(
+                "umbp load for request %s: %d of %d blocks failed (%s); vLLM recomputes them",
+                outcome.request_id, len(outcome.failed_block_ids), outcome.planned_blocks,
+                ", ".join(sorted({s.value for s in outcome.failures})) or "not planned",
+            )
+        if failure_unreportable(outcome, self._reporting):
+            logger.error(
+                "umbp: the failed synchronous load of request %s cannot be reported to "
+                "vLLM, which takes only request-level failures of asynchronous loads here",
+                outcome.request_id,
+            )
         with self._lock:
-            self._load_error_blocks.update(failed_blocks)
-            if is_async:
-                self._finished_loads.add(request_id)
-                if failed_blocks:
-                    self._failed_loads.add(request_id)
+            self._report = report_load(self._report, outcome, self._reporting)
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids of asynchronous loads: failed ones are also
+        finished, as vLLM requires, and are recomputed."""
+        with self._lock:
+            report, self._report = self._report, self._report.without_requests()
+        return set(report.finished_requests), set(report.failed_requests)
+
+    def take_load_error_blocks(self) -> set[int]:
+        """Block-level failures (only where vLLM takes them: one cache group)."""
+        with self._lock:
+            report, self._report = self._report, self._report.without_blocks()
+        return set(report.failed_block_ids)
+
+    # -- stores ---------------------------------------------------------------------
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
         if meta.store_event is None:
             return
-        failed: set[tuple[int, bytes]] = set()
         started = time.perf_counter()
-        for transfer in meta.stores:
-            failed.update(self._store_objects(transfer))
+        failed = frozenset[Identity]().union(*(self._store_objects(batch) for batch in meta.stores))
         self.counters.store_seconds += time.perf_counter() - started
         with self._lock:
-            self._store_results[meta.store_event] = StoreEventResult(1, frozenset(failed))
-
-    def take_finished_loads(self) -> tuple[set[str], set[str]]:
-        """(finished, failed) request ids; failed ones are also finished, as vLLM
-        requires, and recompute from their first failed block."""
-        with self._lock:
-            finished, failed = self._finished_loads, self._failed_loads
-            self._finished_loads, self._failed_loads = set(), set()
-        return finished, failed
-
-    def take_load_error_blocks(self) -> set[int]:
-        # Block ids are unique only within a group; with several groups vLLM takes
-        # request-level failures instead (failed_recving), and loads are async.
-        if not self._single_group:
-            with self._lock:
-                self._load_error_blocks.clear()
-            return set()
-        with self._lock:
-            blocks, self._load_error_blocks = self._load_error_blocks, set()
-        return blocks
+            self._store_results[meta.store_event] = StoreEventResult(1, failed)
 
     def take_worker_metadata(self) -> UMBPWorkerMetadata | None:
         with self._lock:
@@ -265,66 +297,15 @@ class UMBPWorker:
 
     def shutdown(self) -> None:
         if self._backend is not None:
-            for staging in self._staging.values():
-                self._unregister(staging)
+            self._staging.release()
             self._backend.close()
             self._backend = None
 
-    def _keys(self, transfer: BlockLoadBatch | StoreBatch, rows: Iterable[int]) -> list[str]:
+    def _keys(self, batch: BlockLoadBatch | StoreBatch, rows: Sequence[int]) -> list[str]:
         return [
-            self._keyspace.key(self._rank, transfer.group_ids[row], transfer.block_hashes[row])
+            self._keyspace.key(self._rank, batch.group_ids[row], batch.block_hashes[row])
             for row in rows
         ]
-
-    def _rows_by_group(self, transfer: BlockLoadBatch | StoreBatch) -> dict[int, list[int]]:
-        rows: dict[int, list[int]] = {}
-        for row, group_id in enumerate(transfer.group_ids):
-            rows.setdefault(group_id, []).append(row)
-        return rows
-
-    def _load(self, transfer: BlockLoadBatch | StoreBatch) -> set[int]:
-        """Load every object of the transfer; returns the block ids that failed."""
-        failed: set[int] = set()
-        for group_id, rows in self._rows_by_group(transfer).items():
-            block_ids = [transfer.block_ids[row] for row in rows]
-            copier = self._copiers.get(group_id)
-            if copier is None or self._store is None:
-                failed.update(block_ids)
-                continue
-            staging = self._staging_rows(group_id, copier, len(rows))
-            statuses = self._read_objects(self._keys(transfer, rows), staging)
-            good = [index for index, status in enumerate(statuses) if status is LoadStatus.HIT]
-            for status in statuses:
-                if status is not LoadStatus.HIT:
-                    self.counters.count_load_failure(status)
-            failed.update(block_ids[index] for index, status in enumerate(statuses)
-                          if status is not LoadStatus.HIT)
-            if len(good) == len(block_ids):
-                copier.scatter(block_ids, staging)
-            elif good:  # rare: only the objects that loaded intact reach the KV cache
-                index = torch.tensor(good, dtype=torch.long)
-                copier.scatter([block_ids[i] for i in good], staging.index_select(0, index))
-            self.counters.loaded_blocks += len(good)
-            self.counters.loaded_bytes += len(good) * copier.object_bytes
-        if failed:
-            logger.warning(
-                "umbp load for request %s: %d of %d blocks failed; vLLM recomputes them",
-                transfer.request_id, len(failed), len(transfer),
-            )
-        return failed
-
-    def _staging_rows(self, group_id: int, copier: BlockCopier, rows: int) -> torch.Tensor:
-        """A reused host buffer: fresh memory costs a page fault per 4 KiB, which
-        is slower than the copy itself."""
-        staging = self._staging.get(group_id)
-        if staging is None or staging.shape[0] < rows:
-            capacity = max(rows, 2 * (0 if staging is None else staging.shape[0]))
-            if staging is not None:
-                self._unregister(staging)
-            staging = allocate_staging(capacity, copier.object_bytes, copier.device)
-            self._register(staging)
-            self._staging[group_id] = staging
-        return staging[:rows]
 
     def _register(self, staging: torch.Tensor) -> None:
         """Let a transport that moves bytes only from registered memory (Mooncake,
@@ -345,47 +326,36 @@ class UMBPWorker:
             except OSError as error:
                 logger.debug("umbp: unregistering the staging buffer: %s", error)
 
-    def _read_objects(
-        self, keys: Sequence[str], staging: torch.Tensor
-    ) -> tuple[LoadStatus, ...]:
-        assert self._store is not None
-        rows = staging.numpy()
-        try:
-            return self._store.get_batch_into(keys, [rows[i] for i in range(len(keys))])
-        except Exception as error:  # the store failing must never fail the request
-            logger.warning("umbp load failed: %s", error)
-            return tuple(LoadStatus.UNAVAILABLE for _ in keys)
-
-    def _store_objects(self, transfer: BlockLoadBatch | StoreBatch) -> set[tuple[int, bytes]]:
-        """Store every object of the transfer; returns the identities that failed."""
-        failed: set[tuple[int, bytes]] = set()
-        for group_id, rows in self._rows_by_group(transfer).items():
-            identities = [(group_id, transfer.block_hashes[row]) for row in rows]
-            copier = self._copiers.get(group_id)
-            if copier is None or self._store is None:
-                failed.update(identities)
-                continue
-            block_ids = [transfer.block_ids[row] for row in rows]
-            staging = self._staging_rows(group_id, copier, len(rows))
-            copier.gather(block_ids, staging)
-            payload = staging.numpy()
-            try:
-                stored = self._store.put_batch(
-                    self._keys(transfer, rows), [payload[i] for i in range(len(rows))]
-                )
-            except Exception as error:
-                logger.warning("umbp store failed: %s", error)
-                stored = tuple(False for _ in rows)
-            failed.update(identity for identity, ok in zip(identities, stored) if not ok)
-            written = sum(stored)
+    def _store_objects(self, batch: StoreBatch) -> frozenset[Identity]:
+        """Store every object of the batch; returns the identities that failed."""
+        failed: frozenset[Identity] = frozenset()
+        for group_id, rows in rows_by_group(batch.group_ids):
+            identities = [(group_id, batch.block_hashes[row]) for row in rows]
+            stored = self._write_group(group_id, batch, rows)
+            group_failed = failed_store_identities(identities, stored)
+            written = len(rows) - len(group_failed)
+            object_bytes = self._object_bytes.get(group_id, 0)
             self.counters.stored_blocks += written
-            self.counters.stored_bytes += written * copier.object_bytes
-            self.counters.store_failures += len(rows) - written
+            self.counters.stored_bytes += written * object_bytes
+            self.counters.store_failures += len(group_failed)
+            failed |= group_failed
         return failed
 
-
-def auto_page_bytes(object_sizes: Sequence[int]) -> int:
-    """One page per object of the smallest group, rounded up to 4 KiB: its objects
-    waste no page space, larger groups' objects span several pages."""
-    smallest = min(object_sizes) if object_sizes else 256 * 1024
-    return max(4096, -(-smallest // 4096) * 4096)
+    def _write_group(
+        self, group_id: int, batch: StoreBatch, rows: Sequence[int]
+    ) -> tuple[bool, ...] | None:
+        """Gather the group's blocks and put them; None when the group cannot be
+        written (no store, or no KV memory while asleep)."""
+        copier = self._copiers.get(group_id)
+        if copier is None or self._store is None:
+            return None
+        staging = self._staging.rows(group_id, len(rows), copier.object_bytes, copier.device)
+        copier.gather([batch.block_ids[row] for row in rows], staging)
+        payload = staging.numpy()
+        try:
+            return self._store.put_batch(
+                self._keys(batch, rows), [payload[i] for i in range(len(rows))]
+            )
+        except Exception as error:  # the store failing must never fail the request
+            logger.warning("umbp store failed: %s", error)
+            return None

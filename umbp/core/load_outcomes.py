@@ -1,0 +1,290 @@
+"""What a worker's transfers mean: which blocks reached the KV cache, which failed
+and why, and how vLLM is told to recompute them.
+
+The worker shell reads objects from the store into staging rows, hands the
+per-object statuses here, and applies the answer: it scatters the rows this module
+says loaded intact, counts the failures by kind, and reports the rest to vLLM in
+the one form vLLM accepts for the model (:func:`failure_reporting`). Every block a
+load plan names ends up in exactly one of "loaded" or "failed"; nothing outside the
+plan is ever reported.
+
+Also here, because it is decided from the same copier facts: the pool's page size
+(:func:`pool_page_bytes`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from umbp.core.plans import BlockLoadBatch, Identity
+
+__all__ = [
+    "DEFAULT_AUTO_PAGE_BYTES",
+    "LOAD_FAILURES",
+    "PAGE_ALIGN_BYTES",
+    "FailureReporting",
+    "GroupLoadOutcome",
+    "LoadReport",
+    "LoadStatus",
+    "RequestLoadOutcome",
+    "auto_page_bytes",
+    "batch_load_outcome",
+    "failed_store_identities",
+    "failure_reporting",
+    "failure_unreportable",
+    "group_load_outcome",
+    "pool_page_bytes",
+    "report_load",
+    "rows_by_group",
+    "unplanned_load_outcome",
+]
+
+
+class LoadStatus(enum.Enum):
+    """Outcome of loading one key into a caller-provided buffer (the store
+    contract's answer, ``umbp.runtime.contract`` re-exports it). The values name
+    the failure kinds in counters and metrics."""
+
+    HIT = "hit"
+    """The buffer now holds exactly the bytes stored under the key."""
+    MISSING = "missing"
+    """The key is not resident; the buffer is untouched."""
+    CORRUPT = "corrupt"
+    """The stored bytes failed their checksum; the object was dropped. The buffer holds
+    garbage and must not be used."""
+    SIZE_MISMATCH = "size_mismatch"
+    """The buffer's length differs from the stored object's; nothing was copied."""
+    UNAVAILABLE = "unavailable"
+    """The back-end (or the part of it holding this key) cannot be reached, or the
+    worker has nowhere to copy it (its KV memory is released in sleep mode)."""
+
+
+LOAD_FAILURES: tuple[LoadStatus, ...] = tuple(s for s in LoadStatus if s is not LoadStatus.HIT)
+"""Every failure kind, in declaration order (what metrics label failures by)."""
+
+
+# ------------------------------------------------------------ how vLLM is told
+
+
+class FailureReporting(enum.Enum):
+    """The one way vLLM accepts failed loads for a model."""
+
+    BLOCK_IDS = "block_ids"
+    """``get_block_ids_with_load_errors``: vLLM cuts the request's computed tokens
+    at its first failed block and recomputes from there (sync and async loads)."""
+    REQUEST_IDS = "request_ids"
+    """``KVConnectorTransferResults.failed_recving``: vLLM recomputes the whole
+    request. vLLM acts on it only for a request waiting for an asynchronous load."""
+
+
+def failure_reporting(num_cache_groups: int) -> FailureReporting:
+    """Block ids are unique only within a cache group, so with several groups vLLM
+    refuses block-level failures (its scheduler raises) and takes request-level
+    ones; with one group, block-level failures keep the loaded prefix."""
+    return FailureReporting.BLOCK_IDS if num_cache_groups <= 1 else FailureReporting.REQUEST_IDS
+
+
+# ------------------------------------------------------------ one load's outcome
+
+
+def rows_by_group(group_ids: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The rows of a batch's columns per cache group, groups in first-seen order:
+    each group is read or written through its own copier and staging buffer."""
+    rows: dict[int, list[int]] = {}
+    for row, group_id in enumerate(group_ids):
+        rows.setdefault(group_id, []).append(row)
+    return tuple((group_id, tuple(group_rows)) for group_id, group_rows in rows.items())
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoadOutcome:
+    """One cache group's part of a load. ``loaded_rows`` index the group's staging
+    rows (the order its keys were read in) and align with ``loaded_block_ids``;
+    ``failures`` aligns with ``failed_block_ids``."""
+
+    group_id: int
+    loaded_rows: tuple[int, ...]
+    loaded_block_ids: tuple[int, ...]
+    failed_block_ids: tuple[int, ...]
+    failures: tuple[LoadStatus, ...]
+    problem: str | None = None
+    """Set when the store broke its contract (a status count other than the key
+    count): every block of the group is then failed, never guessed."""
+
+    @property
+    def all_loaded(self) -> bool:
+        return not self.failed_block_ids
+
+
+def group_load_outcome(
+    group_id: int, block_ids: Sequence[int], statuses: Sequence[LoadStatus] | None
+) -> GroupLoadOutcome:
+    """Partition one group's read: a block whose object loaded intact (`HIT`) is
+    loaded, every other is failed with its status. ``statuses`` None means the
+    group could not be read at all (no store, or no KV memory to copy into):
+    every block fails as `UNAVAILABLE`. Only intact rows may reach the KV cache: a
+    corrupt row's staging bytes are garbage."""
+    problem = None
+    if statuses is not None and len(statuses) != len(block_ids):
+        problem = (
+            f"the store answered {len(statuses)} statuses for {len(block_ids)} keys "
+            f"of cache group {group_id}; every block of the group counts as failed"
+        )
+        statuses = None
+    if statuses is None:
+        statuses = (LoadStatus.UNAVAILABLE,) * len(block_ids)
+    loaded = [row for row, status in enumerate(statuses) if status is LoadStatus.HIT]
+    failed = [row for row, status in enumerate(statuses) if status is not LoadStatus.HIT]
+    return GroupLoadOutcome(
+        group_id=group_id,
+        loaded_rows=tuple(loaded),
+        loaded_block_ids=tuple(block_ids[row] for row in loaded),
+        failed_block_ids=tuple(block_ids[row] for row in failed),
+        failures=tuple(statuses[row] for row in failed),
+        problem=problem,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoadOutcome:
+    """What one request's load did, this step."""
+
+    request_id: str
+    is_async: bool
+    groups: tuple[GroupLoadOutcome, ...] = ()
+    unplanned_block_ids: tuple[int, ...] = ()
+    """Blocks the scheduler could not plan a load for: failed without a read."""
+
+    @property
+    def planned_blocks(self) -> int:
+        return len(self.unplanned_block_ids) + sum(
+            len(g.loaded_block_ids) + len(g.failed_block_ids) for g in self.groups
+        )
+
+    @property
+    def failed_block_ids(self) -> frozenset[int]:
+        return frozenset(self.unplanned_block_ids).union(
+            *(g.failed_block_ids for g in self.groups)
+        )
+
+    @property
+    def failures(self) -> tuple[LoadStatus, ...]:
+        """The kind of every failed read (unplanned blocks were not read)."""
+        return tuple(status for g in self.groups for status in g.failures)
+
+    @property
+    def failed(self) -> bool:
+        """The request-level rule: a request failed iff any of its blocks did."""
+        return bool(self.unplanned_block_ids) or not all(g.all_loaded for g in self.groups)
+
+
+def batch_load_outcome(
+    batch: BlockLoadBatch,
+    statuses_by_group: Mapping[int, Sequence[LoadStatus] | None],
+    is_async: bool,
+) -> RequestLoadOutcome:
+    """The outcome of a load batch from what each group's read answered (statuses
+    in the order of :func:`rows_by_group`'s rows; a group missing from the map was
+    not read and fails whole)."""
+    groups = tuple(
+        group_load_outcome(
+            group_id, [batch.block_ids[row] for row in rows], statuses_by_group.get(group_id)
+        )
+        for group_id, rows in rows_by_group(batch.group_ids)
+    )
+    return RequestLoadOutcome(batch.request_id, is_async, groups)
+
+
+def unplanned_load_outcome(
+    request_id: str, block_ids: Sequence[int], is_async: bool
+) -> RequestLoadOutcome:
+    """A load the scheduler could not plan: every block vLLM allocated for it fails."""
+    return RequestLoadOutcome(request_id, is_async, unplanned_block_ids=tuple(block_ids))
+
+
+# ------------------------------------------------------------ what vLLM is owed
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What vLLM has not been told yet about past loads."""
+
+    finished_requests: frozenset[str] = frozenset()
+    """Asynchronous loads that ended, failed or not: vLLM waits for each."""
+    failed_requests: frozenset[str] = frozenset()
+    """Request-level failures (`FailureReporting.REQUEST_IDS` only)."""
+    failed_block_ids: frozenset[int] = frozenset()
+    """Block-level failures (`FailureReporting.BLOCK_IDS` only)."""
+
+    def without_requests(self) -> LoadReport:
+        """After vLLM took the transfer results."""
+        return LoadReport(failed_block_ids=self.failed_block_ids)
+
+    def without_blocks(self) -> LoadReport:
+        """After vLLM took the failed block ids."""
+        return LoadReport(self.finished_requests, self.failed_requests)
+
+
+def report_load(
+    report: LoadReport, outcome: RequestLoadOutcome, reporting: FailureReporting
+) -> LoadReport:
+    """Add one request's outcome to what vLLM is owed: an asynchronous load is
+    finished whatever happened (vLLM requires failed ones among the finished), and
+    its failure goes out in the model's one form of failure report."""
+    finished = report.finished_requests | (
+        {outcome.request_id} if outcome.is_async else set()
+    )
+    failed_requests, failed_blocks = report.failed_requests, report.failed_block_ids
+    if outcome.failed and reporting is FailureReporting.BLOCK_IDS:
+        failed_blocks = failed_blocks | outcome.failed_block_ids
+    if outcome.failed and reporting is FailureReporting.REQUEST_IDS and outcome.is_async:
+        failed_requests = failed_requests | {outcome.request_id}
+    return LoadReport(frozenset(finished), failed_requests, failed_blocks)
+
+
+def failure_unreportable(outcome: RequestLoadOutcome, reporting: FailureReporting) -> bool:
+    """A synchronous load that failed where vLLM takes only request-level failures:
+    vLLM ignores ``failed_recving`` for a request not waiting for a load, so the
+    failure cannot be reported. ``effective_load_async`` makes every load of a
+    several-group model asynchronous, so this marks a broken invariant."""
+    return outcome.failed and not outcome.is_async and reporting is FailureReporting.REQUEST_IDS
+
+
+# ------------------------------------------------------------ stores
+
+
+def failed_store_identities(
+    identities: Sequence[Identity], stored: Sequence[bool] | None
+) -> frozenset[Identity]:
+    """The objects a group's store did not write. ``stored`` None (the group could
+    not be written) or an answer of another length than the keys (a store breaking
+    its contract) fails them all: an object reported stored that is not would be
+    published in KV events and never stored again."""
+    if stored is None or len(stored) != len(identities):
+        return frozenset(identities)
+    return frozenset(identity for identity, ok in zip(identities, stored) if not ok)
+
+
+# ------------------------------------------------------------ pool geometry
+
+PAGE_ALIGN_BYTES = 4096
+"""Pages are whole 4 KiB OS pages."""
+DEFAULT_AUTO_PAGE_BYTES = 256 * 1024
+"""The page size when the worker has no cache group to size it by."""
+
+
+def auto_page_bytes(object_sizes: Sequence[int]) -> int:
+    """One page per object of the smallest group, rounded up to 4 KiB: its objects
+    waste no page space beyond the rounding, larger groups' objects span several
+    pages (the pool stores an object on ceil(size / page) pages). Not sized for the
+    largest object: a page that large would waste most of every smaller group's."""
+    smallest = min(object_sizes) if object_sizes else DEFAULT_AUTO_PAGE_BYTES
+    return max(PAGE_ALIGN_BYTES, -(-smallest // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)
+
+
+def pool_page_bytes(configured: int | None, object_sizes: Sequence[int]) -> int:
+    """The embedded pool's page size: ``page_bytes`` when configured (validated with
+    the config), otherwise :func:`auto_page_bytes` of the worker's objects."""
+    return configured if configured is not None else auto_page_bytes(object_sizes)
