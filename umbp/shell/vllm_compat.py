@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, Literal, Protocol
 
 from umbp.core.identity import CacheGroupShape, NamespaceInputs, RankCoord, RankTopology, rank_coord
+from umbp.core.lookup import LookupGeometry, lookup_unit
+from umbp.core.request_lifecycle import needs_coordinator
 from umbp.core.support import SupportInputs
 
 
 class RequestLike(Protocol):
     """The attributes of vLLM's ``Request`` the scheduler role reads."""
 
-    request_id: str
-    block_hashes: Sequence[bytes]
-    num_computed_tokens: int
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_in_flight_tokens(self) -> int: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -32,6 +43,106 @@ class RequestLike(Protocol):
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def shared_prefix_boundary(self) -> int: ...
+
+
+class NewRequestDataLike(Protocol):
+    """``NewRequestData``: a request scheduled for the first time this step."""
+
+    @property
+    def req_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> Sequence[Sequence[int]]: ...
+
+
+class CachedRequestDataLike(Protocol):
+    """``CachedRequestData``: requests scheduled before, in parallel lists."""
+
+    @property
+    def req_ids(self) -> Sequence[str]: ...
+
+    @property
+    def resumed_req_ids(self) -> AbstractSet[str]: ...
+
+    @property
+    def new_block_ids(self) -> Sequence[Sequence[Sequence[int]] | None]: ...
+
+    @property
+    def num_computed_tokens(self) -> Sequence[int]: ...
+
+
+class BlockStateLike(Protocol):
+    """``KVConnectorBlockState``: current tables that are not append-only, and the
+    Mamba "align" boundary states handed off this step."""
+
+    @property
+    def boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]: ...
+
+    def get_block_ids(self, req_id: str) -> Sequence[Sequence[int]] | None: ...
+
+
+class SchedulerOutputLike(Protocol):
+    """``SchedulerOutput``: what one step scheduled."""
+
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequestDataLike]: ...
+
+    @property
+    def scheduled_cached_reqs(self) -> CachedRequestDataLike: ...
+
+    @property
+    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
+
+    @property
+    def finished_req_ids(self) -> AbstractSet[str]: ...
+
+    @property
+    def preempted_req_ids(self) -> AbstractSet[str] | None: ...
+
+    @property
+    def kv_connector_block_state(self) -> BlockStateLike | None: ...
+
+
+class KVCacheBlocksLike(Protocol):
+    """``KVCacheBlocks``: the blocks vLLM allocated to a request."""
+
+    def get_block_ids(
+        self, allow_none: Literal[False] = False, *, group_ids: Sequence[int] | None = None
+    ) -> Sequence[Sequence[int]]: ...
+
+
+class BlockLike(Protocol):
+    @property
+    def block_id(self) -> int: ...
+
+
+class BlockPoolLike(Protocol):
+    """vLLM's GPU ``BlockPool``: pins (``touch`` / ``free_blocks``) and its cache."""
+
+    @property
+    def blocks(self) -> Sequence[Any]: ...
+
+    @property
+    def null_block(self) -> BlockLike: ...
+
+    def touch(self, blocks: Sequence[Any]) -> None: ...
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
+
+    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: list[int]) -> Any: ...
+
+
+class ConnectorOutputLike(Protocol):
+    """``KVConnectorOutput``: what the workers reported this step."""
+
+    @property
+    def kv_connector_worker_meta(self) -> object | None: ...
 
 
 def spec_field_text(value: object) -> str:
@@ -187,7 +298,7 @@ def is_sparse_indexer(spec: Any) -> bool:
     return role is not None and getattr(role, "name", "") == "INDEXER"
 
 
-def reachable_boundaries(request: Any, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
+def reachable_boundaries(request: RequestLike, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
     """Token positions a later request can resume this prompt at, as vLLM's own
     ``cache_blocks`` hands them to ``reachable_block_mask``: the replay boundaries
     of the prompt (``replay_boundaries``) and the shared-prefix junction vLLM
@@ -196,14 +307,126 @@ def reachable_boundaries(request: Any, scheduler_block_size: int, use_eagle: boo
     boundaries; without them its mask keeps nothing."""
     from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
-    num_prompt_tokens = getattr(request, "num_prompt_tokens", None)
-    if num_prompt_tokens is None:
-        return ()
-    boundaries = list(replay_boundaries(int(num_prompt_tokens), scheduler_block_size, use_eagle))
-    junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
+    boundaries = list(replay_boundaries(request.num_prompt_tokens, scheduler_block_size, use_eagle))
+    junction = int(request.shared_prefix_boundary or 0)
     if junction > 0:
         boundaries.append(junction)
     return tuple(boundaries)
+
+
+def boundary_offloads(output: SchedulerOutputLike) -> Mapping[str, Sequence[tuple[int, int, int]]]:
+    """The Mamba "align" boundary states vLLM handed off this step (none without
+    a block state)."""
+    block_state = output.kv_connector_block_state
+    return {} if block_state is None else block_state.boundary_state_offloads
+
+
+def current_block_ids(output: SchedulerOutputLike, request_id: str) -> Sequence[Sequence[int]] | None:
+    """The request's whole current table, where vLLM reports one (tables that are
+    not append-only); resolved only when asked for."""
+    block_state = output.kv_connector_block_state
+    return None if block_state is None else block_state.get_block_ids(request_id)
+
+
+def lookup_geometry(vllm_config: Any, kv_cache_config: Any, partial_hash_hits: bool) -> LookupGeometry:
+    """The cache groups' shape as core's lookups and plans see it."""
+    block_size, hash_block_size = block_sizes(vllm_config, kv_cache_config)
+    group_ids = prefix_cacheable_group_ids(kv_cache_config)
+    dcp = parallel_sizes(vllm_config)[2]
+    groups = kv_cache_config.kv_cache_groups
+    sizes = tuple(group_block_size(groups[g].kv_cache_spec, dcp) for g in group_ids)
+    return LookupGeometry(
+        group_ids=group_ids,
+        group_block_sizes=sizes,
+        lookup_units=tuple(
+            lookup_unit(size, hash_block_size, partial_hash_hits, False) for size in sizes
+        ),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        partial_hash_hits=partial_hash_hits,
+        use_eagle=uses_eagle_block_drop(vllm_config),
+        coordinated=needs_coordinator(
+            len(group_ids),
+            bool(group_ids) and is_plain_full_attention(groups[group_ids[0]].kv_cache_spec),
+        ),
+    )
+
+
+def eagle_group_ids(kv_cache_config: Any) -> frozenset[int]:
+    """The groups vLLM marks as the EAGLE drafter's."""
+    return frozenset(
+        g for g, group in enumerate(kv_cache_config.kv_cache_groups) if group.is_eagle_group
+    )
+
+
+def align_mamba_group_ids(kv_cache_config: Any) -> frozenset[int]:
+    """Mamba "align" groups: stored only from the boundaries vLLM hands off."""
+    return frozenset(
+        g for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        if is_align_mamba(group.kv_cache_spec)
+    )
+
+
+def full_attention_group_ids(kv_cache_config: Any, group_ids: Sequence[int]) -> frozenset[int]:
+    groups = kv_cache_config.kv_cache_groups
+    return frozenset(g for g in group_ids if is_plain_full_attention(groups[g].kv_cache_spec))
+
+
+def layer_kinds(kv_cache_config: Any) -> tuple[int, bool, bool]:
+    """(group count, any Mamba layer, any sparse-indexer layer): what decides
+    whether loads may run asynchronously."""
+    groups = kv_cache_config.kv_cache_groups
+    specs = [spec for group in groups for spec in layer_specs(group.kv_cache_spec)]
+    return (
+        len(groups),
+        any(is_mamba(spec) for spec in specs),
+        any(is_sparse_indexer(spec) for spec in specs),
+    )
+
+
+def kv_role(vllm_config: Any) -> str | None:
+    role = vllm_config.kv_transfer_config.kv_role
+    return None if role is None else str(role)
+
+
+def world_size(vllm_config: Any) -> int:
+    """Workers that report every store event."""
+    return int(vllm_config.parallel_config.world_size)
+
+
+def reachable_block_mask(
+    kv_cache_config: Any,
+    group_id: int,
+    indices: range,
+    alignment_tokens: int,
+    use_eagle: bool,
+    boundaries: tuple[int, ...],
+    dcp_size: int,
+) -> tuple[bool, ...] | None:
+    """vLLM's own rule (its spec's manager's ``reachable_block_mask``) for which of
+    a group's blocks ``indices`` a later request can reuse (sliding windows), with
+    the boundaries vLLM's ``cache_blocks`` passes it; None: every block."""
+    if not indices:
+        return ()
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    spec = unwrap_spec(kv_cache_config.kv_cache_groups[group_id].kv_cache_spec)
+    manager = KVCacheSpecRegistry.get_manager_class(spec)
+    if manager is None:
+        return None
+    mask = manager.reachable_block_mask(
+        start_block=indices.start,
+        end_block=indices.stop,
+        alignment_tokens=alignment_tokens,
+        kv_cache_spec=spec,
+        use_eagle=use_eagle,
+        retention_interval=kv_cache_config.prefix_cache_retention_interval,
+        # Without them a sparse-retention group (sliding window, retention
+        # interval 0) keeps no block at all, so nothing it stores can hit.
+        reachable_boundaries=boundaries,
+        dcp_world_size=dcp_size,
+    )
+    return None if mask is None else tuple(bool(m) for m in mask)
 
 
 def support_inputs(vllm_config: Any, kv_cache_config: Any) -> SupportInputs:

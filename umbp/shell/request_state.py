@@ -1,0 +1,63 @@
+"""What the scheduler role keeps per request: one immutable value.
+
+Its decisions live in :class:`umbp.core.request_lifecycle.RequestLifecycle` and the
+functions beside it; this value adds only what core cannot hold: vLLM's request
+object (read through :class:`~umbp.shell.vllm_compat.RequestLike`) and a lookup
+running on the lookup thread pool.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+from umbp.core.lookup import LookupQuery
+from umbp.core.request_lifecycle import LookupProgress, RequestLifecycle
+from umbp.shell.vllm_compat import RequestLike
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLookup:
+    """A lookup running off the scheduler thread, for the request object it was
+    built for (vLLM may reuse an id for another request)."""
+
+    request: object
+    query: LookupQuery
+    answer: Future[tuple[bool, ...]]
+
+    @property
+    def progress(self) -> LookupProgress:
+        return LookupProgress.ANSWERED if self.answer.done() else LookupProgress.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """``request``: vLLM's request, from its first allocation (None before);
+    ``lookup``: a running asynchronous lookup; ``life``: everything core decides
+    from."""
+
+    request: RequestLike | None = None
+    lookup: PendingLookup | None = None
+    life: RequestLifecycle = field(default_factory=RequestLifecycle)
+
+    @property
+    def lookup_progress(self) -> LookupProgress:
+        return LookupProgress.NONE if self.lookup is None else self.lookup.progress
+
+    @property
+    def tracked(self) -> bool:
+        """Tracked for storing: allocated, with blocks in a prefix-cacheable group."""
+        return self.request is not None and self.life.tracker is not None
+
+    def with_life(self, life: RequestLifecycle) -> RequestState:
+        return replace(self, life=life)
+
+    def without_lookup(self) -> RequestState:
+        """The running lookup is dropped (its answer is not wanted any more)."""
+        if self.lookup is not None:
+            self.lookup.answer.cancel()
+        return replace(self, lookup=None)
+
+
+UNKNOWN = RequestState()
+"""A request the scheduler has no state for yet."""
