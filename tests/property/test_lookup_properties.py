@@ -35,6 +35,8 @@ from umbp.core.lookup import (
     single_group_hit_tokens,
     single_group_load_spec,
 )
+from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, merge_rank_answers
+from umbp.runtime.lookup_service import rank_tag
 
 
 def query_of(scenario: LookupScenario) -> LookupQuery:
@@ -173,6 +175,111 @@ def test_one_missing_rank_makes_the_object_a_miss(
         for rank in scenario.keyspace.topology.coords()
     }
     assert query.keys[missing] in rank_keys
+
+
+@given(lookup_scenarios())
+def test_a_query_layout_names_the_rank_of_every_key(scenario: LookupScenario) -> None:
+    query = query_of(scenario)
+    coords = scenario.keyspace.topology.coords()
+    layout = query.layout
+    assert layout.key_count == len(query.keys)
+    assert layout.segment_sizes == tuple(map(len, query.object_hashes))
+    for position, key in enumerate(query.keys):
+        rank = layout.rank_of(position)
+        assert key.startswith(query.keys.rank_tags[rank] + ":g")
+        assert rank_tag(key) == query.keys.rank_tags[rank]
+        assert scenario.keyspace.key(coords[rank], 0, b"").startswith(query.keys.rank_tags[rank])
+
+
+@st.composite
+def key_layouts(draw: st.DrawFn) -> KeyLayout:
+    ranks = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(0, 6), min_size=0, max_size=4))
+    if draw(st.booleans()):
+        return KeyLayout.objects(sum(sizes), ranks)
+    return KeyLayout.rank_major(sizes, ranks)
+
+
+def objects_by_position(layout: KeyLayout) -> list[tuple[int, int, int]]:
+    """(segment, object, rank) of every position, written out one position at a time
+    from the layout's definition: the oracle for the slicing code."""
+    cells: list[tuple[int, int, int]] = []
+    for segment, count in enumerate(layout.segment_sizes):
+        if layout.object_major:
+            cells.extend((segment, obj, rank) for obj in range(count) for rank in range(layout.rank_count))
+        else:
+            cells.extend((segment, obj, rank) for rank in range(layout.rank_count) for obj in range(count))
+    return cells
+
+
+@given(key_layouts(), st.data())
+def test_the_fold_is_the_per_rank_and_over_positions_for_every_layout(
+    layout: KeyLayout, data: st.DataObject
+) -> None:
+    answers = data.draw(st.lists(st.booleans(), min_size=layout.key_count, max_size=layout.key_count))
+    cells = objects_by_position(layout)
+    assert [rank for _, _, rank in cells] == [layout.rank_of(p) for p in range(layout.key_count)]
+    every = fold_ranks(layout, answers)
+    some = fold_ranks(layout, answers, any)
+    assert every is not None and some is not None
+    for segment, count in enumerate(layout.segment_sizes):
+        assert len(every[segment]) == len(some[segment]) == count
+        for obj in range(count):
+            shards = [answers[p] for p, cell in enumerate(cells) if cell[:2] == (segment, obj)]
+            assert len(shards) == layout.rank_count
+            assert every[segment][obj] == all(shards)
+            assert some[segment][obj] == any(shards)
+    assert fold_ranks(layout, tuple(answers)) == every
+
+
+@given(key_layouts(), st.integers(-3, 3).filter(bool))
+def test_a_wrong_length_answer_folds_to_none_for_every_layout(layout: KeyLayout, delta: int) -> None:
+    assume(layout.key_count + delta >= 0)
+    assert fold_ranks(layout, [True] * (layout.key_count + delta)) is None
+
+
+@given(key_layouts(), st.data())
+def test_routing_by_position_gives_each_rank_exactly_its_keys(
+    layout: KeyLayout, data: st.DataObject
+) -> None:
+    # Keys with no structure at all (and repeats): routing never reads them.
+    keys = data.draw(st.lists(st.sampled_from(["", "x", "k:1", "??"]),
+                              min_size=layout.key_count, max_size=layout.key_count))
+    ranked = RankedKeys(keys, layout, [f"rank{r}" for r in range(layout.rank_count)])
+    positions = {rank: [p for p in range(layout.key_count) if layout.rank_of(p) == rank]
+                 for rank in range(layout.rank_count)}
+    for rank, owned in positions.items():
+        assert ranked.keys_of_rank(rank) == tuple(keys[p] for p in owned)
+    # Each rank answers its own keys; a rank nobody serves answers None (a miss).
+    served = data.draw(st.lists(st.booleans(), min_size=layout.rank_count,
+                                max_size=layout.rank_count))
+    per_rank = [
+        tuple(data.draw(st.booleans()) for _ in positions[rank]) if served[rank] else None
+        for rank in range(layout.rank_count)
+    ]
+    merged = merge_rank_answers(layout, per_rank)
+    expected = [False] * layout.key_count
+    for rank, owned in positions.items():
+        answer = per_rank[rank]
+        for index, position in enumerate(owned):
+            expected[position] = False if answer is None else answer[index]
+    assert merged == tuple(expected)
+
+
+def test_ranked_keys_are_an_immutable_tuple_that_keeps_its_layout() -> None:
+    import pickle
+
+    layout = KeyLayout.rank_major((2,), 2)
+    ranked = RankedKeys(["a", "b", "c", "d"], layout, ["t0", "t1"])
+    assert ranked == ("a", "b", "c", "d") and isinstance(ranked, tuple)
+    copy = pickle.loads(pickle.dumps(ranked))
+    assert copy == ranked and copy.layout == layout and copy.rank_tags == ("t0", "t1")
+    with pytest.raises(AttributeError):
+        ranked.layout = KeyLayout.objects(2, 2)
+    with pytest.raises(ValueError):
+        RankedKeys(["a"], layout, ["t0", "t1"])
+    with pytest.raises(ValueError):
+        RankedKeys(["a", "b", "c", "d"], layout, ["t0"])
 
 
 # ------------------------------------------------------------ single-group window

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
+from umbp.core.lookup import LookupGeometry, build_lookup_query
+from umbp.core.rank_keys import KeyLayout, RankedKeys, rank_tags
 from umbp.runtime.contract import StoreUnavailable
 from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup, rank_tag
 from umbp.runtime.pool import SlabPool
@@ -147,6 +149,42 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     ranked = RankedLookup({rank_tag(keyspace.key(RankCoord(0, 0, 0, 0), 0, b"")): store0,
                            "umbp:1:elsewhere:tp9:pcp0:dcp0:pp0": other})
     assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
+
+
+def test_ranked_lookup_routes_core_keys_by_position_without_reading_them() -> None:
+    """Keys that carry their layout go to the store of their position's rank, even
+    when no rank could be read from them."""
+    layout = KeyLayout.rank_major((2, 1), 2)  # group 0: 2 objects, group 1: 1 object
+    keys = RankedKeys(["a0", "a1", "b0", "b1", "c", "d"], layout, ["rank-0", "rank-1"])
+    # rank 0 owns positions 0, 1, 4; rank 1 owns 2, 3, 5
+    store0, store1 = _Known({"a0", "c", "d"}), _Known({"b1", "d"})
+    ranked = RankedLookup({"rank-0": store0, "rank-1": store1})
+    assert ranked.lookup(keys) == (True, False, False, True, True, True)
+    assert store0.asked == ["a0", "a1", "c"] and store1.asked == ["b0", "b1", "d"]
+    lonely = RankedLookup({"rank-1": store1})  # rank 0 served by nobody: misses
+    assert lonely.lookup(keys) == (False, False, False, True, False, True)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_lookup_query_routed_by_position_matches_routing_by_the_rank_in_each_key(
+    tp: int,
+) -> None:
+    keyspace = KeySpace("ns1", RankTopology(tp_size=tp))
+    geometry = LookupGeometry((0, 1), (16, 32), (16, 32), 32, 16)
+    hashes = [bytes([index]) * 32 for index in range(12)]
+    query = build_lookup_query(geometry, keyspace, hashes, 32, 12 * 16)
+    coords = keyspace.topology.coords()
+    # The scheduler names each rank's store with rank_tag of one of its keys; core's
+    # tags are the same strings.
+    tags = tuple(rank_tag(keyspace.key(rank, 0, b"")) for rank in coords)
+    assert query.keys.rank_tags == tags == rank_tags(keyspace)
+    held = {key for index, key in enumerate(query.keys) if index % 3 and index % 7}
+    by_position = RankedLookup({tag: _Known(held) for tag in tags})
+    by_name = RankedLookup({tag: _Known(held) for tag in tags})
+    answer = by_position.lookup(query.keys)
+    assert answer == by_name.lookup(tuple(query.keys)) == tuple(k in held for k in query.keys)
+    for tag, store in zip(tags, by_position._stores.values()):
+        assert isinstance(store, _Known) and all(key.startswith(tag + ":") for key in store.asked)
 
 
 def _serve_and_die(path_out: multiprocessing.Queue[str]) -> None:  # type: ignore[type-arg]

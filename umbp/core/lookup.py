@@ -35,6 +35,7 @@ from itertools import compress
 from typing import Final
 
 from umbp.core.identity import KeySpace
+from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_tags
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -235,8 +236,10 @@ class LookupQuery:
     ``object_hashes[g][i]`` is group ``g``'s object ending at token
     ``local_tokens + units[g] * (i + 1)``. ``keys`` are ordered group-major, then
     rank (``topology.coords()`` order), then object: each (group, rank) run is one
-    prefix glued to every object's hex digest. ``request_hashes`` lets the caller
-    tell whether an asynchronous lookup still describes the request.
+    prefix glued to every object's hex digest. They carry that order as their
+    :class:`~umbp.core.rank_keys.KeyLayout` (one rank-major segment per group), so
+    answers fold and keys route to ranks by position. ``request_hashes`` lets the
+    caller tell whether an asynchronous lookup still describes the request.
     """
 
     local_tokens: int
@@ -244,8 +247,15 @@ class LookupQuery:
     request_hashes: tuple[bytes, ...]
     units: tuple[int, ...]
     object_hashes: tuple[tuple[bytes, ...], ...]
-    keys: tuple[str, ...]
-    rank_count: int
+    keys: RankedKeys
+
+    @property
+    def layout(self) -> KeyLayout:
+        return self.keys.layout
+
+    @property
+    def rank_count(self) -> int:
+        return self.keys.layout.rank_count
 
     @property
     def max_hit_end(self) -> int:
@@ -286,17 +296,24 @@ def build_lookup_query(
             request_hashes, local_tokens + unit, limit, unit, geometry.hash_block_size
         )
         objects.append(group_objects)
-        digests = list(map(bytes.hex, group_objects))
+        # A comprehension per rank: the key strings are the floor of a lookup's cost,
+        # and it builds them faster than map(prefix.__add__, ...).
+        if len(coords) == 1:
+            prefix = keyspace.key(coords[0], group_id, b"")
+            keys.extend([prefix + block_hash.hex() for block_hash in group_objects])
+            continue
+        digests = [block_hash.hex() for block_hash in group_objects]
         for rank in coords:
-            keys.extend(map(keyspace.key(rank, group_id, b"").__add__, digests))
+            prefix = keyspace.key(rank, group_id, b"")
+            keys.extend([prefix + digest for digest in digests])
+    layout = KeyLayout.rank_major(tuple(map(len, objects)), len(coords))
     return LookupQuery(
         local_tokens=local_tokens,
         num_tokens=num_tokens,
         request_hashes=request_hashes,
         units=geometry.lookup_units,
         object_hashes=tuple(objects),
-        keys=tuple(keys),
-        rank_count=len(coords),
+        keys=RankedKeys(keys, layout, rank_tags(keyspace)),
     )
 
 
@@ -305,23 +322,7 @@ def fold_rank_hits(
 ) -> tuple[tuple[bool, ...], ...] | None:
     """Per group, per object: did every rank hit? None for an answer of the wrong
     length (the caller treats it as a miss, never as an exception)."""
-    if len(answers) != len(query.keys):
-        return None
-    ranks = query.rank_count
-    folded: list[tuple[bool, ...]] = []
-    offset = 0
-    for group_objects in query.object_hashes:
-        count = len(group_objects)
-        if ranks == 1 or not count:
-            folded.append(tuple(map(bool, answers[offset : offset + count])))
-        else:
-            per_rank = [
-                answers[start : start + count]
-                for start in range(offset, offset + ranks * count, count)
-            ]
-            folded.append(tuple(map(all, zip(*per_rank))))
-        offset += count * ranks
-    return tuple(folded)
+    return fold_ranks(query.keys.layout, answers)
 
 
 def single_group_hit_tokens(

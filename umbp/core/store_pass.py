@@ -21,6 +21,7 @@ from itertools import compress
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
 from umbp.core.plans import BlockTable, Identity, StoreBatch, StoreSelection, store_batch
+from umbp.core.rank_keys import KeyLayout, fold_ranks
 
 __all__ = [
     "ResidencyCheck",
@@ -118,13 +119,12 @@ def resident_blocks_from_hits(
 ) -> frozenset[Identity]:
     """The checked identities every rank holds. A wrong-length answer (or none)
     means nothing is known to be resident: storing again is safe, skipping is not."""
-    ranks = check.rank_count
     if answers is None or len(answers) != len(check.keys):
         return frozenset()
-    if ranks == 1:
-        return frozenset(compress(check.identities, answers))
-    every_rank = map(all, zip(*[iter(answers)] * ranks))
-    return frozenset(compress(check.identities, every_rank))
+    every_rank = fold_ranks(KeyLayout.objects(len(check.identities), check.rank_count), answers)
+    if every_rank is None:
+        return frozenset()
+    return frozenset(compress(check.identities, every_rank[0]))
 
 
 def plan_stores(

@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Mapping, Sequence
 
+from umbp.core.rank_keys import RankedKeys, merge_rank_answers
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 
 _HEADER = struct.Struct("<cI")
@@ -151,16 +152,38 @@ class LookupClient:
 
 class RankedLookup:
     """One ``SchedulerStore`` over per-rank stores: each key is asked of the store
-    of the rank named in it (``umbp:<fmt>:<ns>:tp..:pcp..:dcp..:pp..:g<group>:<hash>``),
-    whatever order the caller built its keys in."""
+    of its rank, and a rank nobody serves holds nothing.
+
+    Keys built by core (:class:`~umbp.core.rank_keys.RankedKeys`: a lookup query's,
+    an event check's) carry their layout, so each rank's keys are sliced out by
+    position and the answers put back the same way; no key is read. A plain
+    sequence of keys is routed by the rank named in each key
+    (``umbp:<fmt>:<ns>:tp..:pcp..:dcp..:pp..:g<group>:<hash>``), whatever order the
+    caller built it in: one string split per key.
+    """
 
     def __init__(self, stores: Mapping[str, SchedulerStore]) -> None:
-        """``stores`` maps a rank tag (a key up to its ``:pp<r>`` field) to its store."""
+        """``stores`` maps a rank tag (a key up to its ``:pp<r>`` field, as
+        :func:`umbp.core.rank_keys.rank_tags` names ranks) to its store."""
         self._stores = dict(stores)
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
+        if isinstance(keys, RankedKeys):
+            return self._lookup_by_position(keys)
         if len(self._stores) == 1:
             return next(iter(self._stores.values())).lookup(keys)
+        return self._lookup_by_name(keys)
+
+    def _lookup_by_position(self, keys: RankedKeys) -> tuple[bool, ...]:
+        stores = [self._stores.get(tag) for tag in keys.rank_tags]
+        if len(stores) == 1 and stores[0] is not None:
+            return stores[0].lookup(keys)
+        return merge_rank_answers(keys.layout, [
+            None if store is None else store.lookup(keys.keys_of_rank(rank))
+            for rank, store in enumerate(stores)
+        ])
+
+    def _lookup_by_name(self, keys: Sequence[str]) -> tuple[bool, ...]:
         positions: dict[str, list[int]] = {}
         for position, key in enumerate(keys):
             positions.setdefault(rank_tag(key), []).append(position)
@@ -182,5 +205,6 @@ class RankedLookup:
 
 
 def rank_tag(key: str) -> str:
-    """The part of an object key that names namespace and rank."""
+    """The part of an object key that names namespace and rank (what
+    :func:`umbp.core.rank_keys.rank_tags` gives per rank without reading a key)."""
     return key.rsplit(":", 2)[0]

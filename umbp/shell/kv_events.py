@@ -8,13 +8,14 @@ pool off the scheduler thread, and turns core's event values into vLLM's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
 from umbp.core import events as core_events
 from umbp.core.identity import KeySpace
 from umbp.core.plans import StoreBatch
+from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
 from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
 
@@ -34,7 +35,7 @@ class KVEventPublisher:
         self._clock = clock
         self._next_recheck = 0.0
         self._inflight: tuple[tuple[core_events.ResidencyCandidate, ...],
-                              Future[_Answer], int] | None = None
+                              Future[_Answer], KeyLayout] | None = None
 
     @property
     def suppressed(self) -> int:
@@ -49,9 +50,9 @@ class KVEventPublisher:
         """Events decided since the last call; starts the next residency check."""
         decided: list[Any] = []
         if self._inflight is not None and self._inflight[1].done():
-            batch, answer, ranks = self._inflight
+            batch, answer, layout = self._inflight
             self._inflight = None
-            resident, media = _fold(answer, len(batch), ranks)
+            resident, media = _fold(answer, layout)
             self._state, events = core_events.apply_residency(
                 self._state, batch, resident, media
             )
@@ -77,17 +78,15 @@ class KVEventPublisher:
         batch = core_events.residency_batch(self._state, CHECK_BATCH, recheck)
         if not batch:
             return
-        keys = [key for (group_id, block_hash), _ in batch
-                for key in keyspace.rank_keys(group_id, block_hash)]
-        ranks = keyspace.topology.rank_count
-        ask: Callable[[list[str]], _Answer] = (
+        keys = object_major_keys(keyspace, (identity for identity, _ in batch))
+        ask: Callable[[Sequence[str]], _Answer] = (
             store.where if isinstance(store, TierAware) else store.lookup
         )
-        self._inflight = (batch, self._executor.submit(ask, keys), ranks)
+        self._inflight = (batch, self._executor.submit(ask, keys), keys.layout)
 
 
 def _fold(
-    answer: Future[_Answer], objects: int, ranks: int
+    answer: Future[_Answer], layout: KeyLayout
 ) -> tuple[list[bool] | None, list[str] | None]:
     """Per object: resident on every rank, and (from a tiered store) its medium: DISK
     when any rank's shard is on disk. (None, None) when the check failed."""
@@ -95,15 +94,14 @@ def _fold(
         per_key = answer.result()
     except Exception:
         return None, None
-    if len(per_key) != objects * ranks:
+    resident = fold_ranks(layout, [value is not None and value is not False for value in per_key])
+    if resident is None:
         return None, None
-    shards = [per_key[i * ranks:(i + 1) * ranks] for i in range(objects)]
-    resident = [all(shard is not None and shard is not False for shard in keys)
-                for keys in shards]
     if not any(isinstance(value, str) for value in per_key):
-        return resident, None
-    media = [MEDIUM_DISK if MEDIUM_DISK in keys else MEDIUM_CPU for keys in shards]
-    return resident, media
+        return list(resident[0]), None
+    on_disk = fold_ranks(layout, [value == MEDIUM_DISK for value in per_key], any)
+    assert on_disk is not None  # the same length as the resident fold's
+    return list(resident[0]), [MEDIUM_DISK if disk else MEDIUM_CPU for disk in on_disk[0]]
 
 
 def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:
