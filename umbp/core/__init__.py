@@ -19,6 +19,7 @@ from umbp.core import (
     lookup,
     page_identity,
     plans,
+    rank_keys,
     request_lifecycle,
     stack_config,
     store_events,
@@ -32,6 +33,7 @@ from umbp.core.load_outcomes import *
 from umbp.core.lookup import *
 from umbp.core.page_identity import *
 from umbp.core.plans import *
+from umbp.core.rank_keys import *
 from umbp.core.request_lifecycle import *
 from umbp.core.stack_config import *
 from umbp.core.store_events import *
@@ -46,6 +48,7 @@ __all__ = [
     "lookup",
     "page_identity",
     "plans",
+    "rank_keys",
     "request_lifecycle",
     "stack_config",
     "store_events",
@@ -59,6 +62,7 @@ __all__ += load_outcomes.__all__
 __all__ += lookup.__all__
 __all__ += page_identity.__all__
 __all__ += plans.__all__
+__all__ += rank_keys.__all__
 __all__ += request_lifecycle.__all__
 __all__ += stack_config.__all__
 __all__ += store_events.__all__
