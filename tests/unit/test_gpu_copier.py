@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from umbp.gpu import (
     BlockCopier,
     LayerTensors,
+    StagingRows,
     allocate_staging,
     describe_layer,
     describe_layer_parts,
@@ -320,6 +321,28 @@ def test_allocate_staging_on_cpu_is_plain_uint8() -> None:
     assert staging.shape == (3, 10)
     assert staging.dtype == torch.uint8
     assert not staging.is_pinned()
+
+
+def test_staging_rows_reuse_one_buffer_per_group_and_grow_by_doubling() -> None:
+    allocated: list[int] = []
+    released: list[int] = []
+    staging = StagingRows(lambda b: allocated.append(b.data_ptr()),
+                          lambda b: released.append(b.data_ptr()))
+    cpu = torch.device("cpu")
+    first = staging.rows(0, 3, 64, cpu)
+    assert first.shape == (3, 64) and len(allocated) == 1
+    # Fewer rows, or as many: the same memory, nothing allocated.
+    assert staging.rows(0, 2, 64, cpu).data_ptr() == first.data_ptr()
+    assert staging.rows(0, 3, 64, cpu).data_ptr() == first.data_ptr()
+    # Another group has its own buffer.
+    other = staging.rows(1, 1, 32, cpu)
+    assert other.data_ptr() != first.data_ptr() and len(allocated) == 2
+    # More rows: the old buffer is released before a twice as large one replaces it.
+    grown = staging.rows(0, 4, 64, cpu)
+    assert released == [first.data_ptr()] and allocated[-1] == grown.data_ptr()
+    assert staging.rows(0, 6, 64, cpu).data_ptr() == grown.data_ptr()  # capacity 6
+    staging.release()
+    assert sorted(released) == sorted([first.data_ptr(), grown.data_ptr(), other.data_ptr()])
 
 
 def test_layers_on_different_devices_are_rejected() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from umbp.shell.stats import StatsDelta, UMBPConnectorStats
+from umbp.core.load_outcomes import LoadStatus
+from umbp.runtime.pool import SlabPool
+from umbp.shell.stats import PoolFigures, StatsDelta, UMBPConnectorStats, WorkerCounters
 
 
 @dataclass
@@ -35,3 +37,25 @@ def test_reports_of_several_workers_add_up() -> None:
     assert not total.is_empty()
     total.reset()
     assert total.is_empty()
+
+
+def test_load_failures_are_counted_by_kind_under_the_status_value() -> None:
+    counters = WorkerCounters()
+    counters.count_load_failures([LoadStatus.CORRUPT, LoadStatus.MISSING, LoadStatus.CORRUPT])
+    assert counters.load_failures == {"corrupt": 2, "missing": 1}
+    first = StatsDelta("worker_").take(counters)
+    assert first is not None
+    assert first.data == {"worker_load_failures_corrupt": 2.0, "worker_load_failures_missing": 1.0}
+
+
+def test_pool_figures_are_read_from_the_store_at_most_once_per_interval() -> None:
+    pool = SlabPool(1 << 20, page_bytes=4096)
+    counters = WorkerCounters()
+    figures = PoolFigures()
+    assert pool.put_batch(["k"], [memoryview(bytes(5000))]) == (True,)
+    figures.refresh(pool, counters)
+    assert (counters.pool_objects, counters.pool_used_bytes) == (1, 2 * 4096)
+    assert pool.put_batch(["j"], [memoryview(bytes(10))]) == (True,)
+    figures.refresh(pool, counters)  # within the interval: the last figures stay
+    assert counters.pool_objects == 1
+    pool.close()

@@ -4,6 +4,8 @@ what changed since their last report; vLLM sums the reports and logs them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,6 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from umbp.core.load_outcomes import LOAD_FAILURES, LoadStatus
+from umbp.runtime.contract import Medium, ReportsTiers, WorkerStore
+
+logger = logging.getLogger("umbp")
+
+POOL_STATS_EVERY_S = 1.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,6 +63,39 @@ class UMBPConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class PoolFigures:
+    """The store's own figures in the worker's counters (in the shared modes, the
+    whole store's, which other engines fill too), asked at most once per
+    `POOL_STATS_EVERY_S`: vLLM asks every step, and asking a stalled server costs up
+    to `io_timeout_s`. A store that cannot answer keeps the last figures."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def refresh(self, store: WorkerStore, counters: WorkerCounters) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + POOL_STATS_EVERY_S
+        try:
+            stats = store.stats()
+        except Exception as error:
+            logger.debug("umbp store stats unavailable: %s", error)
+            return
+        counters.pool_evictions = stats.evictions
+        counters.pool_used_bytes = stats.used_bytes
+        counters.pool_objects = stats.objects
+        if isinstance(store, ReportsTiers):
+            try:
+                usage = store.tier_usage()
+            except Exception as error:
+                logger.debug("umbp store tier usage unavailable: %s", error)
+                return
+            counters.pool_disk_used_bytes, counters.pool_disk_objects = usage.get(
+                Medium.DISK, (0, 0)
+            )
 
 
 def flat_counters(counters: Any) -> dict[str, float]:

