@@ -40,7 +40,7 @@ class ReferenceLru:
         self.evicted: dict[str, None] = {}
 
     def pages_of(self, size: int) -> int:
-        return -(-size // self.page_bytes)
+        return max(1, -(-size // self.page_bytes))  # an empty object takes a page too
 
     def used_pages(self) -> int:
         return sum(self.pages_of(len(data)) for data in self.objects.values())

@@ -87,12 +87,18 @@ def test_object_on_non_contiguous_pages_round_trips() -> None:
         assert load(pool, f"k{index}", PAGE) == (LoadStatus.HIT, content(index, PAGE))
 
 
-def test_zero_length_object_round_trips() -> None:
+def test_zero_length_object_round_trips_and_takes_one_page() -> None:
+    """The paging rule of every tier (umbp.runtime.paging): an empty object takes a page,
+    so every resident object costs capacity."""
     pool = make_pool()
+    free_before = pool.free_page_count()
     assert pool.put_batch(["empty"], [b""]) == (True,)
     assert pool.lookup(["empty"]) == (True,)
     assert load(pool, "empty", 0) == (LoadStatus.HIT, b"")
-    assert pool.object_regions("empty") == ()
+    ((offset, length),) = pool.object_regions("empty")
+    assert length == 0 and offset % PAGE == 0
+    assert pool.free_page_count() == free_before - 1
+    assert pool.stats().used_bytes == PAGE
 
 
 def test_numpy_buffers_of_any_dtype_and_shape_are_accepted() -> None:

@@ -30,8 +30,9 @@ def test_a_fresh_index_hands_out_one_contiguous_region_per_object() -> None:
     assert index.reserve(3 * PAGE - 5) == ((0, 3 * PAGE - 5),)
     assert index.reserve(PAGE) == ((3 * PAGE, PAGE),)
     assert index.used_pages == 4
-    assert index.reserve(0) == ()
-    assert index.reserve(7 * PAGE) is None, "only 6 pages are left"
+    assert index.reserve(0) == ((4 * PAGE, 0),), "an empty object takes a page too"
+    assert index.used_pages == 5
+    assert index.reserve(6 * PAGE) is None, "only 5 pages are left"
 
 
 def test_fragmented_pages_come_back_as_several_regions_in_object_order() -> None:

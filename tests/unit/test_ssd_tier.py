@@ -570,7 +570,7 @@ def run_crashing_child(directory: Path, crash_at: int) -> dict[str, list[str]] |
             def pwrite_then_die(fd: int, data: bytes, offset: int) -> int:
                 nonlocal calls
                 if calls == crash_at:
-                    report = {"resident": list(tier._objects), "completed": completed}
+                    report = {"resident": list(tier._slots.keys()), "completed": completed}
                     os.write(write_end, json.dumps(report).encode())
                     os.kill(os.getpid(), signal.SIGKILL)
                 calls += 1

@@ -1,7 +1,9 @@
 """`SlabPool`: the embedded DRAM tier, a paged slab with LRU eviction and checksums.
 
 Layout: one preallocated, prefaulted slab cut into fixed-size pages. An object takes
-ceil(size / page_bytes) pages from a free list (not necessarily contiguous), so puts never
+max(1, ceil(size / page_bytes)) pages from a free list (not necessarily contiguous; the
+paging and LRU rules are `umbp.runtime.paging`'s, shared with the server and the SSD
+tier), so puts never
 allocate and never fault, and copies run at the memcpy limit (docs/backends.md: a
 `bytes`-per-object store manages 0.7-1.1 GB/s for 1 MB objects, a slab 8-12 GB/s).
 
@@ -24,9 +26,8 @@ concurrent eviction, clear and corrupt-drops; it buys nothing in CPython today b
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
@@ -39,6 +40,7 @@ from umbp.runtime.contract import (
 from umbp.runtime.counters import StoreCounters
 from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
 from umbp.runtime.paged_copy import read_regions, write_regions
+from umbp.runtime.paging import PagedLru, Resident, pages_for, watermark_pages
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -48,14 +50,29 @@ __all__ = ["SlabPool"]
 DEFAULT_PAGE_BYTES = 256 * 1024
 
 
-class _StoredObject(NamedTuple):
-    """Where one object lives and what it must hash to. A NamedTuple rather than a frozen
-    dataclass because one is built per put and a frozen dataclass costs ~1 us to build."""
+class _StoredObject(Resident):
+    """Where one object lives and what it must hash to. A slotted class whose __init__
+    sets every field itself: one is built per put, and a frozen dataclass costs ~1 us."""
 
-    regions: tuple[tuple[int, int], ...]
-    """(slab offset, length) of each page-sized piece, in object order."""
-    nbytes: int
-    checksum: int
+    __slots__ = ("checksum", "nbytes", "regions")
+
+    def __init__(
+        self,
+        key: str,
+        pages: tuple[int, ...],
+        regions: tuple[tuple[int, int], ...],
+        nbytes: int,
+        checksum: int,
+    ) -> None:
+        self.key = key
+        self.pages = pages
+        self.pins = 0
+        self.leaving = False
+        self.retired = False
+        self.regions = regions
+        """(slab offset, length) of each page-sized piece, in object order."""
+        self.nbytes = nbytes
+        self.checksum = checksum
 
 
 class SlabPool(ClosesOnExit):
@@ -83,14 +100,13 @@ class SlabPool(ClosesOnExit):
         _validate_watermarks(high_watermark, low_watermark)
         self._page_bytes = page_bytes
         self._total_pages = capacity_bytes // page_bytes
-        self._high_pages = _watermark_pages(high_watermark, self._total_pages)
-        self._low_pages = _watermark_pages(low_watermark, self._total_pages)
+        self._pages: PagedLru[_StoredObject] = PagedLru(
+            self._total_pages,
+            high_pages=watermark_pages(high_watermark, self._total_pages),
+            low_pages=watermark_pages(low_watermark, self._total_pages),
+        )
         self._slab = allocate_prefaulted_slab(self._total_pages * page_bytes)
         self._slab_bytes = memoryview(self._slab)
-        # Popped from the end: low page numbers first, and a freed page is the next reused
-        # (still warm in cache and TLB).
-        self._free_pages: list[int] = list(range(self._total_pages - 1, -1, -1))
-        self._objects: OrderedDict[str, _StoredObject] = OrderedDict()  # LRU first
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         self._counters = StoreCounters()
         self._lock = threading.Lock()
@@ -102,8 +118,8 @@ class SlabPool(ClosesOnExit):
         """Residency of each key. Does not refresh LRU order: asking is not using."""
         with self._lock:
             self._require_open()
-            objects = self._objects
-            return tuple([key in objects for key in keys])
+            pages = self._pages
+            return tuple([key in pages for key in keys])
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload (any C-contiguous buffer); one result per key.
@@ -143,9 +159,9 @@ class SlabPool(ClosesOnExit):
         with self._lock:
             return self._counters.snapshot(
                 capacity_bytes=self._total_pages * self._page_bytes,
-                used_bytes=self._used_pages() * self._page_bytes,
+                used_bytes=self._pages.used_pages * self._page_bytes,
                 page_bytes=self._page_bytes,
-                objects=len(self._objects),
+                objects=len(self._pages),
             )
 
     def clear(self) -> bool:
@@ -185,20 +201,20 @@ class SlabPool(ClosesOnExit):
     def free_page_count(self) -> int:
         """Pages on the free list (for invariant checks: free + owned == total)."""
         with self._lock:
-            return len(self._free_pages)
+            return self._pages.free_page_count
 
     def stored_keys(self) -> tuple[str, ...]:
         """Resident keys, least recently used first: lets a fault-injection test pick its
         victims without knowing what the connector stored."""
         with self._lock:
-            return tuple(self._objects)
+            return self._pages.keys()
 
     def object_regions(self, key: str) -> tuple[tuple[int, int], ...]:
         """(offset, length) in `slab_view()` of each piece of the object under `key`, in
         object order. Public for fault injection: a test flips bytes there and expects the
         next load to answer CORRUPT. Raises KeyError when `key` is not resident."""
         with self._lock:
-            stored = self._objects.get(key)
+            stored = self._pages.get(key)
             if stored is None:
                 raise KeyError(key)
             return stored.regions
@@ -217,18 +233,23 @@ class SlabPool(ClosesOnExit):
             if self._closed:
                 self._counters.put_rejects += 1
                 return False
-            if key in self._objects:
-                self._objects.move_to_end(key)
+            pages = self._pages
+            resident = pages.get(key)
+            if resident is not None:
+                pages.touch(resident)
                 return True
-            pages_needed = -(-source.nbytes // self._page_bytes)
-            if pages_needed > self._total_pages:
+            pages_needed = pages_for(source.nbytes, self._page_bytes)
+            if not pages.fits(pages_needed):
                 self._counters.put_rejects += 1
                 return False
-            if self._used_pages() + pages_needed > self._high_pages:
-                self._evict_for(pages_needed)
-            regions = self._regions(self._take_free_pages(pages_needed), source.nbytes)
+            for victim in pages.evict(pages_needed):
+                self._evicted[victim.key] = None
+                self._counters.evictions += 1
+            taken = pages.take_pages(pages_needed)
+            assert taken is not None, "eviction left too few free pages"
+            regions = self._regions(taken, source.nbytes)
             checksum = write_regions(self._slab_bytes, regions, source)
-            self._objects[key] = _StoredObject(regions, source.nbytes, checksum)
+            pages.admit(_StoredObject(key, taken, regions, source.nbytes, checksum))
             self._evicted.pop(key, None)
             self._counters.puts += 1
             self._counters.bytes_written += source.nbytes
@@ -238,50 +259,22 @@ class SlabPool(ClosesOnExit):
         with self._lock:
             if self._closed:
                 return LoadStatus.UNAVAILABLE
-            stored = self._objects.get(key)
+            stored = self._pages.get(key)
             if stored is None:
                 self._counters.misses += 1
                 return LoadStatus.MISSING
             if destination.nbytes != stored.nbytes:
                 return LoadStatus.SIZE_MISMATCH
             if read_regions(self._slab_bytes, stored.regions, destination) != stored.checksum:
-                self._drop(key, stored)
+                # Can no longer be trusted: dropped, and reported as evicted.
+                self._pages.retire(stored)
+                self._evicted[key] = None
                 self._counters.corrupt_loads += 1
                 return LoadStatus.CORRUPT
-            self._objects.move_to_end(key)
+            self._pages.touch(stored)
             self._counters.hits += 1
             self._counters.bytes_read += stored.nbytes
             return LoadStatus.HIT
-
-    def _evict_for(self, pages_needed: int) -> None:
-        """Called when a put would cross the high watermark: evict LRU objects until usage
-        including the incoming object is at or below the low watermark, or nothing is left
-        to evict (an object larger than the low watermark then has the pool to itself)."""
-        while self._objects and self._used_pages() + pages_needed > self._low_pages:
-            key, stored = self._objects.popitem(last=False)
-            self._release_pages(stored.regions)
-            self._evicted[key] = None
-            self._counters.evictions += 1
-
-    def _take_free_pages(self, count: int) -> tuple[int, ...]:
-        assert count <= len(self._free_pages), "eviction left too few free pages"
-        if count == 1:
-            return (self._free_pages.pop(),)
-        if count == 0:
-            return ()
-        pages = tuple(reversed(self._free_pages[-count:]))
-        del self._free_pages[-count:]
-        return pages
-
-    def _release_pages(self, regions: tuple[tuple[int, int], ...]) -> None:
-        page_bytes = self._page_bytes
-        self._free_pages.extend(offset // page_bytes for offset, _ in regions)
-
-    def _drop(self, key: str, stored: _StoredObject) -> None:
-        """Remove a resident object that can no longer be trusted; report it as evicted."""
-        del self._objects[key]
-        self._release_pages(stored.regions)
-        self._evicted[key] = None
 
     def _regions(self, pages: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int], ...]:
         """(slab offset, length) of each piece of an `nbytes` object laid on `pages`;
@@ -294,13 +287,9 @@ class SlabPool(ClosesOnExit):
             for index, page in enumerate(pages)
         )
 
-    def _used_pages(self) -> int:
-        return self._total_pages - len(self._free_pages)
-
     def _forget_everything(self) -> None:
-        self._objects.clear()
+        self._pages.reset()
         self._evicted.clear()
-        self._free_pages = list(range(self._total_pages - 1, -1, -1))
 
     def _require_open(self) -> None:
         if self._closed:
@@ -337,12 +326,6 @@ def _validate_watermarks(high_watermark: float, low_watermark: float) -> None:
         raise ValueError(
             f"low_watermark ({low_watermark}) must be below high_watermark ({high_watermark})"
         )
-
-
-def _watermark_pages(fraction: float, total_pages: int) -> int:
-    """Pages at `fraction` of the pool, rounded down (with a hair of slack so 0.95 * 20
-    is 19, not 18, despite binary floating point)."""
-    return int(fraction * total_pages + 1e-9)
 
 
 if TYPE_CHECKING:

@@ -79,7 +79,6 @@ import logging
 import os
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +89,7 @@ import xxhash
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
+from umbp.runtime.paging import PagedLru, Resident, pages_for
 from umbp.runtime.private_files import open_private_file, prepare_directory
 
 if TYPE_CHECKING:
@@ -128,17 +128,28 @@ _xxh3_64 = xxhash.xxh3_64_intdigest
 _PADDING = bytes(_RECORD_CHECKED_BYTES - _RECORD_HEAD.size)  # sliced after the key
 
 
-class _StoredObject(NamedTuple):
-    """Where one object lives and what it must hash to (a NamedTuple: cheap to build)."""
+class _StoredObject(Resident):
+    """Where one object lives and what it must hash to. Its `pages` are its slots, in
+    object order."""
 
-    slots: tuple[int, ...]
-    """Slot of each part, in object order."""
-    extents: tuple[tuple[int, int, int], ...]
-    """(file offset, offset in the object, length) of each run of consecutive slots, so a
-    read or write is one syscall per run rather than per slot."""
-    nbytes: int
-    checksum: int
-    generation: int
+    __slots__ = ("checksum", "extents", "generation", "nbytes")
+
+    def __init__(
+        self,
+        key: str,
+        slots: tuple[int, ...],
+        extents: tuple[tuple[int, int, int], ...],
+        nbytes: int,
+        checksum: int,
+        generation: int,
+    ) -> None:
+        super().__init__(key, slots)
+        self.extents = extents
+        """(file offset, offset in the object, length) of each run of consecutive slots,
+        so a read or write is one syscall per run rather than per slot."""
+        self.nbytes = nbytes
+        self.checksum = checksum
+        self.generation = generation
 
 
 class _Record(NamedTuple):
@@ -241,11 +252,9 @@ class SsdTier(ClosesOnExit):
         )
         self._file_bytes = self._data_offset + self._total_slots * slot_bytes
         self._path = Path(directory) / SLOT_FILE_NAME
-        self._objects: OrderedDict[str, _StoredObject] = OrderedDict()  # LRU first
+        # Slots and LRU order, made once the filesystem is known to hold the file.
+        self._slots: PagedLru[_StoredObject]
         self._evicted: dict[str, None] = {}  # insertion-ordered set
-        self._free_slots: list[int] = []
-        # Slots never handed out again: a write there failed with ENOSPC/EFBIG.
-        self._retired_slots: set[int] = set()
         self._next_generation = 1
         self._counters = _Counters()
         self._lock = threading.Lock()
@@ -253,6 +262,9 @@ class SsdTier(ClosesOnExit):
         self._fd = self._open_locked(Path(directory))
         try:
             self._require_room()
+            # A slot where a write failed with ENOSPC/EFBIG is retired (never handed out
+            # again). Both watermarks are the whole file: evict only what a put needs.
+            self._slots = PagedLru(self._total_slots, self._total_slots, self._total_slots)
             self._load_or_format()
             self._preallocate()
         except BaseException:
@@ -277,19 +289,24 @@ class SsdTier(ClosesOnExit):
             if self._closed or encoded_key is None:
                 self._counters.put_rejects += 1
                 return False
-            if key in self._objects:
-                self._objects.move_to_end(key)
+            slots = self._slots
+            resident = slots.get(key)
+            if resident is not None:
+                slots.touch(resident)
                 return True
-            needed = _slots_for(source.nbytes, self._slot_bytes)
-            if needed > self._total_slots - len(self._retired_slots):
+            needed = pages_for(source.nbytes, self._slot_bytes)
+            if not slots.fits(needed):
                 self._counters.put_rejects += 1
                 return False
-            self._evict_for(needed)
-            if len(self._free_slots) < needed:
-                # Evicting freed only retired slots (objects above a failed write).
+            for victim in slots.evict(needed):
+                self._invalidate_records(victim.pages)
+                self._evicted[victim.key] = None
+                self._counters.evictions += 1
+            taken = slots.take_pages(needed)
+            if taken is None:
                 self._counters.put_rejects += 1
                 return False
-            return self._write_object(key, encoded_key, source, self._take_free_slots(needed))
+            return self._write_object(key, encoded_key, source, taken)
 
     def get_into(self, key: str, out: Buffer) -> LoadStatus:
         """Read the object stored under `key` into the writable, C-contiguous `out`, whose
@@ -304,7 +321,7 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             if self._closed:
                 return LoadStatus.UNAVAILABLE
-            stored = self._objects.get(key)
+            stored = self._slots.get(key)
             if stored is None:
                 self._counters.misses += 1
                 return LoadStatus.MISSING
@@ -317,10 +334,10 @@ class SsdTier(ClosesOnExit):
                 self._counters.read_errors += 1
                 return LoadStatus.UNAVAILABLE
             if not complete or xxhash.xxh3_64_intdigest(destination) != stored.checksum:
-                self._drop(key, stored)
+                self._drop(stored)
                 self._counters.corrupt_reads += 1
                 return LoadStatus.CORRUPT
-            self._objects.move_to_end(key)
+            self._slots.touch(stored)
             self._counters.hits += 1
             self._counters.bytes_read += stored.nbytes
             return LoadStatus.HIT
@@ -329,7 +346,7 @@ class SsdTier(ClosesOnExit):
         """Size of the object under `key`, None when not resident or closed. Does not
         refresh LRU order."""
         with self._lock:
-            stored = None if self._closed else self._objects.get(key)
+            stored = None if self._closed else self._slots.get(key)
             return None if stored is None else stored.nbytes
 
     def remove(self, key: str) -> bool:
@@ -338,11 +355,11 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             if self._closed:
                 return False
-            stored = self._objects.pop(key, None)
+            stored = self._slots.get(key)
             if stored is None:
                 return False
-            self._invalidate_records(stored.slots)
-            self._release_slots(stored.slots)
+            self._invalidate_records(stored.pages)
+            self._slots.retire(stored)
             return True
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
@@ -350,13 +367,13 @@ class SsdTier(ClosesOnExit):
         `StoreUnavailable` once closed, like every store's lookup."""
         with self._lock:
             self._require_open()
-            objects = self._objects
-            return tuple([key in objects for key in keys])
+            slots = self._slots
+            return tuple([key in slots for key in keys])
 
     def keys(self) -> tuple[str, ...]:
         """Resident keys, least recently used first; () once closed."""
         with self._lock:
-            return () if self._closed else tuple(self._objects)
+            return () if self._closed else self._slots.keys()
 
     def take_evicted_keys(self) -> tuple[str, ...]:
         """Keys evicted or dropped as corrupt since the last call, oldest first, that are
@@ -372,10 +389,10 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             counters = self._counters
             return SsdStats(
-                capacity_bytes=(self._total_slots - len(self._retired_slots)) * self._slot_bytes,
-                used_bytes=self._used_slots() * self._slot_bytes,
+                capacity_bytes=self._slots.usable_pages * self._slot_bytes,
+                used_bytes=self._slots.used_pages * self._slot_bytes,
                 slot_bytes=self._slot_bytes,
-                objects=len(self._objects),
+                objects=len(self._slots),
                 hits=counters.hits,
                 misses=counters.misses,
                 puts=counters.puts,
@@ -394,12 +411,10 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             if self._closed:
                 return False
-            owned = sorted(slot for stored in self._objects.values() for slot in stored.slots)
+            owned = sorted(slot for stored in self._slots.entries() for slot in stored.pages)
             self._invalidate_records(owned)
-            self._objects.clear()
+            self._slots.reset()
             self._evicted.clear()
-            retired = self._retired_slots
-            self._free_slots = [s for s in range(self._total_slots - 1, -1, -1) if s not in retired]
             return True
 
     def flush(self) -> None:
@@ -416,9 +431,8 @@ class SsdTier(ClosesOnExit):
             if self._closed:
                 return
             self._closed = True
-            self._objects.clear()
+            self._slots.reset()
             self._evicted.clear()
-            self._free_slots = []
             os.close(self._fd)
 
     # ------------------------------------------------- geometry and fault injection
@@ -441,21 +455,21 @@ class SsdTier(ClosesOnExit):
     def usable_slot_count(self) -> int:
         """Slots free or owned (total minus retired ones): free + owned == this."""
         with self._lock:
-            return self._total_slots - len(self._retired_slots)
+            return self._slots.usable_pages
 
     def free_slot_count(self) -> int:
         """Slots on the free list."""
         with self._lock:
-            return len(self._free_slots)
+            return self._slots.free_page_count
 
     def object_slots(self, key: str) -> tuple[int, ...]:
         """Slot of each part of the object under `key`, in object order. Raises KeyError
         when not resident."""
         with self._lock:
-            stored = self._objects.get(key)
+            stored = self._slots.get(key)
             if stored is None:
                 raise KeyError(key)
-            return stored.slots
+            return stored.pages
 
     def slot_data_offset(self, slot: int) -> int:
         """File offset of a slot's payload bytes (for fault injection)."""
@@ -490,10 +504,10 @@ class SsdTier(ClosesOnExit):
         except _WriteFailed as failure:
             self._invalidate_records(written_records)
             self._after_failed_write(key, failure, slots)
-            self._release_slots(slots)
+            self._slots.return_pages(slots)
             self._counters.put_failures += 1
             return False
-        self._objects[key] = _StoredObject(slots, extents, nbytes, checksum, generation)
+        self._slots.admit(_StoredObject(key, slots, extents, nbytes, checksum, generation))
         self._evicted.pop(key, None)
         self._counters.puts += 1
         self._counters.bytes_written += nbytes
@@ -548,31 +562,21 @@ class SsdTier(ClosesOnExit):
             failed_slot = max(0, failure.offset - self._header_offset) // RECORD_BYTES
         if failed_slot not in slots:
             return
-        self._retired_slots.add(failed_slot)
+        self._slots.retire_page(failed_slot)
         logger.warning(
             "ssd tier: %s writing slot %d of %s; retired it (%d of %d slots retired)",
             errno.errorcode.get(error.errno or 0, error.errno),
             failed_slot,
             self._path,
-            len(self._retired_slots),
+            self._total_slots - self._slots.usable_pages,
             self._total_slots,
         )
 
-    def _evict_for(self, slots_needed: int) -> None:
-        """Evict LRU objects until `slots_needed` slots are free or nothing is left."""
-        while self._objects and len(self._free_slots) < slots_needed:
-            key, stored = self._objects.popitem(last=False)
-            self._invalidate_records(stored.slots)
-            self._release_slots(stored.slots)
-            self._evicted[key] = None
-            self._counters.evictions += 1
-
-    def _drop(self, key: str, stored: _StoredObject) -> None:
+    def _drop(self, stored: _StoredObject) -> None:
         """Remove an object that can no longer be trusted; report it as evicted."""
-        del self._objects[key]
-        self._invalidate_records(stored.slots)
-        self._release_slots(stored.slots)
-        self._evicted[key] = None
+        self._invalidate_records(stored.pages)
+        self._slots.retire(stored)
+        self._evicted[stored.key] = None
 
     def _invalidate_records(self, slots: Sequence[int]) -> None:
         """Zero the header records of `slots` (before they can be reused). Best effort: a
@@ -589,21 +593,6 @@ class SsdTier(ClosesOnExit):
                     remaining -= chunk
             except _WriteFailed as failure:
                 logger.warning("ssd tier: zeroing header records failed: %s", failure.error)
-
-    def _take_free_slots(self, count: int) -> tuple[int, ...]:
-        """Pop `count` slots; the free list is a stack whose top comes out first, so a run
-        released in ascending order comes back ascending (one syscall per run)."""
-        if count == 1:
-            return (self._free_slots.pop(),)
-        slots = tuple(reversed(self._free_slots[-count:]))
-        del self._free_slots[-count:]
-        return slots
-
-    def _release_slots(self, slots: Sequence[int]) -> None:
-        retired = self._retired_slots
-        for slot in reversed(slots):
-            if slot not in retired:
-                self._free_slots.append(slot)
 
     def _extents(self, slots: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int, int], ...]:
         """(file offset, object offset, length) per run of consecutive slots."""
@@ -714,7 +703,7 @@ class SsdTier(ClosesOnExit):
     def _format(self) -> None:
         """Start an empty file. The superblock goes in last so that a crash while
         formatting leaves a file the next open formats again."""
-        self._free_slots = list(range(self._total_slots - 1, -1, -1))
+        self._slots.reset()
         try:
             os.ftruncate(self._fd, 0)
             self._pwrite_all(self._superblock(), 0)
@@ -796,14 +785,17 @@ class SsdTier(ClosesOnExit):
                 dropped += 1
                 to_zero.extend(previous[1])
             newest[key] = (generation, slots, records[0])
-        for generation, slots, first in sorted(newest.values(), key=lambda item: item[0]):
-            self._objects[first.key] = _StoredObject(
-                slots, self._extents(slots, first.nbytes), first.nbytes, first.checksum, generation
+        self._slots.restore(
+            _StoredObject(
+                first.key,
+                slots,
+                self._extents(slots, first.nbytes),
+                first.nbytes,
+                first.checksum,
+                generation,
             )
-        owned = {slot for stored in self._objects.values() for slot in stored.slots}
-        self._free_slots = [
-            slot for slot in range(self._total_slots - 1, -1, -1) if slot not in owned
-        ]
+            for generation, slots, first in sorted(newest.values(), key=lambda item: item[0])
+        )
         self._invalidate_records(to_zero)
         self._counters.dropped_at_open += dropped
         if dropped:
@@ -841,7 +833,7 @@ class SsdTier(ClosesOnExit):
             version != FORMAT_VERSION
             or own_slot != slot
             or key_bytes > MAX_KEY_BYTES
-            or part_count != _slots_for(nbytes, self._slot_bytes)
+            or part_count != pages_for(nbytes, self._slot_bytes)
             or part_index >= part_count
             or generation == 0
         ):
@@ -876,9 +868,6 @@ class SsdTier(ClosesOnExit):
 
     # ------------------------------------------------------------------ helpers
 
-    def _used_slots(self) -> int:
-        return self._total_slots - len(self._retired_slots) - len(self._free_slots)
-
     def _require_open(self) -> None:
         if self._closed:
             raise StoreUnavailable("SsdTier is closed")
@@ -896,11 +885,6 @@ def _consecutive_runs(slots: Sequence[int]) -> Sequence[tuple[int, ...]]:
             start = index
     runs.append(tuple(slots[start:]))
     return runs
-
-
-def _slots_for(nbytes: int, slot_bytes: int) -> int:
-    """Slots an object takes; an empty object still needs one, for its header record."""
-    return max(1, -(-nbytes // slot_bytes))
 
 
 def _encode_key(key: str) -> bytes | None:

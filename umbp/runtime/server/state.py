@@ -188,7 +188,7 @@ class StoreCore:
                     answers[position] = True
                 elif key in cold_keys:
                     answers[position] = True
-                elif size < 0 or pages_for(size, index.page_bytes) > index.total_pages:
+                elif size < 0 or not index.fits(pages_for(size, index.page_bytes)):
                     self._counters.put_rejects += 1
                 else:
                     wanted.append(position)
@@ -335,9 +335,8 @@ class StoreCore:
             dram = {
                 "capacity_bytes": index.total_pages * page_bytes,
                 "used_bytes": index.used_pages * page_bytes,
-                "resident_bytes": sum(
-                    pages_for(entry.nbytes, page_bytes) for entry in index.entries()
-                ) * page_bytes,
+                "resident_bytes": sum(len(entry.pages) for entry in index.entries())
+                * page_bytes,
                 "page_bytes": page_bytes,
                 "objects": len(index),
                 "pinned_objects": sum(1 for entry in index.entries() if entry.pins),
