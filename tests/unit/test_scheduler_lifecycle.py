@@ -285,3 +285,40 @@ def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: 
     reach = range(max(0, (hit - window) // BLOCK), hit // BLOCK)
     assert driver.assert_blocks_hold("b", tokens, reach, group=sliding) == len(reach)
     driver.run(["b"])
+
+
+def test_an_async_lookup_is_answered_on_a_later_step(make_driver: Any) -> None:
+    driver = make_driver(extra={"lookup_async": True})
+    tokens = prompt(4)
+    fill_pool(driver, "a", tokens)
+    driver.add("b", tokens + [9], max_tokens=4)
+    first = driver.step()
+    # The lookup runs off the scheduler thread: vLLM is told "not yet" and waits.
+    assert "b" not in first.output.num_scheduled_tokens and not first.loads
+    loaded: list[tuple[int, int]] = []
+    for _ in range(50):
+        record = driver.step()
+        loaded += record.loads.get("b", [])
+        if "b" in record.output.num_scheduled_tokens:
+            break
+    table = driver.block_ids("b")[0]
+    assert sorted(loaded) == sorted((0, b) for b in table[:4])
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 4 * BLOCK
+
+
+def test_a_consumer_never_stores(make_driver: Any) -> None:
+    driver = make_driver(kv_role="kv_consumer")
+    tokens = prompt(3)
+    driver.add("a", tokens)
+    driver.run(["a"])
+    driver.drain()
+    assert driver.stored_events() == []
+    assert connector_stats(driver).get("worker_stored_blocks", 0) == 0
+    assert driver.scheduler.reset_prefix_cache()
+    # Nothing reached the pool, so the same prompt is computed again.
+    driver.add("b", tokens)
+    driver.run(["b"])
+    assert driver.cached_tokens("b") == 0
+    assert connector_stats(driver)["scheduler_lookups"] >= 1

@@ -56,7 +56,7 @@ def step_starts(output: Any) -> dict[str, int]:
 def vllm_config_for(
     model_dir: Path, *, block_size: int = 32, max_model_len: int = 1024,
     max_num_batched_tokens: int = 512, extra: dict[str, Any] | None = None,
-    kv_events: bool = True,
+    kv_events: bool = True, kv_role: str = "kv_both",
 ) -> Any:
     """An engine's VllmConfig with umbp as its KV connector (no weights are read)."""
     from vllm.config import (
@@ -80,7 +80,7 @@ def vllm_config_for(
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="UMBPStoreConnector", kv_connector_module_path="umbp",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config={"capacity_bytes": 64 << 20, **(extra or {})},
         ),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
@@ -135,6 +135,7 @@ class Driver:
         sliding_window: int | None = None,
         extra: dict[str, Any] | None = None,
         kv_events: bool = True,
+        kv_role: str = "kv_both",
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
@@ -149,6 +150,7 @@ class Driver:
         self.vllm_config = vllm_config_for(
             model_dir, block_size=block_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, extra=extra, kv_events=kv_events,
+            kv_role=kv_role,
         )
         self.block_size = block_size
         self.sliding_window = sliding_window

@@ -1,0 +1,310 @@
+"""Properties of one request's life in the scheduler role.
+
+The first group states rules of ``umbp.core.request_lifecycle`` for any input.
+The last property drives the real ``UMBPScheduler`` (and a real worker) through
+vLLM's real ``Scheduler`` on generated workloads: what it restores is byte-exact,
+every full prompt block it was given can be restored later, and every pin it took
+in vLLM's block pool is released.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+
+from tests.property.strategies import block_tables, request_hashes, single_group_geometries
+from umbp.core import request_lifecycle as lifecycle
+from umbp.core.lookup import LoadSpec, LookupGeometry, LookupSkip
+from umbp.core.plans import BlockLoadBatch, StoreTracker
+from umbp.core.request_lifecycle import (
+    LookupAction,
+    LookupProgress,
+    RequestLifecycle,
+)
+from umbp.core.store_events import StoreEvent, StoreEventResult
+
+# ----------------------------------------------------------------- lookup steps
+
+
+@given(
+    st.one_of(st.none(), st.sampled_from(list(LookupSkip))),
+    st.sampled_from(list(LookupProgress)),
+    st.booleans(),
+)
+def test_a_skip_wins_and_a_running_lookup_is_waited_for(
+    skip: LookupSkip | None, progress: LookupProgress, lookup_async: bool
+) -> None:
+    action = lifecycle.next_lookup_action(skip, progress, lookup_async)
+    if skip is not None:
+        assert action is LookupAction.ANSWER_NOTHING
+    elif progress is LookupProgress.RUNNING:
+        assert action is LookupAction.WAIT
+    elif progress is LookupProgress.ANSWERED:
+        assert action is LookupAction.READ_ANSWER
+    else:
+        assert action is (LookupAction.SUBMIT if lookup_async else LookupAction.LOOKUP_NOW)
+
+
+# ------------------------------------------------------------------- allocation
+
+
+@st.composite
+def allocations(draw: st.DrawFn) -> tuple[LookupGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int]:
+    """A single-group match (or none) and any external count vLLM may allocate."""
+    geometry = draw(single_group_geometries())
+    block = geometry.block_size
+    num_blocks = draw(st.integers(1, 8))
+    num_tokens = num_blocks * block + draw(st.integers(1, block))
+    hashes = draw(request_hashes(num_tokens // geometry.hash_block_size))
+    table = draw(block_tables(geometry, num_tokens))
+    local = draw(st.integers(0, num_blocks - 1)) * block
+    end = draw(st.integers(local + 1, num_tokens - 1))
+    spec = draw(st.one_of(st.none(), st.just(LoadSpec(local, end))))
+    external = draw(st.integers(-1, num_tokens))
+    return geometry, spec, table, hashes, external
+
+
+@given(allocations())
+def test_an_allocation_never_raises_and_loads_only_what_vllm_allocated(
+    case: tuple[LookupGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int],
+) -> None:
+    """Whatever vLLM allocates, umbp plans a load inside the allocated window, or
+    names blocks of the table to recompute, or (no external tokens) nothing."""
+    geometry, spec, table, hashes, external = case
+    state = RequestLifecycle(load_spec=spec, load_async=True)
+    after, outcome = lifecycle.after_allocation(state, "r", geometry, table, hashes, external)
+    assert after.tracker is not None and after.tracker.block_table == table
+    if external <= 0:
+        assert outcome is None
+        assert after.load is None and after.load_spec is None and not after.load_async
+        return
+    match outcome:
+        case Success(batch):
+            assert spec is not None and external <= spec.num_tokens_to_load
+            first = spec.local_tokens // geometry.block_size
+            last = -(-(spec.local_tokens + external) // geometry.block_size)
+            assert set(batch.block_ids) <= set(table[0][first:last])
+            assert after.load == batch
+        case Failure(unplanned):
+            assert set(unplanned.block_ids) <= set(table[0])
+            assert after.unplanned_load == unplanned.block_ids
+        case _:
+            raise AssertionError(f"no outcome for {external} external tokens")
+
+
+# ------------------------------------------------------------------- step loads
+
+
+@st.composite
+def step_states(draw: st.DrawFn) -> dict[str, RequestLifecycle]:
+    states = {}
+    for index in range(draw(st.integers(0, 6))):
+        request_id = f"r{index}"
+        load = draw(st.one_of(st.none(), st.just(BlockLoadBatch(request_id, (0,), (index,), (b"h",)))))
+        unplanned = draw(st.one_of(st.none(), st.just((index + 100,))))
+        states[request_id] = RequestLifecycle(
+            load_spec=draw(st.one_of(st.none(), st.just(LoadSpec(0, 4)))),
+            load_async=draw(st.booleans()), load=load, unplanned_load=unplanned,
+            tracker=draw(st.one_of(st.none(), st.just(StoreTracker(4)))),
+        )
+    return states
+
+
+@given(step_states())
+def test_every_planned_load_goes_out_once(states: dict[str, RequestLifecycle]) -> None:
+    step = lifecycle.take_step_loads(states)
+    loading = {r for r, s in states.items() if s.load is not None or s.unplanned_load is not None}
+    assert [batch.request_id for batch in step.loads] == [
+        r for r, s in states.items() if s.load is not None
+    ]
+    assert dict(step.unplanned) == {
+        r: s.unplanned_load for r, s in states.items() if s.unplanned_load is not None
+    }
+    assert step.async_loads == {r for r in loading if states[r].load_async}
+    assert set(step.states) == loading
+    merged = {**states, **step.states}
+    again = lifecycle.take_step_loads(merged)
+    assert not again.loads and not again.unplanned and not again.async_loads
+    for request_id, state in step.states.items():  # the spec went with the load
+        assert state.load_spec is None and state.tracker == states[request_id].tracker
+
+
+# ------------------------------------------------------------------ store windows
+
+
+@st.composite
+def chunked_prefills(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, list[int], bool]:
+    geometry = draw(single_group_geometries())
+    prompt = draw(st.integers(geometry.block_size, 10 * geometry.block_size))
+    cached = draw(st.integers(0, prompt - 1)) // geometry.block_size * geometry.block_size
+    chunks = draw(st.lists(st.integers(1, 3 * geometry.block_size), min_size=1, max_size=12))
+    return geometry, prompt, cached, chunks, draw(st.booleans())
+
+
+@given(chunked_prefills())
+def test_chunks_make_every_full_block_a_candidate_exactly_once(
+    case: tuple[LookupGeometry, int, int, list[int], bool],
+) -> None:
+    """Chunked prefill then decode, as the scheduler calls it step after step:
+    each full hashed block is a store candidate once and in order (what came from
+    a cache too: the residency check decides those), and without
+    ``save_decode_cache`` nothing after the prompt."""
+    geometry, prompt, cached, chunks, save_decode = case
+    block = geometry.block_size
+    total_tokens = prompt + 4 * block
+    table = (tuple(range(1, total_tokens // block + 2)),)
+    hashes = tuple(i.to_bytes(4, "big") for i in range(total_tokens // geometry.hash_block_size))
+    first = min(chunks[0], prompt - cached)  # a new request schedules only its prompt
+    state, window = lifecycle.new_request_store_window(
+        RequestLifecycle(tracker=StoreTracker().with_blocks_replaced(table)), geometry,
+        frozenset(), cached, first, table, len(hashes),
+    )
+    assert window.cached_tokens == cached
+    seen = [i for _, r in window.ranges for i in r]
+    computed = cached + first
+    for chunk in chunks[1:]:
+        scheduled = min(chunk, total_tokens - computed)
+        state, stores = lifecycle.cached_request_stores(state, computed, False, prompt, save_decode)
+        if not stores:
+            assert not save_decode and computed >= prompt
+        else:
+            state, window = lifecycle.cached_request_store_window(
+                state, geometry, frozenset(), computed, scheduled, False, None, None, prompt,
+                len(hashes), save_decode,
+            )
+            seen += [i for _, r in window.ranges for i in r]
+        computed += scheduled
+    limit = computed if save_decode else min(computed, prompt)
+    assert sorted(seen) == seen and len(set(seen)) == len(seen)
+    assert seen == list(range(limit // block))
+
+
+# ------------------------------------------------------------ acknowledgements
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.data())
+def test_an_event_is_acknowledged_once_after_every_worker_reported(
+    num_workers: int, num_events: int, data: st.DataObject
+) -> None:
+    events = {e: (StoreEvent(e), StoreEventResult()) for e in range(num_events)}
+    reports = [(e, w) for e in range(num_events) for w in range(num_workers)]
+    order = data.draw(st.permutations(reports))
+    steps = data.draw(st.lists(st.integers(1, 3), min_size=len(order), max_size=len(order)))
+    failed = data.draw(st.sets(st.sampled_from(reports)))
+    acknowledged: list[tuple[StoreEvent, StoreEventResult]] = []
+    open_events = dict(events)
+    position = 0
+    for size in steps:
+        batch: dict[int, StoreEventResult] = {}
+        for event_id, worker in order[position:position + size]:
+            mine = frozenset({(worker, b"x")}) if (event_id, worker) in failed else frozenset()
+            previous = batch.get(event_id, StoreEventResult())
+            batch[event_id] = StoreEventResult(previous.completed_workers + 1, previous.failed | mine)
+        position += size
+        open_events, done = lifecycle.acknowledge_reports(open_events, batch, num_workers)
+        acknowledged.extend(done)
+        # Reports of an acknowledged event (a late duplicate) change nothing.
+        assert lifecycle.acknowledge_reports(open_events, {e.event_id: r for e, r in done},
+                                             num_workers)[1] == ()
+    assert not open_events
+    assert sorted(event.event_id for event, _ in acknowledged) == list(range(num_events))
+    for event, result in acknowledged:
+        assert result.completed_workers == num_workers
+        assert result.failed == {(w, b"x") for e, w in failed if e == event.event_id}
+
+
+# -------------------------------------------- the shell's sequence, through vLLM
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.unit.vllm_driver import write_model_config
+
+    return write_model_config(tmp_path_factory.mktemp("tiny-llama-lifecycle"))
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[dict[str, object], list[list[int]], list[list[int]]]:
+    """Prompts sharing prefixes, computed once, then asked again (with or without
+    a common prefix of the first round) after vLLM's own cache was emptied."""
+    extra = {
+        "load_async": draw(st.booleans()),
+        "lookup_async": draw(st.booleans()),
+    }
+    base = [draw(st.integers(1, 499)) for _ in range(6 * BLOCK)]
+
+    def prompts() -> list[list[int]]:
+        out = []
+        for _ in range(draw(st.integers(1, 3))):
+            shared = draw(st.integers(0, 4)) * BLOCK
+            own = draw(st.lists(st.integers(1, 499), min_size=1, max_size=3 * BLOCK))
+            out.append(base[:shared] + own)
+        return out
+
+    return extra, prompts(), prompts()
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.too_slow])
+@given(workloads(), st.sampled_from([64, 512]))
+def test_the_scheduler_restores_exact_bytes_and_releases_every_pin(
+    model_dir: Path,
+    workload: tuple[dict[str, object], list[list[int]], list[list[int]]], batch_tokens: int,
+) -> None:
+    from tests.unit.vllm_driver import Driver
+
+    extra, first, second = workload
+    driver = Driver(model_dir, num_blocks=64, max_num_batched_tokens=batch_tokens,
+                    extra=extra)
+    try:
+        _restores_exactly(driver, first, second)
+    finally:
+        driver.close()
+
+
+def _restores_exactly(driver: object, first: list[list[int]], second: list[list[int]]) -> None:
+    pool = driver.scheduler.kv_cache_manager.block_pool
+    free_at_start = pool.get_num_free_blocks()
+    checked: set[str] = set()
+
+    def run(round_name: str, prompts: list[list[int]]) -> list[str]:
+        names = [f"{round_name}{i}" for i in range(len(prompts))]
+        for name, tokens in zip(names, prompts):
+            driver.add(name, tokens, max_tokens=2)
+        for _ in range(300):
+            driver.step()
+            for name, tokens in zip(names, prompts):
+                request = driver.requests[name]
+                # Once the prompt is computed (loaded or not), every full block
+                # holds what a recompute writes.
+                if name not in checked and name in driver.scheduler.requests and (
+                    request.num_computed_tokens >= len(tokens)
+                ):
+                    full = len(tokens) // BLOCK
+                    assert driver.assert_blocks_hold(name, tokens, range(full)) == 2 * full
+                    checked.add(name)
+            if not set(names) & set(driver.scheduler.requests):
+                break
+        else:
+            raise AssertionError("requests did not finish")
+        driver.drain()
+        assert driver.scheduler.reset_prefix_cache()
+        return names
+
+    run("a", first)
+    run("b", second)
+    # Every pin umbp took in vLLM's pool was released, nothing leaked.
+    assert pool.get_num_free_blocks() == free_at_start
+    # Every full block of every prompt was stored: asked again, each restores all.
+    for index, tokens in enumerate(first + second):
+        name = f"again{index}"
+        driver.add(name, tokens + [7], max_tokens=1)
+        driver.run([name])
+        assert driver.cached_tokens(name) == len(tokens) // BLOCK * BLOCK
+    assert checked == {f"{r}{i}" for r, p in (("a", first), ("b", second)) for i in range(len(p))}
