@@ -14,6 +14,15 @@ round), median of 200 rounds (20 with ``--quick``):
   i.e. building the keys of one such batch, for scale.
 
 Prints microseconds per batch and per key, and each row's ratio to ``direct``.
+
+A second table is one scheduler lookup as the engine runs it at TP1 and TP4
+(``--ranks`` section): ``build_lookup_query`` for a 32,768-token prompt, the
+answer from one in-process ``SlabPool`` per rank through ``RankedLookup``, and
+``fold_rank_hits``; three quarters of the objects are held by every rank. CPU time
+of the calling thread per call (``time.thread_time_ns``, GC on), median of the
+rounds, interleaved: ``by position`` routes the query's keys by their layout,
+``by key name`` is the routing every key took before (the rank read from each key
+string), measured in the same run.
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
-from umbp.core.lookup import LookupGeometry, LookupQuery, build_lookup_query
-from umbp.runtime.lookup_service import LookupClient, LookupService
+from umbp.core.lookup import LookupGeometry, LookupQuery, build_lookup_query, fold_rank_hits
+from umbp.core.rank_keys import rank_tags
+from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup
 from umbp.runtime.pool import SlabPool
 from umbp.testing.table import format_table
 
@@ -48,6 +58,9 @@ NAMESPACE = "bench-lookup-0123"
 CLIENT_TIMEOUT_S = 10.0
 ROUNDS = 200
 QUICK_ROUNDS = 20
+RANK_PROMPT_TOKENS = 32_768
+RANK_ROUNDS = 300
+QUICK_RANK_ROUNDS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +183,98 @@ def check_answers(direct: Sequence[bool], remote: Sequence[bool]) -> None:
         )
 
 
+# ------------------------------------------------------- lookups by rank count
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    block_size: int
+    ranks: int
+    keys: int
+    by_name_us: float
+    by_position_us: float
+    ns_per_key: float
+    per_key_vs_tp1: float
+
+
+def cpu_medians(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median CPU nanoseconds of this thread per call of each entry (GC on, as the
+    engine runs), timed in rotating order round by round."""
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    samples: dict[str, list[int]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.thread_time_ns()
+            calls[name]()
+            samples[name].append(time.thread_time_ns() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def rank_case(block_size: int, ranks: int, rounds: int) -> tuple[int, dict[str, float]]:
+    """(keys asked, median ns per lookup by key name and by position)."""
+    geometry = LookupGeometry(
+        group_ids=(0,), group_block_sizes=(block_size,), lookup_units=(block_size,),
+        block_size=block_size, hash_block_size=block_size,
+    )
+    space = KeySpace(NAMESPACE, RankTopology(tp_size=ranks))
+    hashes = tuple(block_hashes(RANK_PROMPT_TOKENS // block_size, b"ranked"))
+    query = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
+    held = len(query.object_hashes[0]) * 3 // 4
+    pools = []
+    for rank in range(ranks):
+        rank_keys = query.keys.keys_of_rank(rank)[:held]
+        pool = SlabPool(len(rank_keys) * 2 * 512, page_bytes=512)
+        if not all(pool.put_batch(rank_keys, [b"x"] * len(rank_keys))):
+            raise RuntimeError("the benchmark pool rejected an object")
+        pools.append(pool)
+    router = RankedLookup(dict(zip(rank_tags(space), pools)))
+
+    def by_position() -> object:
+        built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
+        return fold_rank_hits(built, router.lookup(built.keys))
+
+    def by_name() -> object:
+        built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
+        # A plain tuple carries no layout: each key's rank is read from its string.
+        return fold_rank_hits(built, router.lookup(tuple(built.keys)))
+
+    expected = by_position()
+    if by_name() != expected or expected != ((True,) * held + (False,) * (len(hashes) - 1 - held),):
+        raise RuntimeError("routing by position and by key name disagree")
+    try:
+        return len(query.keys), cpu_medians({"by_name": by_name, "by_position": by_position}, rounds)
+    finally:
+        for pool in pools:
+            pool.close()
+
+
+def measure_ranks(rounds: int) -> list[RankRow]:
+    rows: list[RankRow] = []
+    for block_size in (32, 16):
+        tp1_per_key = 0.0
+        for ranks in (1, 4):
+            keys, medians = rank_case(block_size, ranks, rounds)
+            per_key = medians["by_position"] / keys
+            tp1_per_key = tp1_per_key or per_key
+            rows.append(RankRow(block_size, ranks, keys, medians["by_name"] / 1e3,
+                                medians["by_position"] / 1e3, per_key, per_key / tp1_per_key))
+    return rows
+
+
+def print_rank_table(rows: Sequence[RankRow], rounds: int) -> None:
+    print(f"one scheduler lookup, {RANK_PROMPT_TOKENS:,}-token prompt (build keys, ask one "
+          f"in-process pool per rank, fold); CPU us per call, median of {rounds} rounds, GC on")
+    header = ("block", "ranks", "keys", "by key name", "by position", "position/name",
+              "ns/key", "per key vs TP1")
+    cells = [(str(r.block_size), str(r.ranks), str(r.keys), f"{r.by_name_us:.0f}",
+              f"{r.by_position_us:.0f}", f"{r.by_position_us / r.by_name_us:.2f}",
+              f"{r.ns_per_key:.0f}", f"{r.per_key_vs_tp1:.2f}x") for r in rows]
+    print(format_table(header, cells))
+
+
 # -------------------------------------------------------------------- report
 
 LABELS = {
@@ -196,10 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
     rows = measure(rounds)
     print_table(rows, rounds)
+    print()
+    rank_rounds = QUICK_RANK_ROUNDS if args.quick else RANK_ROUNDS
+    rank_rows = measure_ranks(rank_rounds)
+    print_rank_table(rank_rows, rank_rounds)
     if args.json is not None:
         args.json.write_text(json.dumps({
             "benchmark": "lookup", "quick": args.quick, "rounds": rounds, "keys": KEYS,
             "hits": KEYS // 2, "rows": [asdict(row) for row in rows],
+            "rank_rounds": rank_rounds, "rank_rows": [asdict(row) for row in rank_rows],
         }, indent=2))
     return 0
 

@@ -11,7 +11,12 @@ comparable across machines. Figures:
 * lookup -> load plan for a 32,768-token prompt: block 16 and 32, 1 and 4 ranks;
   every object hits (the longest window, the most work);
 * growth with prompt length (2K, 8K, 32K tokens) at block 16, one rank;
-* store planning for 256 requests in one scheduler step.
+* store planning for 256 requests in one scheduler step;
+* admission CPU time (:func:`admission_section`): the same lookup -> load plan as
+  the engine's scheduler thread pays for it, CPU time per call
+  (``time.thread_time_ns``, GC on), median of many calls, against the issue's
+  targets (32K tokens <= 0.15 ms at block 32 TP1, TP4 <= 1.5x TP1 per key,
+  linear in blocks).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -223,6 +229,108 @@ def store_step_case(requests: int, budget_s: float) -> dict[str, float]:
     }
 
 
+# ------------------------------------------------------ admission CPU time
+
+
+ADMISSION_TARGET_MS = 0.15
+TP4_PER_KEY_TARGET = 1.5
+
+
+def cpu_median_ns(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median CPU ns of this thread per call of each entry, GC on (as the engine
+    runs), timed in rotating order round by round so load on the machine hits all."""
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    samples: dict[str, list[int]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.thread_time_ns()
+            calls[name]()
+            samples[name].append(time.thread_time_ns() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
+    """The admission (lookup keys, fold, hit window, load plan; every object hits),
+    its lookup part alone (keys and fold), the reference-shaped baseline, and the
+    floor no lookup goes below: each key string alone (prefix + hex digest)."""
+    geometry = geometry_for(block_size)
+    keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=tp))
+    hashes = block_hashes(num_tokens // block_size)
+    table = (tuple(range(1, -(-num_tokens // block_size) + 1)),)
+    answers = (True,) * len(build_lookup_query(geometry, keyspace, hashes, 0, num_tokens).keys)
+    objects = hashes[: num_tokens // block_size - 1]
+    prefixes = [keyspace.key(rank, 0, b"") for rank in keyspace.topology.coords()]
+
+    def key_strings() -> object:
+        return [[prefix + block_hash.hex() for block_hash in objects] for prefix in prefixes]
+
+    def lookup() -> object:
+        query = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
+        return query, fold_rank_hits(query, answers)
+
+    def admission() -> BlockLoadBatch:
+        query = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
+        folded = fold_rank_hits(query, answers)
+        assert folded is not None
+        spec = single_group_load_spec(geometry, query, folded)
+        assert spec is not None
+        return load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
+
+    def baseline() -> BlockLoadBatch:
+        return baseline_lookup_to_load(
+            geometry, keyspace, hashes, num_tokens, lambda n: (True,) * n, table[0]
+        )
+
+    assert admission() == baseline(), "baseline and core disagree"
+    return {"admission": admission, "lookup": lookup, "baseline": baseline,
+            "key_strings": key_strings}
+
+
+def admission_section(quick: bool) -> dict[str, object]:
+    rounds = 40 if quick else 300
+    print(f"admission CPU time (thread CPU per call, GC on, median of {rounds} interleaved calls)")
+    print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'keys':>6} {'admission':>10} "
+          f"{'lookup':>9} {'ns/key':>7} {'keys alone':>10} {'baseline':>9} {'speed-up':>8}")
+    rows: list[dict[str, float]] = []
+    for num_tokens, block_size, tp in (
+        (32768, 32, 1), (32768, 32, 4), (32768, 16, 1), (32768, 16, 4),
+        (2048, 16, 1), (8192, 16, 1),
+    ):
+        calls = admission_calls(num_tokens, block_size, tp)
+        keys = (num_tokens // block_size - 1) * tp
+        medians = cpu_median_ns(calls, rounds)
+        row = {"tokens": num_tokens, "block_size": block_size, "ranks": tp, "keys": keys,
+               "blocks": num_tokens // block_size,
+               "admission_us": medians["admission"] / 1e3, "lookup_us": medians["lookup"] / 1e3,
+               "lookup_ns_per_key": medians["lookup"] / keys,
+               "baseline_us": medians["baseline"] / 1e3,
+               "key_strings_us": medians["key_strings"] / 1e3}
+        rows.append(row)
+        print(f"{num_tokens:>7} {block_size:>5} {tp:>5} {keys:>6} {row['admission_us']:>8.0f}us "
+              f"{row['lookup_us']:>7.0f}us {row['lookup_ns_per_key']:>7.0f} "
+              f"{row['key_strings_us']:>8.0f}us "
+              f"{row['baseline_us']:>7.0f}us {row['baseline_us'] / row['admission_us']:>7.1f}x")
+    by_case = {(r["tokens"], r["block_size"], r["ranks"]): r for r in rows}
+    case = by_case[(32768, 32, 1)]
+    target = case["admission_us"] / 1e3
+    print(f"32K admission at block 32, TP1: {target:.3f} ms "
+          f"(target <= {ADMISSION_TARGET_MS} ms: {'met' if target <= ADMISSION_TARGET_MS else 'NOT met'}"
+          f"), {case['admission_us'] / case['key_strings_us']:.2f}x its key strings alone")
+    for block_size in (32, 16):
+        ratio = (by_case[(32768, block_size, 4)]["lookup_ns_per_key"]
+                 / by_case[(32768, block_size, 1)]["lookup_ns_per_key"])
+        print(f"TP4 lookup per key vs TP1 at block {block_size}: {ratio:.2f}x "
+              f"(target <= {TP4_PER_KEY_TARGET}x: {'met' if ratio <= TP4_PER_KEY_TARGET else 'NOT met'})")
+    growth = [by_case[(tokens, 16, 1)] for tokens in (2048, 8192, 32768)]
+    print("growth at block 16, TP1: " + ", ".join(
+        f"{int(r['tokens']):,} tokens {r['admission_us'] / r['blocks'] * 1e3:.0f} ns/block"
+        for r in growth))
+    return {"rounds": rounds, "rows": rows}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -269,10 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  {store['total_us']:.0f} us per step, {store['per_request_us']:.1f} us per request, "
         f"{store['stored_blocks']} blocks planned"
     )
+    print()
+    admission = admission_section(args.quick)
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"lookup_32k": lookups, "growth": growth, "store_step": store}, indent=2)
-        )
+        args.json.write_text(json.dumps(
+            {"lookup_32k": lookups, "growth": growth, "store_step": store, "admission": admission},
+            indent=2,
+        ))
     return 0
 
 

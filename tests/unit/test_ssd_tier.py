@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from umbp.runtime import LoadStatus, StoreUnavailable
-from umbp.runtime.ssd_tier import MAX_KEY_BYTES, RECORD_BYTES, SsdTier
+from umbp.runtime.ssd_format import MAX_KEY_BYTES, RECORD_BYTES
+from umbp.runtime.ssd_tier import SsdTier
 from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ from itertools import compress
 from typing import Final
 
 from umbp.core.identity import KeySpace
-from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_tags
+from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -288,7 +288,6 @@ def build_lookup_query(
     """
     request_hashes = tuple(hashes)
     limit = lookup_limit(geometry, num_tokens, len(request_hashes))
-    coords = keyspace.topology.coords()
     keys: list[str] = []
     objects: list[tuple[bytes, ...]] = []
     for group_id, unit in zip(geometry.group_ids, geometry.lookup_units):
@@ -296,17 +295,18 @@ def build_lookup_query(
             request_hashes, local_tokens + unit, limit, unit, geometry.hash_block_size
         )
         objects.append(group_objects)
-        # A comprehension per rank: the key strings are the floor of a lookup's cost,
-        # and it builds them faster than map(prefix.__add__, ...).
-        if len(coords) == 1:
-            prefix = keyspace.key(coords[0], group_id, b"")
+        # The key strings are the floor of a lookup's cost: a comprehension per rank
+        # glues them faster than map(prefix.__add__, ...), and with several ranks
+        # each hex digest is made once.
+        prefixes = rank_prefixes(keyspace, group_id)
+        if len(prefixes) == 1:
+            prefix = prefixes[0]
             keys.extend([prefix + block_hash.hex() for block_hash in group_objects])
             continue
-        digests = [block_hash.hex() for block_hash in group_objects]
-        for rank in coords:
-            prefix = keyspace.key(rank, group_id, b"")
+        digests = list(map(bytes.hex, group_objects))
+        for prefix in prefixes:
             keys.extend([prefix + digest for digest in digests])
-    layout = KeyLayout.rank_major(tuple(map(len, objects)), len(coords))
+    layout = KeyLayout.rank_major(tuple(map(len, objects)), keyspace.topology.rank_count)
     return LookupQuery(
         local_tokens=local_tokens,
         num_tokens=num_tokens,

@@ -34,6 +34,7 @@ __all__ = [
     "fold_ranks",
     "merge_rank_answers",
     "object_major_keys",
+    "rank_prefixes",
     "rank_tags",
 ]
 
@@ -201,13 +202,25 @@ def rank_tags(keyspace: KeySpace) -> tuple[str, ...]:
     return _rank_tags(keyspace.namespace, keyspace.topology)
 
 
+def rank_prefixes(keyspace: KeySpace, group_id: int) -> tuple[str, ...]:
+    """Per rank (``topology.coords()`` order), the key of ``group_id``'s objects up
+    to the hash: a key is its rank's prefix plus the hash in hex."""
+    return _rank_prefixes(keyspace.namespace, keyspace.topology, group_id)
+
+
+# Memos of pure functions: every lookup needs these strings, and building them
+# (rank coordinates, f-strings) costs more than looking them up.
 @lru_cache(maxsize=64)
 def _rank_tags(namespace: str, topology: RankTopology) -> tuple[str, ...]:
-    # A memo of a pure function: a lookup needs the tags on every call.
     group_suffix = ":g0:"
     return tuple(
         key_prefix(namespace, rank, 0).removesuffix(group_suffix) for rank in topology.coords()
     )
+
+
+@lru_cache(maxsize=256)
+def _rank_prefixes(namespace: str, topology: RankTopology, group_id: int) -> tuple[str, ...]:
+    return tuple(key_prefix(namespace, rank, group_id) for rank in topology.coords())
 
 
 def object_major_keys(

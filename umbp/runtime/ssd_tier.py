@@ -6,23 +6,9 @@ one slot file driven by `pwrite`/`preadv` beats one file per key and LMDB, so th
 design here. Bytes move straight between the caller's buffer and the file (no
 intermediate `bytes`).
 
-On-disk format (one file, `<directory>/ssd-tier.slots`, mode 0600; little-endian):
-
-* superblock, bytes [0, 4096): magic ``UMBP-SSD``, format version, header-record size,
-  `slot_bytes`, slot count, data-area offset, and an xxh3-64 of those fields. A file whose
-  superblock is damaged or whose geometry differs from the one asked for is reset (emptied).
-* header area, from byte 4096: one `RECORD_BYTES` (1024-byte) record per slot, in slot
-  order. A free slot's record is all zeros. An occupied slot's record holds magic
-  ``UMBP-HDR``, format version, key length, the slot's own index (catches a misdirected
-  write), part index and part count, object size, generation, payload checksum (xxh3-64 of
-  the whole object), the UTF-8 key (at most `MAX_KEY_BYTES`), and in its last 8 bytes an
-  xxh3-64 of the rest of the record.
-* data area, from the first 4 KiB boundary after the header area: `slot_count` slots of
-  `slot_bytes`. An object of n bytes occupies max(1, ceil(n / slot_bytes)) slots, not
-  necessarily contiguous; part i holds bytes [i * slot_bytes, (i + 1) * slot_bytes).
-
-Every put draws a fresh generation (greater than any found on disk at open), so records
-of different objects never mix even when a stale one survives somewhere.
+On-disk format: `umbp.runtime.ssd_format` (superblock, one checksummed header record per
+slot, data slots). The slot file's I/O, its safe opening and its preallocation:
+`umbp.runtime.ssd_file`.
 
 Write ordering and what a crash leaves behind. A put writes (1) zeros over the records of
 any objects it evicts, (2) the payload into its slots, (3) its header records, last. A
@@ -31,11 +17,9 @@ reused. So at every instant the records on disk describe only objects whose byte
 fully in place, and when a process dies at any point (kill -9; the page cache survives)
 the reopened tier holds every object that was resident at that moment, nothing whose put
 had not returned, and serves each bit-identically (an object caught with only some
-records written, or some zeroed, is incomplete and dropped at open). On open the header area is scanned and only complete,
-self-consistent objects are kept: every part present once, one generation, matching key,
-size, part count and checksum, valid record checksums, data inside the file; anything else
-is zeroed and counted in `dropped_at_open`. When two complete objects claim one key (only
-possible after a lost write), the newer generation wins.
+records written, or some zeroed, is incomplete and dropped at open). On open only
+complete, self-consistent objects are kept (`ssd_format.recover`); anything else is
+zeroed and counted in `dropped_at_open`.
 
 No fsync per put: this is a cache. After a power loss or kernel crash the page cache may
 reach the disk in any order, so recent objects may be lost or a stale record may describe
@@ -44,21 +28,12 @@ payload checksum is verified on every read, a mismatch answers CORRUPT and drops
 object (its records zeroed, its slots freed). `flush()` is there for a caller that wants
 the current state on stable storage (e.g. at shutdown).
 
-Preallocation: `os.posix_fallocate` reserves the whole file at open, for real, so that
-writes cannot hit ENOSPC later. When the space cannot be had (filesystem too small,
-RLIMIT_FSIZE, no fallocate support) the tier does not open: the constructor raises an
-OSError saying how many bytes it needs and what to do (a tier that grows as it goes
-collapses the day another file takes the disk). The free space is checked before any
-memory is allocated for the index, so an absurd capacity is refused, not a MemoryError.
-A write that still fails (EIO; ENOSPC or EFBIG when the file was cut short underneath)
-makes that put answer False (nothing of the object is readable: its records were never
-written) and retires only the slot the write failed in, so that later puts do not fail
-there again; `stats().capacity_bytes` shrinks by that slot.
-
-Files: the directory must be this user's (or root's) and not writable by others unless
-sticky; the slot file is opened without following symlinks and must be a regular file of
-this user's with mode 0600 (created so); anything else is refused with an `UnsafePath`
-naming the fix (`umbp.runtime.private_files`).
+Preallocation: the whole file is reserved at open, for real, or the tier does not open
+(`ssd_file.preallocate` says what it needs). A write that still fails (EIO; ENOSPC or
+EFBIG when the file was cut short underneath) makes that put answer False (nothing of
+the object is readable: its records were never written) and retires only the slot the
+write failed in, so that later puts do not fail there again; `stats().capacity_bytes`
+shrinks by that slot.
 
 Recency is kept in memory only: after a reopen, LRU order is put order (refreshing it on
 disk would cost a write per read).
@@ -68,21 +43,20 @@ I/O, taken once per call. `pread`/`pwrite` release the GIL, so I/O outside the l
 overlap, but it would need slot pinning against concurrent eviction, remove, clear and
 corrupt-drops (a reader must never read a slot that a writer is refilling). With the page
 cache warm one object's I/O takes tens of microseconds, so a caller waits for at most that
-long; the simple, obviously correct scheme is the one here. One process at a time: the slot file is `flock`ed; a second opener gets EBUSY.
+long; the simple, obviously correct scheme is the one here. One process at a time: the
+slot file is `flock`ed; a second opener gets EBUSY.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -90,42 +64,36 @@ from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
 from umbp.runtime.paging import PagedLru, Resident, pages_for
-from umbp.runtime.private_files import open_private_file, prepare_directory
+from umbp.runtime.ssd_file import (
+    WriteFailed,
+    open_slot_file,
+    preallocate,
+    pwrite_all,
+    read_extents,
+    require_room,
+    zero_records,
+)
+from umbp.runtime.ssd_format import (
+    MAX_KEY_BYTES,
+    SLOT_FILE_NAME,
+    Extents,
+    SlotGeometry,
+    build_records,
+    consecutive_runs,
+    count_objects_in_place,
+    encode_key,
+    recover,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MAX_KEY_BYTES", "RECORD_BYTES", "SLOT_FILE_NAME", "SsdStats", "SsdTier"]
+__all__ = ["MAX_KEY_BYTES", "SLOT_FILE_NAME", "SsdStats", "SsdTier"]
 
 logger = logging.getLogger("umbp")
 
-SLOT_FILE_NAME = "ssd-tier.slots"
 DEFAULT_SLOT_BYTES = 64 * 1024
-FORMAT_VERSION = 1
-
-SUPERBLOCK_BYTES = 4096
-_SUPERBLOCK_MAGIC = b"UMBP-SSD"
-# magic, version, record bytes, slot bytes, slot count, data offset; then its checksum.
-_SUPERBLOCK = struct.Struct("<8sIIQQQ")
-_CHECKSUM = struct.Struct("<Q")
-
-RECORD_BYTES = 1024
-"""Size of one slot's header record."""
-_RECORD_MAGIC = b"UMBP-HDR"
-# magic, version, key length, slot, part index, part count, object size, generation,
-# payload checksum. The key follows; the record's own checksum takes the last 8 bytes.
-_RECORD_HEAD = struct.Struct("<8sHHIIIQQQ")
-_RECORD_CHECKED_BYTES = RECORD_BYTES - _CHECKSUM.size
-MAX_KEY_BYTES = 960
-"""Longest key, in UTF-8 bytes, a header record holds (umbp keys are ~110 bytes)."""
-assert _RECORD_HEAD.size + MAX_KEY_BYTES <= _RECORD_CHECKED_BYTES
-
-_ALIGNMENT = 4096
-_SCAN_CHUNK_RECORDS = 4096  # 4 MiB of header records per read while rebuilding
-_ZEROS = bytes(64 * RECORD_BYTES)
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG)
-_xxh3_64 = xxhash.xxh3_64_intdigest
-_PADDING = bytes(_RECORD_CHECKED_BYTES - _RECORD_HEAD.size)  # sliced after the key
 
 
 class _StoredObject(Resident):
@@ -138,7 +106,7 @@ class _StoredObject(Resident):
         self,
         key: str,
         slots: tuple[int, ...],
-        extents: tuple[tuple[int, int, int], ...],
+        extents: Extents,
         nbytes: int,
         checksum: int,
         generation: int,
@@ -150,18 +118,6 @@ class _StoredObject(Resident):
         self.nbytes = nbytes
         self.checksum = checksum
         self.generation = generation
-
-
-class _Record(NamedTuple):
-    """A header record that passed its own checks while rebuilding the index."""
-
-    slot: int
-    key: str
-    part_index: int
-    part_count: int
-    nbytes: int
-    generation: int
-    checksum: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,15 +174,6 @@ class _Counters:
     bytes_read: int = 0
 
 
-class _WriteFailed(Exception):
-    """An OSError from a write, with the file offset it failed at (to retire slots)."""
-
-    def __init__(self, error: OSError, offset: int) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.offset = offset
-
-
 class SsdTier(ClosesOnExit):
     """The disk tier: objects (key -> bytes) in a preallocated file of fixed-size slots.
 
@@ -246,11 +193,8 @@ class SsdTier(ClosesOnExit):
         _validate_geometry(capacity_bytes, slot_bytes)
         self._slot_bytes = slot_bytes
         self._total_slots = capacity_bytes // slot_bytes
-        self._header_offset = SUPERBLOCK_BYTES
-        self._data_offset = _align_up(
-            self._header_offset + self._total_slots * RECORD_BYTES, _ALIGNMENT
-        )
-        self._file_bytes = self._data_offset + self._total_slots * slot_bytes
+        self._geometry = SlotGeometry(slot_bytes, self._total_slots)
+        self._file_bytes = self._geometry.file_bytes
         self._path = Path(directory) / SLOT_FILE_NAME
         # Slots and LRU order, made once the filesystem is known to hold the file.
         self._slots: PagedLru[_StoredObject]
@@ -259,14 +203,14 @@ class SsdTier(ClosesOnExit):
         self._counters = _Counters()
         self._lock = threading.Lock()
         self._closed = False
-        self._fd = self._open_locked(Path(directory))
+        self._fd = open_slot_file(self._path)
         try:
-            self._require_room()
+            require_room(self._fd, self._file_bytes, self._path)
             # A slot where a write failed with ENOSPC/EFBIG is retired (never handed out
             # again). Both watermarks are the whole file: evict only what a put needs.
             self._slots = PagedLru(self._total_slots, self._total_slots, self._total_slots)
             self._load_or_format()
-            self._preallocate()
+            preallocate(self._fd, self._file_bytes, self._path)
         except BaseException:
             os.close(self._fd)
             raise
@@ -284,7 +228,7 @@ class SsdTier(ClosesOnExit):
         the object is readable then. Raises ValueError for an unusable buffer.
         """
         source = byte_view(payload, writable=False)
-        encoded_key = _encode_key(key)
+        encoded_key = encode_key(key)
         with self._lock:
             if self._closed or encoded_key is None:
                 self._counters.put_rejects += 1
@@ -328,7 +272,7 @@ class SsdTier(ClosesOnExit):
             if destination.nbytes != stored.nbytes:
                 return LoadStatus.SIZE_MISMATCH
             try:
-                complete = self._read_extents(stored.extents, destination)
+                complete = read_extents(self._fd, stored.extents, destination)
             except OSError as error:
                 logger.warning("ssd tier: reading %r failed: %s", key, error)
                 self._counters.read_errors += 1
@@ -473,11 +417,11 @@ class SsdTier(ClosesOnExit):
 
     def slot_data_offset(self, slot: int) -> int:
         """File offset of a slot's payload bytes (for fault injection)."""
-        return self._data_offset + slot * self._slot_bytes
+        return self._geometry.slot_offset(slot)
 
     def slot_record_offset(self, slot: int) -> int:
         """File offset of a slot's header record (for fault injection)."""
-        return self._header_offset + slot * RECORD_BYTES
+        return self._geometry.record_offset(slot)
 
     # ------------------------------------------------------------ the write path
 
@@ -490,18 +434,17 @@ class SsdTier(ClosesOnExit):
         checksum = xxhash.xxh3_64_intdigest(source)
         generation = self._next_generation
         self._next_generation += 1
-        extents = self._extents(slots, nbytes)
+        geometry, fd = self._geometry, self._fd
+        extents = geometry.extents(slots, nbytes)
         written_records: list[int] = []
         try:
             for file_offset, start, length in extents:
-                self._pwrite_all(source[start : start + length], file_offset)
-            for run in _consecutive_runs(slots):
-                records = self._build_records(
-                    run, slots, encoded_key, nbytes, generation, checksum
-                )
+                pwrite_all(fd, source[start : start + length], file_offset)
+            for run in consecutive_runs(slots):
+                records = build_records(run, slots, encoded_key, nbytes, generation, checksum)
                 written_records.extend(run)  # before: a short write may leave some whole
-                self._pwrite_all(records, self.slot_record_offset(run[0]))
-        except _WriteFailed as failure:
+                pwrite_all(fd, records, geometry.record_offset(run[0]))
+        except WriteFailed as failure:
             self._invalidate_records(written_records)
             self._after_failed_write(key, failure, slots)
             self._slots.return_pages(slots)
@@ -513,42 +456,8 @@ class SsdTier(ClosesOnExit):
         self._counters.bytes_written += nbytes
         return True
 
-    def _build_records(
-        self,
-        run: tuple[int, ...],
-        slots: tuple[int, ...],
-        encoded_key: bytes,
-        nbytes: int,
-        generation: int,
-        checksum: int,
-    ) -> bytes:
-        """The header records of one run of consecutive slots, back to back. Built by
-        concatenating bytes: faster in CPython than packing into a bytearray."""
-        key_and_padding = encoded_key + _PADDING[len(encoded_key) :]
-        part_count = len(slots)
-        first_part = 0 if part_count == 1 else slots.index(run[0])
-        pack_head, pack_checksum, digest = _RECORD_HEAD.pack, _CHECKSUM.pack, _xxh3_64
-        records = []
-        for position, slot in enumerate(run):
-            body = (
-                pack_head(
-                    _RECORD_MAGIC,
-                    FORMAT_VERSION,
-                    len(encoded_key),
-                    slot,
-                    first_part + position,
-                    part_count,
-                    nbytes,
-                    generation,
-                    checksum,
-                )
-                + key_and_padding
-            )
-            records.append(body + pack_checksum(digest(body)))
-        return records[0] if len(records) == 1 else b"".join(records)
-
     def _after_failed_write(
-        self, key: str, failure: _WriteFailed, slots: tuple[int, ...]
+        self, key: str, failure: WriteFailed, slots: tuple[int, ...]
     ) -> None:
         """Log the failure; on ENOSPC/EFBIG retire the one slot of this write that failed
         (the others go back to the free list), so that later puts do not fail there."""
@@ -556,10 +465,7 @@ class SsdTier(ClosesOnExit):
         if error.errno not in _NO_SPACE:
             logger.warning("ssd tier: writing %r failed: %s", key, error)
             return
-        if failure.offset >= self._data_offset:
-            failed_slot = (failure.offset - self._data_offset) // self._slot_bytes
-        else:
-            failed_slot = max(0, failure.offset - self._header_offset) // RECORD_BYTES
+        failed_slot = self._geometry.slot_at(failure.offset)
         if failed_slot not in slots:
             return
         self._slots.retire_page(failed_slot)
@@ -579,101 +485,13 @@ class SsdTier(ClosesOnExit):
         self._evicted[stored.key] = None
 
     def _invalidate_records(self, slots: Sequence[int]) -> None:
-        """Zero the header records of `slots` (before they can be reused). Best effort: a
-        record that stays stale describes slots whose new bytes fail its payload checksum,
-        so it can cost an object later but never serve a wrong one."""
-        for run in _consecutive_runs(sorted(slots)):
-            offset = self.slot_record_offset(run[0])
-            remaining = len(run) * RECORD_BYTES
-            try:
-                while remaining:
-                    chunk = min(remaining, len(_ZEROS))
-                    self._pwrite_all(memoryview(_ZEROS)[:chunk], offset)
-                    offset += chunk
-                    remaining -= chunk
-            except _WriteFailed as failure:
-                logger.warning("ssd tier: zeroing header records failed: %s", failure.error)
-
-    def _extents(self, slots: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int, int], ...]:
-        """(file offset, object offset, length) per run of consecutive slots."""
-        slot_bytes = self._slot_bytes
-        if len(slots) == 1:  # the common case for KV blocks, kept off the generic path
-            return ((self._data_offset + slots[0] * slot_bytes, 0, nbytes),) if nbytes else ()
-        extents: list[tuple[int, int, int]] = []
-        part = 0
-        for run in _consecutive_runs(slots):
-            start = part * slot_bytes
-            length = min(len(run) * slot_bytes, nbytes - start)
-            if length > 0:
-                extents.append((self.slot_data_offset(run[0]), start, length))
-            part += len(run)
-        return tuple(extents)
-
-    def _pwrite_all(self, data: Buffer, offset: int) -> None:
-        """pwrite until done (a short write is legal, e.g. at a file size limit); raise
-        `_WriteFailed` with the offset reached when the kernel refuses the rest."""
-        written = 0
-        try:
-            written = os.pwrite(self._fd, data, offset)
-            view = memoryview(data)
-            while written < view.nbytes:
-                written += os.pwrite(self._fd, view[written:], offset + written)
-        except OSError as error:
-            raise _WriteFailed(error, offset + written) from error
-
-    # ------------------------------------------------------------- the read path
-
-    def _read_extents(
-        self, extents: tuple[tuple[int, int, int], ...], destination: memoryview
-    ) -> bool:
-        """Read every extent into its place in `destination`; False when the file ends
-        before the object does (truncated underneath us). OSError on I/O errors."""
-        fd = self._fd
-        whole = destination.nbytes
-        for file_offset, start, length in extents:
-            target = destination if length == whole else destination[start : start + length]
-            done = os.preadv(fd, [target], file_offset)
-            while done < length:  # short reads are legal; zero means the file ended
-                count = os.preadv(fd, [target[done:]], file_offset + done)
-                if count == 0:
-                    return False
-                done += count
-        return True
+        zero_records(self._fd, self._geometry, slots)
 
     # ------------------------------------------------------- opening and rebuilding
 
-    def _open_locked(self, directory: Path) -> int:
-        """Create the directory (0700) or check it, and open (or create, 0600) the slot
-        file without following a symlink, refusing one another user owns or can read;
-        hold an exclusive flock so that two tiers never share a file."""
-        prepare_directory(directory, "SSD directory")
-        fd = open_private_file(self._path, os.O_RDWR | os.O_CREAT, "SSD slot file")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OSError(
-                errno.EBUSY, f"{self._path} is in use by another SsdTier", str(self._path)
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _superblock(self) -> bytes:
-        fields = _SUPERBLOCK.pack(
-            _SUPERBLOCK_MAGIC,
-            FORMAT_VERSION,
-            RECORD_BYTES,
-            self._slot_bytes,
-            self._total_slots,
-            self._data_offset,
-        )
-        return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
-
     def _load_or_format(self) -> None:
         file_bytes = os.fstat(self._fd).st_size
-        expected = self._superblock()
+        expected = self._geometry.superblock()
         found = os.pread(self._fd, len(expected), 0) if file_bytes else b""
         if found == expected:
             if file_bytes < self._file_bytes:
@@ -690,7 +508,7 @@ class SsdTier(ClosesOnExit):
             self._rebuild_index(file_bytes)
         else:
             if file_bytes:
-                lost = self._count_objects_in_place(file_bytes)
+                lost = count_objects_in_place(self._fd, self._geometry, file_bytes)
                 logger.warning(
                     "ssd tier: %s has a damaged or truncated superblock or another geometry; "
                     "emptying it (%s)",
@@ -706,198 +524,42 @@ class SsdTier(ClosesOnExit):
         self._slots.reset()
         try:
             os.ftruncate(self._fd, 0)
-            self._pwrite_all(self._superblock(), 0)
-        except (OSError, _WriteFailed) as error:
+            pwrite_all(self._fd, self._geometry.superblock(), 0)
+        except (OSError, WriteFailed) as error:
             raise OSError(
                 getattr(error, "errno", None) or errno.EIO,
                 f"cannot format the SSD slot file {self._path}: {error}; check the disk",
             ) from None
 
-    def _require_room(self) -> None:
-        """Refuse, before anything is allocated, a file the filesystem cannot hold."""
-        info = os.fstat(self._fd)
-        try:
-            vfs = os.fstatvfs(self._fd)
-        except OSError:
-            return  # posix_fallocate will say
-        have = info.st_blocks * 512 + vfs.f_bavail * vfs.f_frsize
-        if self._file_bytes > have:
-            raise OSError(
-                errno.ENOSPC,
-                f"the SSD tier needs {self._file_bytes} bytes for {self._path} but its "
-                f"filesystem has {have} available; lower --ssd-capacity or free space",
-            )
-
-    def _preallocate(self) -> None:
-        """Reserve the whole file for real, or refuse to open (see the module docstring)."""
-        try:
-            os.posix_fallocate(self._fd, 0, self._file_bytes)
-        except OSError as error:
-            raise OSError(
-                error.errno,
-                f"cannot reserve {self._file_bytes} bytes for the SSD slot file {self._path} "
-                f"({os.strerror(error.errno or errno.ENOSPC)}); lower --ssd-capacity, free "
-                "space, or raise the file size limit",
-            ) from None
-
-    def _count_objects_in_place(self, file_bytes: int) -> int:
-        """Objects whose records, read with this geometry, are intact: what a reset of a
-        file with a damaged superblock loses (0 when nothing readable is left)."""
-        if file_bytes <= self._header_offset:
-            return 0
-        generations = set()
-        try:
-            for slot, record in self._scan_records():
-                parsed = self._parse_record(slot, record)
-                if parsed is not None:
-                    generations.add(parsed.generation)
-        except OSError:
-            return 0
-        return len(generations)
-
     def _rebuild_index(self, file_bytes: int) -> None:
-        """Keep every complete, self-consistent object described by the header area; zero
+        """Keep every complete, self-consistent object the header area describes; zero
         the records of everything else and count it in `dropped_at_open`."""
-        groups: dict[int, list[_Record]] = {}
-        damaged: list[int] = []
-        highest_generation = 0
-        for slot, record in self._scan_records():
-            parsed = self._parse_record(slot, record)
-            if parsed is None:
-                damaged.append(slot)
-                continue
-            groups.setdefault(parsed.generation, []).append(parsed)
-            highest_generation = max(highest_generation, parsed.generation)
-        self._next_generation = highest_generation + 1
-        dropped = len(damaged)
-        to_zero = damaged
-        newest: dict[str, tuple[int, tuple[int, ...], _Record]] = {}
-        for generation in sorted(groups):
-            records = groups[generation]
-            slots = self._complete_object_slots(records, file_bytes)
-            if slots is None:
-                dropped += 1
-                to_zero.extend(record.slot for record in records)
-                continue
-            key = records[0].key
-            previous = newest.get(key)
-            if previous is not None:  # a lost write left two copies; the newer one wins
-                dropped += 1
-                to_zero.extend(previous[1])
-            newest[key] = (generation, slots, records[0])
+        found = recover(self._fd, self._geometry, file_bytes)
+        self._next_generation = found.next_generation
+        geometry = self._geometry
         self._slots.restore(
             _StoredObject(
-                first.key,
-                slots,
-                self._extents(slots, first.nbytes),
-                first.nbytes,
-                first.checksum,
-                generation,
+                found_object.key,
+                found_object.slots,
+                geometry.extents(found_object.slots, found_object.nbytes),
+                found_object.nbytes,
+                found_object.checksum,
+                found_object.generation,
             )
-            for generation, slots, first in sorted(newest.values(), key=lambda item: item[0])
+            for found_object in found.objects
         )
-        self._invalidate_records(to_zero)
-        self._counters.dropped_at_open += dropped
-        if dropped:
+        self._invalidate_records(found.slots_to_zero)
+        self._counters.dropped_at_open += found.dropped
+        if found.dropped:
             logger.warning(
                 "ssd tier: dropped %d damaged or incomplete entries while opening %s",
-                dropped,
+                found.dropped,
                 self._path,
             )
-
-    def _scan_records(self) -> Iterator[tuple[int, bytes]]:
-        """(slot, record) for every record that is not all zeros (a free slot's): records
-        with the magic and garbage alike, so that garbage is counted as damage rather than
-        silently taken for free slots. All-zero chunks are skipped at C speed."""
-        chunk_slots = _SCAN_CHUNK_RECORDS
-        for first in range(0, self._total_slots, chunk_slots):
-            count = min(chunk_slots, self._total_slots - first)
-            chunk = os.pread(self._fd, count * RECORD_BYTES, self.slot_record_offset(first))
-            if not chunk.strip(b"\0"):
-                continue
-            for index in range(count):
-                record = chunk[index * RECORD_BYTES : (index + 1) * RECORD_BYTES]
-                if record.startswith(_RECORD_MAGIC) or record.strip(b"\0"):
-                    yield first + index, record
-
-    def _parse_record(self, slot: int, record: bytes) -> _Record | None:
-        """The record's fields when it is whole and self-consistent, else None."""
-        if len(record) != RECORD_BYTES:
-            return None
-        (stored_checksum,) = _CHECKSUM.unpack_from(record, _RECORD_CHECKED_BYTES)
-        if xxhash.xxh3_64_intdigest(record[:_RECORD_CHECKED_BYTES]) != stored_checksum:
-            return None
-        (_, version, key_bytes, own_slot, part_index, part_count, nbytes, generation,
-         checksum) = _RECORD_HEAD.unpack_from(record)  # fmt: skip
-        if (
-            version != FORMAT_VERSION
-            or own_slot != slot
-            or key_bytes > MAX_KEY_BYTES
-            or part_count != pages_for(nbytes, self._slot_bytes)
-            or part_index >= part_count
-            or generation == 0
-        ):
-            return None
-        start = _RECORD_HEAD.size
-        try:
-            key = record[start : start + key_bytes].decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        return _Record(slot, key, part_index, part_count, nbytes, generation, checksum)
-
-    def _complete_object_slots(
-        self, records: list[_Record], file_bytes: int
-    ) -> tuple[int, ...] | None:
-        """Slots in part order when `records` (one generation) form a whole object whose
-        bytes lie inside the file, else None."""
-        first = records[0]
-        identity = (first.key, first.part_count, first.nbytes, first.checksum)
-        if len(records) != first.part_count or any(
-            (record.key, record.part_count, record.nbytes, record.checksum) != identity
-            for record in records
-        ):
-            return None
-        by_part = sorted(records, key=lambda record: record.part_index)
-        if [record.part_index for record in by_part] != list(range(first.part_count)):
-            return None
-        slots = tuple(record.slot for record in by_part)
-        extents = self._extents(slots, first.nbytes)
-        if any(offset + length > file_bytes for offset, _, length in extents):
-            return None
-        return slots
-
-    # ------------------------------------------------------------------ helpers
 
     def _require_open(self) -> None:
         if self._closed:
             raise StoreUnavailable("SsdTier is closed")
-
-
-def _consecutive_runs(slots: Sequence[int]) -> Sequence[tuple[int, ...]]:
-    """Split `slots` (in the given order) into runs of consecutive ascending indices."""
-    if len(slots) <= 1:
-        return (tuple(slots),) if slots else ()
-    runs = []
-    start = 0
-    for index in range(1, len(slots)):
-        if slots[index] != slots[index - 1] + 1:
-            runs.append(tuple(slots[start:index]))
-            start = index
-    runs.append(tuple(slots[start:]))
-    return runs
-
-
-def _encode_key(key: str) -> bytes | None:
-    """The key as stored, or None when it cannot be (too long, unencodable)."""
-    try:
-        encoded = key.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-    return encoded if len(encoded) <= MAX_KEY_BYTES else None
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
 
 
 def _validate_geometry(capacity_bytes: int, slot_bytes: int) -> None:
@@ -913,26 +575,3 @@ def _validate_geometry(capacity_bytes: int, slot_bytes: int) -> None:
             f"(slot_bytes={slot_bytes}); raise capacity_bytes or lower slot_bytes"
         )
 
-
-def flip_stored_bytes(directory: str | os.PathLike[str]) -> int:
-    """Fault injection from outside the owning process: flip the first payload byte of
-    every occupied slot of the slot file in `directory` (read through the superblock,
-    without the lock: the owner keeps serving). Returns the number of slots flipped."""
-    path = Path(directory) / SLOT_FILE_NAME
-    descriptor = os.open(path, os.O_RDWR)
-    try:
-        superblock = os.pread(descriptor, _SUPERBLOCK.size, 0)
-        _, _, _, slot_bytes, total_slots, data_offset = _SUPERBLOCK.unpack(superblock)
-        flipped = 0
-        for slot in range(total_slots):
-            record = os.pread(descriptor, len(_RECORD_MAGIC),
-                              SUPERBLOCK_BYTES + slot * RECORD_BYTES)
-            if record != _RECORD_MAGIC:
-                continue
-            offset = data_offset + slot * slot_bytes
-            byte = os.pread(descriptor, 1, offset)
-            os.pwrite(descriptor, bytes([byte[0] ^ 0xFF]), offset)
-            flipped += 1
-        return flipped
-    finally:
-        os.close(descriptor)

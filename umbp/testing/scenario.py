@@ -137,7 +137,7 @@ class _ServerControl:
             self._pid = process.pid
             return {"step": step, "pid": process.pid}
         if step == "server_corrupt_ssd":
-            from umbp.runtime.ssd_tier import flip_stored_bytes
+            from umbp.testing.faults import flip_stored_bytes
 
             return {"step": step, "flipped": flip_stored_bytes(self._spec["ssd_dir"])}
         if step == "server_stats":

@@ -1,0 +1,146 @@
+"""The SSD tier's slot file as an open descriptor: opening it safely, reserving its space,
+and whole reads and writes.
+
+Files: the directory must be this user's (or root's) and not writable by others unless
+sticky; the slot file is opened without following symlinks and must be a regular file of
+this user's with mode 0600 (created so); anything else is refused with an `UnsafePath`
+naming the fix (`umbp.runtime.private_files`). One process at a time: the file is
+`flock`ed, and a second opener gets EBUSY.
+
+Preallocation: `os.posix_fallocate` reserves the whole file at open, for real, so that
+writes cannot hit ENOSPC later. When the space cannot be had (filesystem too small,
+RLIMIT_FSIZE, no fallocate support) the tier does not open: `preallocate` raises an
+OSError saying how many bytes it needs and what to do (a tier that grows as it goes
+collapses the day another file takes the disk). `require_room` checks the free space
+first, so that an absurd capacity is refused before any memory is allocated for the index.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from umbp.runtime.private_files import open_private_file, prepare_directory
+from umbp.runtime.ssd_format import RECORD_BYTES, Extents, SlotGeometry, consecutive_runs
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "WriteFailed",
+    "open_slot_file",
+    "preallocate",
+    "pwrite_all",
+    "read_extents",
+    "require_room",
+    "zero_records",
+]
+
+logger = logging.getLogger("umbp")
+
+_ZEROS = bytes(64 * RECORD_BYTES)
+
+
+class WriteFailed(Exception):
+    """An OSError from a write, with the file offset it failed at (to retire slots)."""
+
+    def __init__(self, error: OSError, offset: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.offset = offset
+
+
+def open_slot_file(path: Path) -> int:
+    """Create `path`'s directory (0700) or check it, and open (or create, 0600) the slot
+    file without following a symlink, refusing one another user owns or can read; hold
+    an exclusive flock so that two tiers never share a file."""
+    prepare_directory(path.parent, "SSD directory")
+    fd = open_private_file(path, os.O_RDWR | os.O_CREAT, "SSD slot file")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"{path} is in use by another SsdTier", str(path)) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def require_room(fd: int, file_bytes: int, path: Path) -> None:
+    """Refuse, before anything is allocated, a file the filesystem cannot hold."""
+    info = os.fstat(fd)
+    try:
+        vfs = os.fstatvfs(fd)
+    except OSError:
+        return  # posix_fallocate will say
+    have = info.st_blocks * 512 + vfs.f_bavail * vfs.f_frsize
+    if file_bytes > have:
+        raise OSError(
+            errno.ENOSPC,
+            f"the SSD tier needs {file_bytes} bytes for {path} but its "
+            f"filesystem has {have} available; lower --ssd-capacity or free space",
+        )
+
+
+def preallocate(fd: int, file_bytes: int, path: Path) -> None:
+    """Reserve the whole file for real, or refuse to open (see the module docstring)."""
+    try:
+        os.posix_fallocate(fd, 0, file_bytes)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"cannot reserve {file_bytes} bytes for the SSD slot file {path} "
+            f"({os.strerror(error.errno or errno.ENOSPC)}); lower --ssd-capacity, free "
+            "space, or raise the file size limit",
+        ) from None
+
+
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """pwrite until done (a short write is legal, e.g. at a file size limit); raise
+    `WriteFailed` with the offset reached when the kernel refuses the rest."""
+    written = 0
+    try:
+        written = os.pwrite(fd, data, offset)
+        view = memoryview(data)
+        while written < view.nbytes:
+            written += os.pwrite(fd, view[written:], offset + written)
+    except OSError as error:
+        raise WriteFailed(error, offset + written) from error
+
+
+def read_extents(fd: int, extents: Extents, destination: memoryview) -> bool:
+    """Read every extent into its place in `destination`; False when the file ends
+    before the object does (truncated underneath us). OSError on I/O errors."""
+    whole = destination.nbytes
+    for file_offset, start, length in extents:
+        target = destination if length == whole else destination[start : start + length]
+        done = os.preadv(fd, [target], file_offset)
+        while done < length:  # short reads are legal; zero means the file ended
+            count = os.preadv(fd, [target[done:]], file_offset + done)
+            if count == 0:
+                return False
+            done += count
+    return True
+
+
+def zero_records(fd: int, geometry: SlotGeometry, slots: Sequence[int]) -> None:
+    """Zero the header records of `slots` (before they can be reused). Best effort: a
+    record that stays stale describes slots whose new bytes fail its payload checksum,
+    so it can cost an object later but never serve a wrong one."""
+    for run in consecutive_runs(sorted(slots)):
+        offset = geometry.record_offset(run[0])
+        remaining = len(run) * RECORD_BYTES
+        try:
+            while remaining:
+                chunk = min(remaining, len(_ZEROS))
+                pwrite_all(fd, memoryview(_ZEROS)[:chunk], offset)
+                offset += chunk
+                remaining -= chunk
+        except WriteFailed as failure:
+            logger.warning("ssd tier: zeroing header records failed: %s", failure.error)

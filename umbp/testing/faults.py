@@ -1,0 +1,47 @@
+"""Faults injected for real into umbp's tiers, from outside the code that owns them.
+
+Production modules keep only a narrow, read-mostly seam for this (`SlabPool.object_regions`
+and `slab_view`, `SsdTier.object_slots` and `slot_data_offset`); the damage itself is
+done here, so no production module carries a test-only code path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from umbp.runtime.ssd_format import (
+    RECORD_MAGIC,
+    SLOT_FILE_NAME,
+    SUPERBLOCK_BYTES,
+    SlotGeometry,
+    read_geometry,
+)
+
+__all__ = ["flip_stored_bytes"]
+
+
+def flip_stored_bytes(directory: str | os.PathLike[str]) -> int:
+    """Flip the first payload byte of every occupied slot of the SSD slot file in
+    `directory`, read through its superblock and without its lock, so that a server that
+    owns the file keeps serving while the bytes under it go bad. Returns the number of
+    slots flipped."""
+    descriptor = os.open(Path(directory) / SLOT_FILE_NAME, os.O_RDWR)
+    try:
+        slot_bytes, total_slots, data_offset = read_geometry(
+            os.pread(descriptor, SUPERBLOCK_BYTES, 0)
+        )
+        geometry = SlotGeometry(slot_bytes, total_slots)
+        assert geometry.data_offset == data_offset, "a slot file of another layout"
+        flipped = 0
+        for slot in range(total_slots):
+            magic = os.pread(descriptor, len(RECORD_MAGIC), geometry.record_offset(slot))
+            if magic != RECORD_MAGIC:
+                continue
+            offset = geometry.slot_offset(slot)
+            byte = os.pread(descriptor, 1, offset)
+            os.pwrite(descriptor, bytes([byte[0] ^ 0xFF]), offset)
+            flipped += 1
+        return flipped
+    finally:
+        os.close(descriptor)
