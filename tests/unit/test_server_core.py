@@ -15,7 +15,8 @@ from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier
 from umbp.runtime.server.index import PoolIndex
-from umbp.runtime.server.state import Session, StoreCore
+from umbp.runtime.server.sessions import Session
+from umbp.runtime.server.state import StoreCore
 from umbp.runtime.ssd_tier import SsdTier
 
 PAGE = 4096
@@ -320,7 +321,7 @@ def test_a_bad_commit_or_end_changes_nothing_and_a_drop_releases_it(
     """A commit with the wrong number of checksums, or an end with a position outside its
     get, is refused and leaves the reservation / pins as they were; the session's close
     then gives everything back."""
-    from umbp.runtime.server.state import RequestRefused
+    from umbp.runtime.server.sessions import RequestRefused
 
     rig = Rig(16, cold=ssd)
     rig.put({"a": b"a" * PAGE})

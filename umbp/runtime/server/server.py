@@ -39,8 +39,9 @@ from umbp.runtime.server import protocol, schema
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.ownership import SocketOwnership
+from umbp.runtime.server.sessions import RequestRefused, Session
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
-from umbp.runtime.server.state import RequestRefused, Session, StoreCore
+from umbp.runtime.server.state import StoreCore
 
 __all__ = ["ServerConfig", "serve"]
 

@@ -6,123 +6,43 @@ reserved) under the lock, moved without it, and settled under it again. Clients 
 bytes into and out of the shared pool themselves; the server copies only when it moves
 objects between DRAM and SSD.
 
-Tiers are inclusive: an object promoted from SSD keeps its SSD copy, so demoting it again
-costs no write (the SSD tier evicts its own LRU objects when it needs room). A lookup
-answers True for an object in either tier; `where` prefers CPU.
-
-Lookups never wait for the disk: the SSD tier holds its own lock during its I/O, so the
-server keeps a mirror of the SSD tier's key set under the index lock, updated on every
-demotion, promotion failure and clear, and pruned with the keys the SSD tier reports as
-evicted after each write. The mirror may briefly still name a key the SSD tier has just
-evicted: that lookup says True and the get that follows answers MISSING, a miss, never
-wrong bytes.
+Tiers are inclusive and a lookup answers True for an object in either tier; `where`
+prefers CPU. Making room and moving objects between the tiers: `tiering`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-import xxhash
-
-from umbp.runtime.contract import LoadStatus
-from umbp.runtime.paged_copy import write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
+from umbp.runtime.server.sessions import (
+    PinnedGet,
+    RequestRefused,
+    Reserved,
+    ServerCounters,
+    Session,
+)
+from umbp.runtime.server.tiering import GetAnswer, Tiering
 
-__all__ = ["MAX_BATCHES_IN_FLIGHT", "RequestRefused", "Session", "StoreCore"]
-
-logger = logging.getLogger("umbp.serve")
-
-
-@dataclass(frozen=True, slots=True)
-class _Reserved:
-    """Pages handed to a client for one key of a put, not yet visible to lookups."""
-
-    key: str
-    regions: Regions
-    nbytes: int
-
-
-@dataclass(slots=True)
-class _Get:
-    """The pins of one BEGIN_GET, by request position, until its END_GET."""
-
-    pinned: list[Entry | None]
-    from_ssd: set[int] = field(default_factory=set)
-    """Positions promoted from the SSD tier by this get (their hits are SSD hits)."""
-
-
-MAX_BATCHES_IN_FLIGHT = 256
-"""Puts not yet committed plus gets not yet ended, per connection. The client has one in
-flight at a time; a peer that opens batches without closing them is refused more."""
-
-
-class RequestRefused(ValueError):
-    """A well-formed request that does not fit this connection's state (unknown token,
-    wrong count); nothing was changed."""
-
-
-@dataclass(slots=True)
-class Session:
-    """One client connection's reservations and pins, released when it drops."""
-
-    reservations: dict[int, list[_Reserved]] = field(default_factory=dict)
-    gets: dict[int, _Get] = field(default_factory=dict)
-    tokens: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-
-    def require_room(self) -> None:
-        if len(self.reservations) + len(self.gets) >= MAX_BATCHES_IN_FLIGHT:
-            raise RequestRefused(
-                f"{MAX_BATCHES_IN_FLIGHT} batches already in flight on this connection; "
-                "commit or end them first"
-            )
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Monotonic counters; mutated only under the index lock."""
-
-    hits: int = 0
-    hits_from_ssd: int = 0
-    misses: int = 0
-    puts: int = 0
-    put_rejects: int = 0
-    corrupt_loads: int = 0
-    evictions_to_ssd: int = 0
-    evictions_dropped: int = 0
-    ssd_put_failures: int = 0
-    promotions: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    bytes_to_ssd: int = 0
-    bytes_from_ssd: int = 0
-    connections: int = 0
-
-
-GetAnswer = str | tuple[int, int, Regions]
+__all__ = ["StoreCore"]
 
 
 class StoreCore:
     """The server's state over one shared pool `view`; thread-safe."""
 
     def __init__(self, view: memoryview, index: PoolIndex, cold: ColdTier | None) -> None:
-        self._view = view
         self._index = index
         self._cold = cold
-        self._cold_keys: set[str] = set(cold.keys()) if cold is not None else set()
         self._lock = threading.Lock()
-        self._counters = _Counters()
+        self._counters = ServerCounters()
         self._sessions: list[Session] = []
-        # Bumped by clear: a demotion or promotion that straddles a clear must not bring
-        # back what the clear dropped.
-        self._generation = 0
+        self._tiers = Tiering(view, index, cold, self._lock, self._counters)
 
     # ------------------------------------------------------------------ sessions
 
@@ -145,7 +65,7 @@ class StoreCore:
             session.gets.clear()
             self._sessions.remove(session)
 
-    def _unpin_all_locked(self, get: _Get) -> None:
+    def _unpin_all_locked(self, get: PinnedGet) -> None:
         for entry in get.pinned:
             if entry is not None:
                 self._index.unpin(entry)
@@ -162,7 +82,7 @@ class StoreCore:
             codes = bytearray(
                 protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
             )
-            cold_keys = self._cold_keys
+            cold_keys = self._tiers.cold_keys
             if cold_keys:
                 for position, code in enumerate(codes):
                     if not code and keys[position] in cold_keys:
@@ -180,7 +100,7 @@ class StoreCore:
         with self._lock:
             session.require_room()
             index = self._index
-            cold_keys = self._cold_keys
+            cold_keys = self._tiers.cold_keys
             for position, (key, size) in enumerate(zip(keys, sizes)):
                 entry = index.get(key)
                 if entry is not None:
@@ -192,15 +112,15 @@ class StoreCore:
                     self._counters.put_rejects += 1
                 else:
                     wanted.append(position)
-        reserved = self._reserve([sizes[position] for position in wanted])
+        reserved = self._tiers.reserve([sizes[position] for position in wanted])
         token = next(session.tokens)
-        items: list[_Reserved] = []
+        items: list[Reserved] = []
         with self._lock, self._released_on_error(reserved):
             for position, regions in zip(wanted, reserved):
                 if regions is None:
                     self._counters.put_rejects += 1
                     continue
-                items.append(_Reserved(keys[position], regions, sizes[position]))
+                items.append(Reserved(keys[position], regions, sizes[position]))
                 answers[position] = regions
             if items:  # nothing reserved: nothing to commit, no token to remember
                 session.reservations[token] = items
@@ -234,7 +154,7 @@ class StoreCore:
             del session.reservations[token]
             return [self._commit_one(item, checksum) for item, checksum in zip(items, checksums)]
 
-    def _commit_one(self, item: _Reserved, checksum: int | None) -> bool:
+    def _commit_one(self, item: Reserved, checksum: int | None) -> bool:
         index = self._index
         if checksum is None:
             index.release(item.regions)
@@ -274,10 +194,10 @@ class StoreCore:
                     pinned[position] = entry
                     answers[position] = (entry.nbytes, entry.checksum, entry.regions)
             token = next(session.tokens)
-            get = session.gets[token] = _Get(pinned)
+            get = session.gets[token] = PinnedGet(pinned)
         if cold_positions:
             try:
-                self._promote(session, token, keys, sizes, cold_positions, answers)
+                self._tiers.promote(session, token, keys, sizes, cold_positions, answers)
             except BaseException:  # the client never learns the token: take its pins back
                 with self._lock:
                     if session.gets.pop(token, None) is get:
@@ -316,14 +236,19 @@ class StoreCore:
 
     # --------------------------------------------------------------------- misc
 
+    def persist_to_cold(self) -> int:
+        """Copy every DRAM object the cold tier lacks into it (for shutdown): see
+        `Tiering.persist`. Returns how many objects were written."""
+        return self._tiers.persist()
+
     def clear(self) -> bool:
         with self._lock:
             self._index.clear()
-            self._generation += 1
+            self._tiers.generation += 1
         if self._cold is not None:
             self._cold.clear()
             with self._lock:
-                self._cold_keys.clear()
+                self._tiers.cold_keys.clear()
         return True
 
     def stats(self, asking: Session | None = None) -> dict[str, Any]:
@@ -359,7 +284,7 @@ class StoreCore:
                 ),
             }
             counters = asdict(self._counters)
-            objects = len(index) + sum(1 for key in self._cold_keys if key not in index)
+            objects = len(index) + sum(1 for key in self._tiers.cold_keys if key not in index)
         ssd = {"enabled": False}
         if self._cold is not None:
             ssd = {"enabled": True} | stats_dict(self._cold.stats())
@@ -371,258 +296,7 @@ class StoreCore:
             "counters": counters,
         }
 
-    def persist_to_cold(self) -> int:
-        """Copy every DRAM object the cold tier lacks into it, least recently used first
-        (so that, should the cold tier run out of room, it keeps the most recent ones).
-        For shutdown: the next server at the same SSD directory then serves them. Returns
-        how many objects were written."""
-        cold = self._cold
-        if cold is None:
-            return 0
-        with self._lock:
-            entries = [entry for entry in self._index.entries() if not entry.leaving]
-            for entry in entries:
-                self._index.pin(entry)
-        written = 0
-        try:
-            present = cold.lookup([entry.key for entry in entries])
-            for entry, there in zip(entries, present):
-                if not there and self._demote_one(cold, entry) == "demoted":
-                    written += 1
-        finally:
-            on_disk = tuple(cold.keys())
-            with self._lock:
-                for entry in entries:
-                    self._index.unpin(entry)
-                self._cold_keys = set(on_disk)
-        return written
-
-    # ---------------------------------------------------------- room and tiers
-
-    def _reserve(self, sizes: Sequence[int]) -> list[Regions | None]:
-        """Pages for each size (None where they ran out), making room first when the
-        batch would cross the high watermark: LRU objects are dropped (DRAM only) or
-        demoted to the cold tier, the latter without the index lock."""
-        if not sizes:
-            return []
-        needed = sum(pages_for(size, self._index.page_bytes) for size in sizes)
-        with self._lock:
-            victims = self._choose_victims_locked(needed)
-            if not victims:
-                return [self._index.reserve(size) for size in sizes]
-        self._demote(victims)
-        with self._lock:
-            return [self._index.reserve(size) for size in sizes]
-
-    def _choose_victims_locked(self, pages_needed: int) -> list[Entry]:
-        index = self._index
-        if not index.needs_room(pages_needed):
-            return []
-        victims = index.choose_victims(pages_needed)
-        if self._cold is not None:
-            return victims
-        for victim in victims:
-            index.finish_leaving(victim)
-            self._counters.evictions_dropped += 1
-        return []
-
-    def _demote(self, victims: list[Entry]) -> None:
-        """Copy each victim to the cold tier (unless it is there already), then retire it
-        from DRAM. A victim whose DRAM bytes fail their checksum is dropped, not demoted:
-        the cold tier would checksum the damage and later serve it as good."""
-        cold = self._cold
-        assert cold is not None
-        generation = self._generation
-        outcomes: list[str] = []
-        try:
-            already: Sequence[bool] = cold.lookup([victim.key for victim in victims])
-        except Exception:  # then each victim is written (a put of a resident key is free)
-            logger.exception("umbp serve: the SSD tier's lookup failed")
-            already = [False] * len(victims)
-        for victim, present in zip(victims, already):
-            # One victim's failure costs that victim only, never the rest of the batch,
-            # and never leaks its pin.
-            try:
-                outcomes.append("present" if present else self._demote_one(cold, victim))
-            except Exception:
-                logger.exception("umbp serve: demoting %r to the SSD tier failed", victim.key)
-                outcomes.append("failed")
-        evicted = self._evicted_from_cold(cold)
-        with self._lock:
-            for victim, outcome in zip(victims, outcomes):
-                self._settle_victim_locked(victim, outcome)
-            cleared = self._generation != generation
-            self._cold_keys.difference_update(evicted)
-            if cleared:
-                self._cold_keys.difference_update(victim.key for victim in victims)
-        if cleared:
-            for victim, outcome in zip(victims, outcomes):
-                if outcome == "demoted":
-                    cold.remove(victim.key)
-
-    @staticmethod
-    def _evicted_from_cold(cold: ColdTier) -> tuple[str, ...]:
-        try:
-            return tuple(cold.take_evicted_keys())
-        except Exception:  # a mirror a little stale costs a miss, never wrong bytes
-            logger.exception("umbp serve: the SSD tier did not report its evictions")
-            return ()
-
-    def _demote_one(self, cold: ColdTier, victim: Entry) -> str:
-        payload = self._gather(victim)
-        if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
-            return "corrupt"
-        return "demoted" if cold.put(victim.key, payload) else "failed"
-
-    def _settle_victim_locked(self, victim: Entry, outcome: str) -> None:
-        counters = self._counters
-        self._index.finish_leaving(victim)
-        if outcome in ("present", "demoted"):
-            self._cold_keys.add(victim.key)
-            counters.evictions_to_ssd += 1
-            if outcome == "demoted":
-                counters.bytes_to_ssd += victim.nbytes
-            return
-        counters.evictions_dropped += 1
-        if outcome == "corrupt":
-            counters.corrupt_loads += 1
-        else:
-            counters.ssd_put_failures += 1
-
-    def _promote(
-        self,
-        session: Session,
-        token: int,
-        keys: Sequence[str],
-        sizes: Sequence[int],
-        positions: list[int],
-        answers: list[GetAnswer],
-    ) -> None:
-        """Read cold objects into fresh DRAM pages and pin them like DRAM hits."""
-        cold = self._cold
-        assert cold is not None
-        generation = self._generation
-        found: list[int] = []
-        for position in positions:
-            size = self._cold_size(cold, keys[position])
-            if size is None:
-                answers[position] = protocol.GET_MISSING
-                with self._lock:
-                    self._cold_keys.discard(keys[position])
-            elif size != sizes[position]:
-                answers[position] = protocol.GET_SIZE_MISMATCH
-            else:
-                found.append(position)
-        loaded: list[tuple[int, Regions, int]] = []
-        for position in found:
-            key = keys[position]
-            status, regions, checksum = self._load_cold(cold, key, sizes[position])
-            if regions is not None:
-                loaded.append((position, regions, checksum))
-                continue
-            answers[position] = _COLD_ANSWERS.get(status, protocol.GET_UNAVAILABLE)
-            if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
-                with self._lock:
-                    self._cold_keys.discard(key)
-        with self._lock:
-            get = session.gets.get(token)
-            for position, regions, checksum in loaded:
-                entry = self._settle_promotion_locked(
-                    keys[position], regions, sizes[position], checksum, generation
-                )
-                if entry is None or get is None:
-                    answers[position] = protocol.GET_MISSING
-                    continue
-                self._index.pin(entry)
-                get.pinned[position] = entry
-                get.from_ssd.add(position)
-                answers[position] = (entry.nbytes, entry.checksum, entry.regions)
-            # Counted once every answer is final: a position answers MISSING until its
-            # promotion settles, and a promoted object is a hit (of the SSD tier).
-            for position in positions:
-                if answers[position] == protocol.GET_MISSING:
-                    self._counters.misses += 1
-                elif answers[position] == protocol.GET_CORRUPT:
-                    self._counters.corrupt_loads += 1
-
-    def _settle_promotion_locked(
-        self, key: str, regions: Regions, nbytes: int, checksum: int, generation: int
-    ) -> Entry | None:
-        index = self._index
-        if generation != self._generation:
-            index.release(regions)  # cleared while reading: the object is gone
-            return None
-        existing = index.get(key)
-        if existing is not None:
-            index.release(regions)  # promoted or stored again by another client
-            return existing if existing.nbytes == nbytes else None
-        self._counters.promotions += 1
-        self._counters.bytes_from_ssd += nbytes
-        return index.insert(key, regions, nbytes, checksum)
-
-    @staticmethod
-    def _cold_size(cold: ColdTier, key: str) -> int | None:
-        try:
-            return cold.size_of(key)
-        except OSError:
-            return None
-
-    def _load_cold(
-        self, cold: ColdTier, key: str, nbytes: int
-    ) -> tuple[LoadStatus, Regions | None, int]:
-        """Copy a cold object into fresh DRAM pages: (status, its regions when HIT, xxh3 of
-        the bytes now in those pages). Straight into the pages when they are free without
-        making room; otherwise through a staging buffer read *before* making room, since
-        making room demotes other objects, and their writes may make the SSD tier evict
-        this very one."""
-        with self._lock:
-            index = self._index
-            direct = not index.needs_room(pages_for(nbytes, index.page_bytes))
-            regions = index.reserve(nbytes) if direct else None
-        try:
-            if regions is not None and len(regions) <= 1:
-                target = self._region_view(regions)
-                status = cold.get_into(key, target)
-                if status is LoadStatus.HIT:
-                    return status, regions, int(xxhash.xxh3_64_intdigest(target))
-            else:
-                staging = bytearray(nbytes)
-                status = cold.get_into(key, staging)
-                if status is LoadStatus.HIT:
-                    if regions is None:
-                        regions = self._reserve([nbytes])[0]
-                    if regions is None:
-                        return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
-                    return status, regions, write_regions(self._view, regions, staging)
-        except Exception:  # the reserved pages must come back
-            logger.exception("umbp serve: promotion of %r failed", key)
-            status = LoadStatus.UNAVAILABLE
-        if regions is not None:
-            with self._lock:
-                self._index.release(regions)
-        return status, None, 0
-
-    def _gather(self, entry: Entry) -> memoryview | bytes:
-        """The bytes of a pinned entry as one buffer (a view when it is one region)."""
-        if len(entry.regions) <= 1:
-            return self._region_view(entry.regions)
-        view = self._view
-        return b"".join(view[offset : offset + length] for offset, length in entry.regions)
-
-    def _region_view(self, regions: Regions) -> memoryview:
-        if not regions:
-            return memoryview(bytearray())
-        offset, length = regions[0]
-        return self._view[offset : offset + length]
-
-
 _RESIDENT = bytes([0, 1, 1]) + bytes(253)
-
-_COLD_ANSWERS = {
-    LoadStatus.MISSING: protocol.GET_MISSING,
-    LoadStatus.CORRUPT: protocol.GET_CORRUPT,
-    LoadStatus.SIZE_MISMATCH: protocol.GET_SIZE_MISMATCH,
-}
 
 
 def _require_same_length(keys: Sequence[str], sizes: Sequence[int]) -> None:

@@ -1,0 +1,313 @@
+"""Room in the server's DRAM and the moves between its tiers.
+
+Making room: a put (or a promotion) that would cross the high watermark first takes LRU
+victims (`umbp.runtime.paging`); without a cold tier they are dropped, with one they are
+demoted to it, without the index lock. Promotion reads an object from the cold tier
+into fresh DRAM pages and pins it like a DRAM hit.
+
+Tiers are inclusive: an object promoted from SSD keeps its SSD copy, so demoting it again
+costs no write (the SSD tier evicts its own LRU objects when it needs room). Lookups never
+wait for the disk: the SSD tier holds its own lock during its I/O, so `cold_keys` mirrors
+its key set under the index lock, updated on every demotion, promotion failure and clear,
+and pruned with the keys the SSD tier reports as evicted after each write. The mirror may
+briefly still name a key the SSD tier has just evicted: that lookup says True and the get
+that follows answers MISSING, a miss, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import xxhash
+
+from umbp.runtime.contract import LoadStatus
+from umbp.runtime.paged_copy import write_regions
+from umbp.runtime.server import protocol
+from umbp.runtime.server.cold import ColdTier
+from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
+from umbp.runtime.server.sessions import ServerCounters, Session
+
+__all__ = ["GetAnswer", "Tiering"]
+
+logger = logging.getLogger("umbp.serve")
+
+GetAnswer = str | tuple[int, int, Regions]
+
+
+class Tiering:
+    """The DRAM index's room and its cold tier, under the server's index `lock` (shared
+    with `StoreCore`, which holds it around everything else)."""
+
+    def __init__(
+        self,
+        view: memoryview,
+        index: PoolIndex,
+        cold: ColdTier | None,
+        lock: threading.Lock,
+        counters: ServerCounters,
+    ) -> None:
+        self._view = view
+        self._index = index
+        self._cold = cold
+        self._lock = lock
+        self._counters = counters
+        self.cold_keys: set[str] = set(cold.keys()) if cold is not None else set()
+        """The cold tier's keys, read under the lock (see the module docstring)."""
+        self.generation = 0
+        """Bumped by a clear: a demotion or promotion that straddles a clear must not
+        bring back what the clear dropped."""
+
+    @property
+    def cold(self) -> ColdTier | None:
+        return self._cold
+
+    def persist(self) -> int:
+        """Copy every DRAM object the cold tier lacks into it, least recently used first
+        (so that, should the cold tier run out of room, it keeps the most recent ones).
+        For shutdown: the next server at the same SSD directory then serves them. Returns
+        how many objects were written."""
+        cold = self._cold
+        if cold is None:
+            return 0
+        with self._lock:
+            entries = [entry for entry in self._index.entries() if not entry.leaving]
+            for entry in entries:
+                self._index.pin(entry)
+        written = 0
+        try:
+            present = cold.lookup([entry.key for entry in entries])
+            for entry, there in zip(entries, present):
+                if not there and self._demote_one(cold, entry) == "demoted":
+                    written += 1
+        finally:
+            on_disk = tuple(cold.keys())
+            with self._lock:
+                for entry in entries:
+                    self._index.unpin(entry)
+                self.cold_keys = set(on_disk)
+        return written
+
+    def reserve(self, sizes: Sequence[int]) -> list[Regions | None]:
+        """Pages for each size (None where they ran out), making room first when the
+        batch would cross the high watermark: LRU objects are dropped (DRAM only) or
+        demoted to the cold tier, the latter without the index lock."""
+        if not sizes:
+            return []
+        needed = sum(pages_for(size, self._index.page_bytes) for size in sizes)
+        with self._lock:
+            victims = self._choose_victims_locked(needed)
+            if not victims:
+                return [self._index.reserve(size) for size in sizes]
+        self._demote(victims)
+        with self._lock:
+            return [self._index.reserve(size) for size in sizes]
+
+    def _choose_victims_locked(self, pages_needed: int) -> list[Entry]:
+        index = self._index
+        if not index.needs_room(pages_needed):
+            return []
+        victims = index.choose_victims(pages_needed)
+        if self._cold is not None:
+            return victims
+        for victim in victims:
+            index.finish_leaving(victim)
+            self._counters.evictions_dropped += 1
+        return []
+
+    def _demote(self, victims: list[Entry]) -> None:
+        """Copy each victim to the cold tier (unless it is there already), then retire it
+        from DRAM. A victim whose DRAM bytes fail their checksum is dropped, not demoted:
+        the cold tier would checksum the damage and later serve it as good."""
+        cold = self._cold
+        assert cold is not None
+        generation = self.generation
+        outcomes: list[str] = []
+        try:
+            already: Sequence[bool] = cold.lookup([victim.key for victim in victims])
+        except Exception:  # then each victim is written (a put of a resident key is free)
+            logger.exception("umbp serve: the SSD tier's lookup failed")
+            already = [False] * len(victims)
+        for victim, present in zip(victims, already):
+            # One victim's failure costs that victim only, never the rest of the batch,
+            # and never leaks its pin.
+            try:
+                outcomes.append("present" if present else self._demote_one(cold, victim))
+            except Exception:
+                logger.exception("umbp serve: demoting %r to the SSD tier failed", victim.key)
+                outcomes.append("failed")
+        evicted = self._evicted_from_cold(cold)
+        with self._lock:
+            for victim, outcome in zip(victims, outcomes):
+                self._settle_victim_locked(victim, outcome)
+            cleared = self.generation != generation
+            self.cold_keys.difference_update(evicted)
+            if cleared:
+                self.cold_keys.difference_update(victim.key for victim in victims)
+        if cleared:
+            for victim, outcome in zip(victims, outcomes):
+                if outcome == "demoted":
+                    cold.remove(victim.key)
+
+    @staticmethod
+    def _evicted_from_cold(cold: ColdTier) -> tuple[str, ...]:
+        try:
+            return tuple(cold.take_evicted_keys())
+        except Exception:  # a mirror a little stale costs a miss, never wrong bytes
+            logger.exception("umbp serve: the SSD tier did not report its evictions")
+            return ()
+
+    def _demote_one(self, cold: ColdTier, victim: Entry) -> str:
+        payload = self._gather(victim)
+        if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
+            return "corrupt"
+        return "demoted" if cold.put(victim.key, payload) else "failed"
+
+    def _settle_victim_locked(self, victim: Entry, outcome: str) -> None:
+        counters = self._counters
+        self._index.finish_leaving(victim)
+        if outcome in ("present", "demoted"):
+            self.cold_keys.add(victim.key)
+            counters.evictions_to_ssd += 1
+            if outcome == "demoted":
+                counters.bytes_to_ssd += victim.nbytes
+            return
+        counters.evictions_dropped += 1
+        if outcome == "corrupt":
+            counters.corrupt_loads += 1
+        else:
+            counters.ssd_put_failures += 1
+
+    def promote(
+        self,
+        session: Session,
+        token: int,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        positions: list[int],
+        answers: list[GetAnswer],
+    ) -> None:
+        """Read cold objects into fresh DRAM pages and pin them like DRAM hits."""
+        cold = self._cold
+        assert cold is not None
+        generation = self.generation
+        found: list[int] = []
+        for position in positions:
+            size = self._cold_size(cold, keys[position])
+            if size is None:
+                answers[position] = protocol.GET_MISSING
+                with self._lock:
+                    self.cold_keys.discard(keys[position])
+            elif size != sizes[position]:
+                answers[position] = protocol.GET_SIZE_MISMATCH
+            else:
+                found.append(position)
+        loaded: list[tuple[int, Regions, int]] = []
+        for position in found:
+            key = keys[position]
+            status, regions, checksum = self._load_cold(cold, key, sizes[position])
+            if regions is not None:
+                loaded.append((position, regions, checksum))
+                continue
+            answers[position] = _COLD_ANSWERS.get(status, protocol.GET_UNAVAILABLE)
+            if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
+                with self._lock:
+                    self.cold_keys.discard(key)
+        with self._lock:
+            get = session.gets.get(token)
+            for position, regions, checksum in loaded:
+                entry = self._settle_promotion_locked(
+                    keys[position], regions, sizes[position], checksum, generation
+                )
+                if entry is None or get is None:
+                    answers[position] = protocol.GET_MISSING
+                    continue
+                self._index.pin(entry)
+                get.pinned[position] = entry
+                get.from_ssd.add(position)
+                answers[position] = (entry.nbytes, entry.checksum, entry.regions)
+            # Counted once every answer is final: a position answers MISSING until its
+            # promotion settles, and a promoted object is a hit (of the SSD tier).
+            for position in positions:
+                if answers[position] == protocol.GET_MISSING:
+                    self._counters.misses += 1
+                elif answers[position] == protocol.GET_CORRUPT:
+                    self._counters.corrupt_loads += 1
+
+    def _settle_promotion_locked(
+        self, key: str, regions: Regions, nbytes: int, checksum: int, generation: int
+    ) -> Entry | None:
+        index = self._index
+        if generation != self.generation:
+            index.release(regions)  # cleared while reading: the object is gone
+            return None
+        existing = index.get(key)
+        if existing is not None:
+            index.release(regions)  # promoted or stored again by another client
+            return existing if existing.nbytes == nbytes else None
+        self._counters.promotions += 1
+        self._counters.bytes_from_ssd += nbytes
+        return index.insert(key, regions, nbytes, checksum)
+
+    @staticmethod
+    def _cold_size(cold: ColdTier, key: str) -> int | None:
+        try:
+            return cold.size_of(key)
+        except OSError:
+            return None
+
+    def _load_cold(
+        self, cold: ColdTier, key: str, nbytes: int
+    ) -> tuple[LoadStatus, Regions | None, int]:
+        """Copy a cold object into fresh DRAM pages: (status, its regions when HIT, xxh3 of
+        the bytes now in those pages). Straight into the pages when they are free without
+        making room; otherwise through a staging buffer read *before* making room, since
+        making room demotes other objects, and their writes may make the SSD tier evict
+        this very one."""
+        with self._lock:
+            index = self._index
+            direct = not index.needs_room(pages_for(nbytes, index.page_bytes))
+            regions = index.reserve(nbytes) if direct else None
+        try:
+            if regions is not None and len(regions) <= 1:
+                target = self._region_view(regions)
+                status = cold.get_into(key, target)
+                if status is LoadStatus.HIT:
+                    return status, regions, int(xxhash.xxh3_64_intdigest(target))
+            else:
+                staging = bytearray(nbytes)
+                status = cold.get_into(key, staging)
+                if status is LoadStatus.HIT:
+                    if regions is None:
+                        regions = self.reserve([nbytes])[0]
+                    if regions is None:
+                        return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
+                    return status, regions, write_regions(self._view, regions, staging)
+        except Exception:  # the reserved pages must come back
+            logger.exception("umbp serve: promotion of %r failed", key)
+            status = LoadStatus.UNAVAILABLE
+        if regions is not None:
+            with self._lock:
+                self._index.release(regions)
+        return status, None, 0
+
+    def _gather(self, entry: Entry) -> memoryview | bytes:
+        """The bytes of a pinned entry as one buffer (a view when it is one region)."""
+        if len(entry.regions) <= 1:
+            return self._region_view(entry.regions)
+        view = self._view
+        return b"".join(view[offset : offset + length] for offset, length in entry.regions)
+
+    def _region_view(self, regions: Regions) -> memoryview:
+        if not regions:
+            return memoryview(bytearray())
+        offset, length = regions[0]
+        return self._view[offset : offset + length]
+
+
+_COLD_ANSWERS = {
+    LoadStatus.MISSING: protocol.GET_MISSING,
+    LoadStatus.CORRUPT: protocol.GET_CORRUPT,
+    LoadStatus.SIZE_MISMATCH: protocol.GET_SIZE_MISMATCH,
+}
