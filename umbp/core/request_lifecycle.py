@@ -52,6 +52,7 @@ __all__ = [
     "after_lookup_skip",
     "after_match",
     "after_preemption",
+    "cache_reset_allowed",
     "cached_request_store_window",
     "cached_request_stores",
     "lookup_still_current",
@@ -233,6 +234,14 @@ def after_preemption(state: RequestLifecycle) -> RequestLifecycle:
     and its spec describes nothing vLLM will allocate."""
     tracker = None if state.tracker is None else state.tracker.reset()
     return replace(state, load_spec=None, tracker=tracker)
+
+
+def cache_reset_allowed(stores_in_flight: bool, finished_tails_waiting: bool) -> bool:
+    """``reset_prefix_cache(reset_connector=True)`` is refused while a store event
+    is unacknowledged or a finished request's tail waits for its step: workers are
+    still to copy those pages into the pool the reset would empty (vLLM asks
+    again; the pins keep the pages meanwhile)."""
+    return not stores_in_flight and not finished_tails_waiting
 
 
 def after_cache_reset(state: RequestLifecycle) -> RequestLifecycle:

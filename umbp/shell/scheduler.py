@@ -388,7 +388,7 @@ class UMBPScheduler:
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
-        if self._store_events or self._finished_tails:
+        if not lifecycle.cache_reset_allowed(bool(self._store_events), bool(self._finished_tails)):
             return False
         for request_id, state in list(self._requests.items()):
             self._requests[request_id] = state.without_lookup().with_life(
