@@ -1,0 +1,278 @@
+"""The client's link to a `umbp serve` process: one connection and the pool mapping it
+announced, reconnects, and request/answer exchanges within a timeout.
+
+Failure semantics: any socket error, timeout or protocol error drops the connection *and*
+the mapping that came with it, so nothing is ever read from or written into the pool of
+a server this client is no longer connected to; the failing exchange raises
+`StoreUnavailable` within `io_timeout_s`. A new connection is tried at most once per
+`reconnect_interval_s`; in between, exchanges fail at once instead of hammering a server
+that is down. When a server (the same one, or a restarted one with a new pool) answers
+again, the link maps its pool and carries on by itself.
+
+Thread-safe: one lock serialises the socket (a request and its answer are one critical
+section); copies into and out of the pool run outside it, inside `Connection.copying()`.
+When one thread drops the connection while another is copying, the socket is closed only
+once that copy ends (the server frees a connection's reserved and pinned pages when its
+socket closes, so they cannot be reused under the copy), and the copier's follow-up is
+then refused with `Stale`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from umbp.runtime.contract import StoreUnavailable
+from umbp.runtime.server import protocol
+from umbp.runtime.server.shm import SharedPool, map_shared_pool
+
+__all__ = ["Connection", "ServerLink", "Stale", "decode"]
+
+logger = logging.getLogger("umbp.server.client")
+
+
+class Stale(Exception):
+    """The connection a multi-step call started on is gone."""
+
+
+class Connection:
+    """One live connection and the pool mapping it announced: they live and die together.
+
+    Copies into or out of the pool run inside `copying()`. Dropping the connection while
+    a copy runs defers closing the socket until that copy ends: the server releases a
+    connection's reservations and pins only when it sees the socket close, so no page can
+    be handed to someone else while this client may still touch it.
+    """
+
+    def __init__(self, sock: socket.socket, pool: SharedPool, server_id: str, pid: int) -> None:
+        self.sock = sock
+        self.pool = pool
+        self.server_id = server_id
+        self.server_pid = pid
+        self._guard = threading.Lock()
+        self._copies = 0
+        self._dropped = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[memoryview]:
+        """The pool's view for one batch of copies; `Stale` once the connection is gone."""
+        with self._guard:
+            if self._dropped:
+                raise Stale()
+            self._copies += 1
+        try:
+            yield self.pool.view
+        finally:
+            with self._guard:
+                self._copies -= 1
+                close_now = self._dropped and self._copies == 0
+            if close_now:
+                self.sock.close()
+
+    def drop(self) -> None:
+        """Close now, or when the last copy in flight ends. The mapping is never closed
+        explicitly: CPython unmaps it when the last view of it goes."""
+        with self._guard:
+            self._dropped = True
+            close_now = self._copies == 0
+        if close_now:
+            self.sock.close()
+
+
+class ServerLink:
+    """The connection to the server at `endpoint`, (re)made on demand."""
+
+    def __init__(self, endpoint: str, io_timeout_s: float, reconnect_interval_s: float) -> None:
+        if io_timeout_s <= 0:
+            raise ValueError(f"io_timeout_s must be positive, got {io_timeout_s}")
+        if reconnect_interval_s < 0:
+            raise ValueError(f"reconnect_interval_s must be >= 0, got {reconnect_interval_s}")
+        self._endpoint = endpoint
+        self._io_timeout_s = io_timeout_s
+        self._reconnect_interval_s = reconnect_interval_s
+        self._lock = threading.Lock()
+        self._connection: Connection | None = None
+        self._last_attempt = float("-inf")
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def connected_server(self) -> tuple[str, int] | None:
+        """(server id, pid) of the server connected to, if any."""
+        connection = self._connection
+        return None if connection is None else (connection.server_id, connection.server_pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._disconnect_locked()
+
+    @contextlib.contextmanager
+    def malformed_drops(self, connection: Connection) -> Iterator[None]:
+        """An answer this client cannot follow means the peer is not the server it
+        expects: drop the connection (which also releases what the server holds for it)."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            with self._lock:
+                if self._connection is connection:
+                    self._fail_locked(error)
+            raise StoreUnavailable(self.describe(error)) from error
+
+    def request_raw(self, op: int, request: Any, expected: int) -> bytes:
+        body = self.call(op, request)
+        if len(body) != expected:
+            raise StoreUnavailable(
+                f"umbp server at {self._endpoint}: {len(body)} answer bytes for {expected} keys"
+            )
+        return body
+
+    def request_json(self, op: int, request: Any) -> Any:
+        return decode(self.call(op, request))
+
+    def begin(self, op: int, request: Any) -> tuple[Connection, Any]:
+        """First step of a put or get: the answer, and the connection it belongs to (the
+        regions in it are only meaningful in that connection's mapping)."""
+        with self._lock:
+            connection, body = self._exchange_locked(op, request)
+        answer = decode(body)
+        if not isinstance(answer, dict) or "answers" not in answer:
+            raise StoreUnavailable(f"umbp server at {self._endpoint}: malformed answer")
+        return connection, answer
+
+    def call(self, op: int, request: Any) -> bytes:
+        with self._lock:
+            return self._exchange_locked(op, request)[1]
+
+    def _exchange_locked(self, op: int, request: Any) -> tuple[Connection, bytes]:
+        """Send one request and read its answer, connecting first if allowed, all within
+        one `io_timeout_s`. A connection found broken (the server restarted since the
+        last call) is replaced at once when a reconnect is due, so that a restart costs
+        the caller nothing; a timeout is never retried."""
+        deadline = protocol.Deadline(self._io_timeout_s)
+        frame = protocol.encode_json(op, request)
+        connection, fresh = self._connection_locked(deadline)
+        try:
+            return connection, self._round_trip(connection, frame, deadline)
+        except (ConnectionError, BrokenPipeError) as error:
+            self._fail_locked(error)
+            if fresh or not self._may_reconnect():
+                raise StoreUnavailable(self.describe(error)) from error
+        except (OSError, ValueError) as error:
+            self._fail_locked(error)
+            raise StoreUnavailable(self.describe(error)) from error
+        connection, _ = self._connection_locked(deadline)
+        try:
+            return connection, self._round_trip(connection, frame, deadline)
+        except (OSError, ValueError) as error:
+            self._fail_locked(error)
+            raise StoreUnavailable(self.describe(error)) from error
+
+    def _round_trip(
+        self, connection: Connection, frame: bytes, deadline: protocol.Deadline
+    ) -> bytes:
+        protocol.send_all(connection.sock, frame, deadline)
+        op, body = protocol.read_frame(connection.sock, deadline)
+        if op == protocol.ERROR:
+            # The server is alive but refused this request: keep the connection.
+            raise ServerRefused(str(decode(body)))
+        if op != protocol.OK:
+            raise protocol.ProtocolError(f"unexpected answer op {op}")
+        return body
+
+    def follow_up(self, connection: Connection, op: int, request: Any) -> Any:
+        """A later step of a multi-step call, only on the connection the call started on."""
+        frame = protocol.encode_json(op, request)
+        with self._lock:
+            if self._connection is not connection:
+                raise Stale()
+            try:
+                deadline = protocol.Deadline(self._io_timeout_s)
+                return decode(self._round_trip(connection, frame, deadline))
+            except (OSError, ValueError) as error:
+                self._fail_locked(error)
+                raise StoreUnavailable(self.describe(error)) from error
+
+    def notify(self, connection: Connection, op: int, request: Any) -> None:
+        frame = protocol.encode_json(op, request)
+        with self._lock:
+            if self._connection is not connection:
+                raise Stale()
+            try:
+                protocol.send_all(connection.sock, frame, protocol.Deadline(self._io_timeout_s))
+            except OSError as error:
+                self._fail_locked(error)
+                raise StoreUnavailable(self.describe(error)) from error
+
+    def _connection_locked(self, deadline: protocol.Deadline) -> tuple[Connection, bool]:
+        """The live connection, or a new one when a reconnect is due; (connection, fresh)."""
+        self.require_open()
+        if self._connection is not None:
+            return self._connection, False
+        if not self._may_reconnect():
+            raise StoreUnavailable(
+                f"umbp server at {self._endpoint} unreachable; next attempt within "
+                f"{self._reconnect_interval_s:g} s"
+            )
+        self._last_attempt = time.monotonic()
+        try:
+            self._connection = self._connect(deadline)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise StoreUnavailable(self.describe(error)) from error
+        return self._connection, True
+
+    def _may_reconnect(self) -> bool:
+        return time.monotonic() - self._last_attempt >= self._reconnect_interval_s
+
+    def _connect(self, deadline: protocol.Deadline) -> Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(deadline.remaining())
+            sock.connect(self._endpoint)
+            protocol.send_all(sock, protocol.encode_json(protocol.HELLO, {}), deadline)
+            op, body = protocol.read_frame(sock, deadline)
+            if op != protocol.OK:
+                raise protocol.ProtocolError(f"unexpected hello answer op {op}")
+            hello = decode(body)
+            pool = map_shared_pool(str(hello["shm_path"]), int(hello["shm_bytes"]))
+        except BaseException:
+            sock.close()
+            raise
+        logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
+        return Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]))
+
+    def _fail_locked(self, error: BaseException) -> None:
+        if isinstance(error, ServerRefused):
+            return
+        logger.warning("umbp: lost server at %s: %s", self._endpoint, error)
+        self._disconnect_locked()
+
+    def _disconnect_locked(self) -> None:
+        if self._connection is not None:
+            self._connection.drop()
+            self._connection = None
+
+    def require_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("ServerStore is closed")
+
+    def describe(self, error: BaseException) -> str:
+        return f"umbp server at {self._endpoint}: {type(error).__name__}: {error}"
+
+
+class ServerRefused(ValueError):
+    """The server answered ERROR: it is alive; the request itself failed."""
+
+
+def decode(body: bytes) -> Any:
+    try:
+        return protocol.decode_json(body)
+    except protocol.ProtocolError as error:
+        raise StoreUnavailable(str(error)) from error
