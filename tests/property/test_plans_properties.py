@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 from hypothesis import assume, given
@@ -14,6 +16,7 @@ from tests.property.strategies import (
     StoreScenario,
     block_tables,
     coordinated_geometries,
+    identities_from,
     lookup_scenarios,
     request_hashes,
     single_group_geometries,
@@ -44,6 +47,7 @@ from umbp.core.plans import (
     save_watermark,
     storable_tokens,
     store_batch,
+    store_batch_recording,
     store_candidate_ranges,
     store_token_limit,
     stores_this_step,
@@ -65,6 +69,12 @@ from umbp.core.store_pass import (
     residency_check,
     resident_blocks_from_hits,
 )
+
+
+def identities_of(batch: BlockLoadBatch | StoreBatch) -> list[tuple[int, bytes]]:
+    """The ``(group_id, block_hash)`` of every block of a batch, in order."""
+    return list(zip(batch.group_ids, batch.block_hashes))
+
 
 # ------------------------------------------------------------------------- loads
 
@@ -153,7 +163,7 @@ def test_every_identity_a_load_plan_reads_was_reported_as_a_hit(
     if planned is None:
         return
     geometry = planned.scenario.geometry
-    for group_id, block_hash in planned.batch.identities():
+    for group_id, block_hash in identities_of(planned.batch):
         assert block_hash in planned.reported[geometry.position(group_id)]
         assert planned.scenario.pool.held_by_every_rank(group_id, block_hash)
 
@@ -225,7 +235,7 @@ def test_a_load_is_planned_for_what_vllm_allocated_or_its_window_is_recomputed(
     if isinstance(result, Success):
         batch = result.unwrap()
         assert allocated <= matched
-        assert set(batch.identities()) <= set(planned.batch.identities())
+        assert set(identities_of(batch)) <= set(identities_of(planned.batch))
         for group_id, block_id in zip(batch.group_ids, batch.block_ids):
             position = geometry.position(group_id)
             index = table[position].index(block_id)
@@ -256,7 +266,7 @@ class PlannedStore:
     scenario: StoreScenario
     save_to: int
     candidates: dict[int, range]
-    selected: dict[int, tuple[int, ...]]
+    selected: dict[int, Sequence[int]]
     resident: frozenset[tuple[int, bytes]]
     batch: StoreBatch
 
@@ -327,8 +337,8 @@ def test_store_plans_never_include_an_identity_reserved_by_an_in_flight_event(
     scenario: StoreScenario, data: st.DataObject
 ) -> None:
     planned = plan_store(scenario, data)
-    assert not set(planned.batch.identities()) & scenario.reserved
-    assert len(set(planned.batch.identities())) == len(planned.batch)
+    assert not set(identities_of(planned.batch)) & scenario.reserved
+    assert len(set(identities_of(planned.batch))) == len(planned.batch)
 
 
 @given(store_scenarios(), st.data())
@@ -365,7 +375,7 @@ def test_store_plans_skip_only_for_a_reason(scenario: StoreScenario, data: st.Da
     """A selected, non-null, hashed block is planned unless reserved or resident."""
     planned = plan_store(scenario, data)
     geometry = scenario.geometry
-    planned_identities = set(planned.batch.identities())
+    planned_identities = set(identities_of(planned.batch))
     for group_id, indices in planned.selected.items():
         position = geometry.position(group_id)
         size = geometry.group_block_sizes[position]
@@ -413,6 +423,90 @@ def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on
     )
     assert quiet.block_ids == planned.batch.block_ids
     assert set(quiet.parent_hashes) <= {None} and set(quiet.token_ids) <= {()}
+
+
+@st.composite
+def index_selections(draw: st.DrawFn, count: int) -> Sequence[int]:
+    """Block indices as the shell may pass them: a whole range (vLLM kept every
+    candidate), a tuple of one (consecutive, maybe past the table), a masked
+    subset, or any order with repeats."""
+    start = draw(st.integers(0, max(count - 1, 0)))
+    stop = draw(st.integers(start, count + 2))
+    return draw(st.sampled_from([
+        range(start, stop),
+        range(start, stop),
+        tuple(range(start, stop)),
+        tuple(index for index in range(start, stop) if draw(st.booleans())),
+        tuple(draw(st.lists(st.integers(0, count + 1), max_size=8))),
+    ]))
+
+
+@dataclass(frozen=True)
+class StoreBatchInput:
+    scenario: StoreScenario
+    hashes: tuple[bytes, ...]
+    selected: tuple[tuple[int, Sequence[int]], ...]
+    resident: frozenset[tuple[int, bytes]]
+    planned: dict[int, frozenset[bytes]]
+
+
+@st.composite
+def store_batch_inputs(draw: st.DrawFn) -> StoreBatchInput:
+    """Any input store_batch may get: hashes that repeat now and then (one object
+    under two blocks), any selection per group (a group maybe twice), and
+    resident, reserved and already-planned identities among the request's."""
+    scenario = draw(store_scenarios())
+    geometry = scenario.geometry
+    hashes = scenario.hashes
+    if hashes and draw(st.booleans()):
+        distinct = draw(st.integers(1, 3))
+        hashes = tuple(hashes[index % distinct] for index in range(len(hashes)))
+    groups = list(geometry.group_ids)
+    picked = draw(st.lists(st.sampled_from(groups), min_size=1, max_size=len(groups) + 1))
+    selected = tuple(
+        (group_id, draw(index_selections(len(scenario.block_table[geometry.position(group_id)]))))
+        for group_id in picked
+    )
+    resident = draw(identities_from(hashes, groups))
+    planned = {
+        group_id: frozenset(draw(st.sets(st.sampled_from(hashes), max_size=3)) if hashes else ())
+        for group_id in groups
+        if draw(st.booleans())
+    }
+    return StoreBatchInput(scenario, hashes, selected, resident, planned)
+
+
+def no_contiguous_runs(*_: object) -> None:
+    return None
+
+
+@given(store_batch_inputs(), st.booleans())
+def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it(
+    given_input: StoreBatchInput, events_enabled: bool
+) -> None:
+    """The fast case (a group's consecutive indices taken as slices) gives the
+    same batch, column for column, as scanning every block, on every input."""
+    scenario = given_input.scenario
+
+    def plan() -> tuple[StoreBatch, dict[int, set[bytes]]]:
+        record = {group_id: set(hashes) for group_id, hashes in given_input.planned.items()}
+        batch = store_batch_recording(
+            record, "r", scenario.geometry, given_input.selected, scenario.block_table,
+            given_input.hashes, resident=given_input.resident, reserved=scenario.reserved,
+            events_enabled=events_enabled,
+            token_ids=tuple(range(1000, 1000 + scenario.num_tokens)),
+        )
+        return batch, record
+
+    fast, fast_record = plan()
+    with mock.patch("umbp.core.plans._contiguous_group_stores", no_contiguous_runs):
+        scanned, scanned_record = plan()
+    assert fast == scanned
+    assert fast_record == scanned_record
+    assert not set(identities_of(fast)) & (given_input.resident | scenario.reserved)
+    for group_id, block_hash in identities_of(fast):
+        assert block_hash not in given_input.planned.get(group_id, ())
+        assert block_hash in fast_record[group_id]
 
 
 @given(st.integers(0, 64), st.lists(st.integers(0, 200), max_size=12), st.sampled_from([1, 4, 16]))
@@ -740,7 +834,7 @@ def test_reserved_identities_are_every_identity_of_every_in_flight_event(
     reserved = reserved_identities([event, *others])
     for e in (event, *others):
         for batch in e.batches:
-            assert set(batch.identities()) <= reserved
+            assert set(identities_of(batch)) <= reserved
     assert len(event.identities()) == len(set(event.identities()))
 
 

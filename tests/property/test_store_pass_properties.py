@@ -4,7 +4,8 @@ and the batches that leave out what every rank already holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from unittest import mock
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,12 +20,18 @@ from tests.property.strategies import (
 )
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
+from umbp.core.plans import StoreBatch
 from umbp.core.store_pass import (
     StoreCandidates,
     plan_stores,
     residency_check,
     resident_blocks_from_hits,
 )
+
+
+def identities_of(batch: StoreBatch) -> list[Identity]:
+    """The ``(group_id, block_hash)`` of every block of a batch, in order."""
+    return list(zip(batch.group_ids, batch.block_hashes))
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ def run_pass(step: StoreStep, answers: tuple[bool, ...] | None = None) -> tuple[
     if answers is None:
         answers = step.pool.answers(check.keys)
     planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
-    flat = [identity for batch in planned.batches for identity in batch.identities()]
+    flat = [identity for batch in planned.batches for identity in identities_of(batch)]
     return set(flat), flat, planned.skipped_resident
 
 
@@ -173,7 +180,7 @@ def test_a_lookup_that_fails_or_answers_the_wrong_length_stores_everything(
     if how == "short" and not check.keys:
         answers = (True,)
     planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
-    flat = {identity for batch in planned.batches for identity in batch.identities()}
+    flat = {identity for batch in planned.batches for identity in identities_of(batch)}
     expected = {i for _, _, _, i in selected_identities(step) if i not in step.reserved}
     assert flat == expected
     assert planned.skipped_resident == 0
@@ -199,3 +206,40 @@ def test_an_object_evicted_after_a_check_is_stored_by_the_next_step_that_selects
                       Pool(step.keyspace, survivors))
     planned, _, _ = run_pass(later)
     assert evicted <= planned
+
+
+def as_ranges(step: StoreStep) -> StoreStep:
+    """The same step with every consecutive selection passed as a ``range``, as
+    apply_store_masks passes a group whose candidates are all kept."""
+    def run(indices: tuple[int, ...]) -> range | tuple[int, ...]:
+        if indices and indices == tuple(range(indices[0], indices[-1] + 1)):
+            return range(indices[0], indices[-1] + 1)
+        return indices
+
+    return replace(step, candidates=tuple(
+        replace(c, selected=tuple((g, run(tuple(i))) for g, i in c.selected))
+        for c in step.candidates
+    ))
+
+
+@given(store_steps(), st.booleans(), st.booleans())
+def test_a_pass_with_contiguous_runs_plans_exactly_as_the_block_by_block_scan(
+    step: StoreStep, whole_ranges: bool, events_enabled: bool
+) -> None:
+    """Several requests sharing objects, some resident, some reserved: the fast
+    case gives the same batches and the same skipped count as the scan."""
+    if whole_ranges:
+        step = as_ranges(step)
+
+    def plan() -> tuple[tuple[StoreBatch, ...], int]:
+        check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
+        planned = plan_stores(
+            step.geometry, step.candidates, check, step.pool.answers(check.keys), step.reserved,
+            events_enabled=events_enabled,
+        )
+        return planned.batches, planned.skipped_resident
+
+    fast = plan()
+    with mock.patch("umbp.core.plans._contiguous_group_stores", lambda *_: None):
+        scanned = plan()
+    assert fast == scanned

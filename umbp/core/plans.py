@@ -28,7 +28,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress, repeat
 from typing import TypeAlias
 
 from returns.result import Failure, Result, Success
@@ -57,6 +57,7 @@ __all__ = [
     "save_watermark",
     "storable_tokens",
     "store_batch",
+    "store_batch_recording",
     "store_candidate_ranges",
     "store_token_limit",
     "stores_this_step",
@@ -72,8 +73,9 @@ Identity: TypeAlias = tuple[int, bytes]
 BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
 """Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
 
-StoreSelection: TypeAlias = tuple[tuple[int, tuple[int, ...]], ...]
-"""Per group id, the block indices chosen for storing."""
+StoreSelection: TypeAlias = tuple[tuple[int, Sequence[int]], ...]
+"""Per group id, the block indices chosen for storing (a ``range`` when the
+group's candidates are kept whole)."""
 
 
 # --------------------------------------------------------------------------- loads
@@ -90,9 +92,6 @@ class BlockLoadBatch:
 
     def __len__(self) -> int:
         return len(self.block_ids)
-
-    def identities(self) -> tuple[Identity, ...]:
-        return tuple(zip(self.group_ids, self.block_hashes))
 
 
 def load_batch(
@@ -369,12 +368,17 @@ class StoreTracker:
             tracker = tracker.with_blocks_replaced(current_table)
         return tracker
 
+    # An unchanged field returns the tracker itself (a value: sharing is safe),
+    # so a step builds no tracker it does not need.
+
     def with_saved_tokens(self, saved_tokens: int) -> StoreTracker:
-        return StoreTracker(
-            max(self.saved_tokens, saved_tokens), self.block_table, self.cached_tokens
-        )
+        if saved_tokens <= self.saved_tokens:
+            return self
+        return StoreTracker(saved_tokens, self.block_table, self.cached_tokens)
 
     def with_cached_tokens(self, cached_tokens: int) -> StoreTracker:
+        if cached_tokens == self.cached_tokens:
+            return self
         return StoreTracker(self.saved_tokens, self.block_table, cached_tokens)
 
     def reset(self) -> StoreTracker:
@@ -441,13 +445,13 @@ def store_candidate_ranges(
     """Per positionally stored group, the blocks that became full since the last
     watermark. Boundary-handoff groups (Mamba "align") are absent: their tables are
     not append-only, so they are stored only from handed-off boundaries."""
-    return tuple(
+    return tuple([
         (group_id, range(previous_saved // block_size, min(save_to // block_size, len(table))))
         for group_id, block_size, table in zip(
             geometry.group_ids, geometry.group_block_sizes, block_table
         )
         if group_id not in boundary_groups
-    )
+    ])
 
 
 def apply_store_masks(
@@ -456,23 +460,24 @@ def apply_store_masks(
 ) -> Result[StoreSelection, str]:
     """Keep the blocks vLLM's cache semantics can later reuse (its reachability
     masks, one entry per candidate; None or absent keeps all). A mask of the wrong
-    length is an error value.
+    length is an error value. A group whose mask keeps every block keeps its
+    ``range``: :func:`store_batch` plans a contiguous run without a per-block loop.
 
     Masked-out blocks are never retried: the save watermark passes every candidate
     before the masks apply, so a block masked out once (or a step whose mask was
     malformed) is not a candidate again for that request.
     """
-    selected: list[tuple[int, tuple[int, ...]]] = []
+    selected: list[tuple[int, Sequence[int]]] = []
     for group_id, indices in ranges:
         mask = masks.get(group_id)
         if mask is None:
-            selected.append((group_id, tuple(indices)))
+            selected.append((group_id, indices))
             continue
         if len(mask) != len(indices):
             return Failure(
                 f"store mask for group {group_id} has {len(mask)} entries for {len(indices)} blocks"
             )
-        selected.append((group_id, tuple(compress(indices, mask))))
+        selected.append((group_id, indices if all(mask) else tuple(compress(indices, mask))))
     return Success(tuple(selected))
 
 
@@ -495,8 +500,13 @@ class StoreBatch:
     def __len__(self) -> int:
         return len(self.block_ids)
 
-    def identities(self) -> tuple[Identity, ...]:
-        return tuple(zip(self.group_ids, self.block_hashes))
+
+assert NULL_BLOCK_ID == 0, "the contiguous store path tests block ids for truth"
+
+# One group's part of a store batch: (group id, block size, block indices,
+# block ids, block hashes); a contiguous run keeps its indices as a range and its
+# ids and hashes as slices, so no per-block object is built.
+_GroupStores: TypeAlias = tuple[int, int, Sequence[int], Sequence[int], Sequence[bytes]]
 
 
 def store_batch(
@@ -517,43 +527,188 @@ def store_batch(
     (``resident``), identities an in-flight store event already writes
     (``reserved``), and repeats of one identity.
     """
+    return store_batch_recording(
+        {}, request_id, geometry, selected, block_table, request_hashes,
+        resident=resident, reserved=reserved, events_enabled=events_enabled,
+        token_ids=token_ids,
+    )
+
+
+def store_batch_recording(
+    planned: dict[int, set[bytes]],
+    request_id: str,
+    geometry: LookupGeometry,
+    selected: StoreSelection,
+    block_table: BlockTable,
+    request_hashes: Sequence[bytes],
+    *,
+    resident: AbstractSet[Identity] = frozenset(),
+    reserved: AbstractSet[Identity] = frozenset(),
+    events_enabled: bool = False,
+    token_ids: Sequence[int] = (),
+) -> StoreBatch:
+    """:func:`store_batch` within a store pass: ``planned`` holds, per group id,
+    the hashes the pass has planned so far; they are skipped too, and the
+    batch's own are added. That record is this function's only effect, and it is
+    the caller's: one dict per pass (:func:`umbp.core.store_pass.plan_stores`).
+
+    A group's contiguous run with nothing null, repeated, resident, reserved or
+    planned is taken as slices (:func:`_contiguous_group_stores`); any other group
+    is scanned block by block (:func:`_scanned_group_stores`). Both give the same
+    plan: the scan is the rule, the slices its fast case.
+    """
     hash_block_size = geometry.hash_block_size
     covered = len(request_hashes) * hash_block_size
-    # (group id, block size, block index, block id, block hash) per planned block.
-    rows: list[tuple[int, int, int, int, bytes]] = []
-    seen: set[Identity] = set()
+    parts: list[_GroupStores] = []
     for group_id, indices in selected:
         position = geometry.position(group_id)
         block_size = geometry.group_block_sizes[position]
         table = block_table[position]
         limit = min(covered // block_size, len(table))
         per_block = block_size // hash_block_size
-        for index in indices:
-            if index >= limit:
-                continue
-            block_id = table[index]
-            if block_id == NULL_BLOCK_ID:
-                continue
-            block_hash = request_hashes[index * per_block + per_block - 1]
-            identity = (group_id, block_hash)
-            if identity in resident or identity in reserved or identity in seen:
-                continue
-            seen.add(identity)
-            rows.append((group_id, block_size, index, block_id, block_hash))
+        group_planned = planned.get(group_id)
+        if group_planned is None:
+            group_planned = planned[group_id] = set()
+        kept = _contiguous_group_stores(
+            group_id, indices, table, request_hashes, limit, per_block,
+            resident, reserved, group_planned,
+        ) or _scanned_group_stores(
+            group_id, indices, table, request_hashes, limit, per_block,
+            resident, reserved, group_planned,
+        )
+        if kept[2]:
+            parts.append((group_id, block_size, *kept))
+    return _batch_of(
+        request_id, parts, request_hashes, hash_block_size, events_enabled, token_ids
+    )
+
+
+def _contiguous_group_stores(
+    group_id: int,
+    indices: Sequence[int],
+    table: Sequence[int],
+    request_hashes: Sequence[bytes],
+    limit: int,
+    per_block: int,
+    resident: AbstractSet[Identity],
+    reserved: AbstractSet[Identity],
+    planned: set[bytes],
+) -> tuple[range, Sequence[int], Sequence[bytes]] | None:
+    """A run of consecutive indices whose blocks all store: their indices, ids
+    and hashes as slices (the hashes added to ``planned``); None, with
+    ``planned`` unchanged, when the run is not consecutive or any block would be
+    skipped (the scan decides then)."""
+    start = _run_start(indices)
+    if start is None:
+        return None
+    stop = min(start + len(indices), limit)
+    if stop <= start:
+        return range(0), (), ()
+    block_ids = table[start:stop]
+    if not all(block_ids):  # the null block is id 0: a truth test, no comparison
+        return None
+    hashes = request_hashes[start * per_block + per_block - 1 : stop * per_block : per_block]
+    # isdisjoint walks the zip in C; zip reuses its pair, so nothing per block stays.
+    for excluded in (resident, reserved):
+        if excluded and not excluded.isdisjoint(zip(repeat(group_id), hashes)):
+            return None
+    if planned and not planned.isdisjoint(hashes):
+        return None
+    before = len(planned)
+    planned.update(hashes)
+    if len(planned) - before != len(hashes):  # a hash repeats within the run
+        planned.difference_update(hashes)  # none was there before: undo them all
+        return None
+    return range(start, stop), block_ids, hashes
+
+
+def _run_start(indices: Sequence[int]) -> int | None:
+    """The first index when ``indices`` are consecutive ascending and not
+    negative (an empty run starts anywhere), else None."""
+    if isinstance(indices, range):
+        return indices.start if indices.step == 1 and indices.start >= 0 else None
+    count = len(indices)
+    if not count:
+        return 0
+    first = indices[0]
+    if first < 0 or indices[-1] != first + count - 1:
+        return None
+    if count > 2 and tuple(indices) != tuple(range(first, first + count)):
+        return None
+    return first
+
+
+def _scanned_group_stores(
+    group_id: int,
+    indices: Sequence[int],
+    table: Sequence[int],
+    request_hashes: Sequence[bytes],
+    limit: int,
+    per_block: int,
+    resident: AbstractSet[Identity],
+    reserved: AbstractSet[Identity],
+    planned: set[bytes],
+) -> tuple[Sequence[int], Sequence[int], Sequence[bytes]]:
+    """Block by block: every rule of :func:`store_batch` checked per index;
+    ``planned`` gains the hashes kept."""
+    kept_indices: list[int] = []
+    kept_ids: list[int] = []
+    kept_hashes: list[bytes] = []
+    for index in indices:
+        if index >= limit:
+            continue
+        block_id = table[index]
+        if block_id == NULL_BLOCK_ID:
+            continue
+        block_hash = request_hashes[index * per_block + per_block - 1]
+        if block_hash in planned:
+            continue
+        identity = (group_id, block_hash)
+        if identity in resident or identity in reserved:
+            continue
+        planned.add(block_hash)
+        kept_indices.append(index)
+        kept_ids.append(block_id)
+        kept_hashes.append(block_hash)
+    return kept_indices, kept_ids, kept_hashes
+
+
+def _batch_of(
+    request_id: str,
+    parts: Sequence[_GroupStores],
+    request_hashes: Sequence[bytes],
+    hash_block_size: int,
+    events_enabled: bool,
+    token_ids: Sequence[int],
+) -> StoreBatch:
+    """The columns of the groups' parts, in order."""
+    if not parts:
+        return StoreBatch(request_id, (), (), (), (), (), ())
+    if len(parts) == 1:
+        group_id, block_size, indices, ids, hashes = parts[0]
+        group_ids: tuple[int, ...] = (group_id,) * len(indices)
+        block_sizes: tuple[int, ...] = (block_size,) * len(indices)
+        block_ids = tuple(ids)
+        block_hashes = tuple(hashes)
+    else:
+        group_ids = tuple(chain.from_iterable(repeat(part[0], len(part[2])) for part in parts))
+        block_sizes = tuple(chain.from_iterable(repeat(part[1], len(part[2])) for part in parts))
+        block_ids = tuple(chain.from_iterable(part[3] for part in parts))
+        block_hashes = tuple(chain.from_iterable(part[4] for part in parts))
     if events_enabled:
         parent_hashes: tuple[bytes | None, ...] = tuple(
             request_hashes[index * size // hash_block_size - 1] if index else None
-            for _, size, index, _, _ in rows
+            for _, size, indices, _, _ in parts
+            for index in indices
         )
         tokens = tuple(
-            tuple(token_ids[index * size : (index + 1) * size]) for _, size, index, _, _ in rows
+            tuple(token_ids[index * size : (index + 1) * size])
+            for _, size, indices, _, _ in parts
+            for index in indices
         )
     else:
-        parent_hashes = (None,) * len(rows)
-        tokens = ((),) * len(rows)
-    if not rows:
-        return StoreBatch(request_id, (), (), (), (), (), ())
-    group_ids, block_sizes, _, block_ids, block_hashes = zip(*rows)
+        parent_hashes = (None,) * len(block_ids)
+        tokens = ((),) * len(block_ids)
     return StoreBatch(
         request_id, group_ids, block_ids, block_hashes, parent_hashes, tokens, block_sizes
     )

@@ -20,7 +20,13 @@ from itertools import compress
 
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
-from umbp.core.plans import BlockTable, Identity, StoreBatch, StoreSelection, store_batch
+from umbp.core.plans import (
+    BlockTable,
+    Identity,
+    StoreBatch,
+    StoreSelection,
+    store_batch_recording,
+)
 from umbp.core.rank_keys import KeyLayout, fold_ranks
 
 __all__ = [
@@ -144,21 +150,21 @@ def plan_stores(
     never planned (see :func:`umbp.core.plans.store_batch`).
     """
     resident = resident_blocks_from_hits(check, answers)
-    taken = set(reserved)
+    planned: dict[int, set[bytes]] = {}
     batches: list[StoreBatch] = []
     for candidate in candidates:
-        batch = store_batch(
+        batch = store_batch_recording(
+            planned,
             candidate.request_id,
             geometry,
             candidate.selected,
             candidate.block_table,
             candidate.block_hashes,
             resident=resident,
-            reserved=taken,
+            reserved=reserved,
             events_enabled=events_enabled,
             token_ids=candidate.token_ids,
         )
         if batch.block_ids:
             batches.append(batch)
-            taken.update(zip(batch.group_ids, batch.block_hashes))
     return StorePass(tuple(batches), len(resident))
