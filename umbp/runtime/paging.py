@@ -91,6 +91,10 @@ class PagedLru(Generic[R]):
         self._objects: OrderedDict[str, R] = OrderedDict()  # least recently used first
         self._leaving_pages = 0
         self._pinned_retired = 0
+        # Watermarks capped at the usable pages, kept current by retire_page: the put
+        # path of every tier asks `needs_room`, so it must stay a few operations.
+        self._high_cap = high_pages
+        self._low_cap = low_pages
 
     # ------------------------------------------------------------------- pages
 
@@ -128,16 +132,22 @@ class PagedLru(Generic[R]):
         """Give reserved pages back (or the pages of a retired object); retired pages stay
         out. Pushed in reverse so that the next take hands them out in the same order."""
         retired = self._retired_pages
+        pages = tuple(pages)
         if retired:
-            self._free.extend(page for page in reversed(tuple(pages)) if page not in retired)
+            self._free.extend(page for page in reversed(pages) if page not in retired)
+        elif len(pages) == 1:  # the common case for KV blocks
+            self._free.append(pages[0])
         else:
-            self._free.extend(reversed(tuple(pages)))
+            self._free.extend(reversed(pages))
 
     def retire_page(self, page: int) -> None:
         """Never hand `page` out again (a write there failed). It must be reserved, not
         free: the caller retires a page of the reservation it is about to give back."""
         assert page not in self._free, f"page {page} is free"
         self._retired_pages.add(page)
+        usable = self.total_pages - len(self._retired_pages)
+        self._high_cap = min(self.high_pages, usable)
+        self._low_cap = min(self.low_pages, usable)
 
     # ----------------------------------------------------------------- objects
 
@@ -235,8 +245,8 @@ class PagedLru(Generic[R]):
     def needs_room(self, pages_needed: int) -> bool:
         """Would taking `pages_needed` more pages cross the high watermark? Pages of
         objects already leaving count as free."""
-        high = min(self.high_pages, self.total_pages - len(self._retired_pages))
-        return self.used_pages - self._leaving_pages + pages_needed > high
+        used = self.total_pages - len(self._retired_pages) - len(self._free)
+        return used - self._leaving_pages + pages_needed > self._high_cap
 
     def choose_victims(self, pages_needed: int) -> list[R]:
         """Least recently used objects, neither pinned nor already leaving, until usage
@@ -244,7 +254,7 @@ class PagedLru(Generic[R]):
         more can go). Each is marked leaving and pinned: hand it to `finish_leaving` once
         dealt with (demoted or not)."""
         victims: list[R] = []
-        target = min(self.low_pages, self.total_pages - len(self._retired_pages))
+        target = self._low_cap
         for entry in self._objects.values():
             if self.used_pages - self._leaving_pages + pages_needed <= target:
                 break

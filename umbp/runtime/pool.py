@@ -242,9 +242,10 @@ class SlabPool(ClosesOnExit):
             if not pages.fits(pages_needed):
                 self._counters.put_rejects += 1
                 return False
-            for victim in pages.evict(pages_needed):
-                self._evicted[victim.key] = None
-                self._counters.evictions += 1
+            if pages.needs_room(pages_needed):
+                for victim in pages.evict(pages_needed):
+                    self._evicted[victim.key] = None
+                    self._counters.evictions += 1
             taken = pages.take_pages(pages_needed)
             assert taken is not None, "eviction left too few free pages"
             regions = self._regions(taken, source.nbytes)
