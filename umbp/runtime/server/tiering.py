@@ -16,6 +16,7 @@ that follows answers MISSING, a miss, never wrong bytes.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Sequence
@@ -29,11 +30,24 @@ from umbp.runtime.server.cold import ColdTier
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
 from umbp.runtime.server.sessions import ServerCounters, Session
 
-__all__ = ["GetAnswer", "Tiering"]
+__all__ = ["Demotion", "GetAnswer", "Tiering"]
 
 logger = logging.getLogger("umbp.serve")
 
 GetAnswer = str | tuple[int, int, Regions]
+
+
+class Demotion(enum.Enum):
+    """What became of one victim on its way to the cold tier."""
+
+    WRITTEN = "written"
+    """Copied to the cold tier now."""
+    PRESENT = "present"
+    """The cold tier had it already (tiers are inclusive): nothing to write."""
+    FAILED = "failed"
+    """The cold tier refused it or raised: dropped from DRAM all the same."""
+    CORRUPT = "corrupt"
+    """Its DRAM bytes failed their checksum: dropped, never demoted."""
 
 
 class Tiering:
@@ -79,7 +93,7 @@ class Tiering:
         try:
             present = cold.lookup([entry.key for entry in entries])
             for entry, there in zip(entries, present):
-                if not there and self._demote_one(cold, entry) == "demoted":
+                if not there and self._demote_one(cold, entry) is Demotion.WRITTEN:
                     written += 1
         finally:
             on_disk = tuple(cold.keys())
@@ -123,7 +137,7 @@ class Tiering:
         cold = self._cold
         assert cold is not None
         generation = self.generation
-        outcomes: list[str] = []
+        outcomes: list[Demotion] = []
         try:
             already: Sequence[bool] = cold.lookup([victim.key for victim in victims])
         except Exception:  # then each victim is written (a put of a resident key is free)
@@ -133,10 +147,10 @@ class Tiering:
             # One victim's failure costs that victim only, never the rest of the batch,
             # and never leaks its pin.
             try:
-                outcomes.append("present" if present else self._demote_one(cold, victim))
+                outcomes.append(Demotion.PRESENT if present else self._demote_one(cold, victim))
             except Exception:
                 logger.exception("umbp serve: demoting %r to the SSD tier failed", victim.key)
-                outcomes.append("failed")
+                outcomes.append(Demotion.FAILED)
         evicted = self._evicted_from_cold(cold)
         with self._lock:
             for victim, outcome in zip(victims, outcomes):
@@ -147,7 +161,7 @@ class Tiering:
                 self.cold_keys.difference_update(victim.key for victim in victims)
         if cleared:
             for victim, outcome in zip(victims, outcomes):
-                if outcome == "demoted":
+                if outcome is Demotion.WRITTEN:
                     cold.remove(victim.key)
 
     @staticmethod
@@ -158,23 +172,23 @@ class Tiering:
             logger.exception("umbp serve: the SSD tier did not report its evictions")
             return ()
 
-    def _demote_one(self, cold: ColdTier, victim: Entry) -> str:
+    def _demote_one(self, cold: ColdTier, victim: Entry) -> Demotion:
         payload = self._gather(victim)
         if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
-            return "corrupt"
-        return "demoted" if cold.put(victim.key, payload) else "failed"
+            return Demotion.CORRUPT
+        return Demotion.WRITTEN if cold.put(victim.key, payload) else Demotion.FAILED
 
-    def _settle_victim_locked(self, victim: Entry, outcome: str) -> None:
+    def _settle_victim_locked(self, victim: Entry, outcome: Demotion) -> None:
         counters = self._counters
         self._index.finish_leaving(victim)
-        if outcome in ("present", "demoted"):
+        if outcome in (Demotion.PRESENT, Demotion.WRITTEN):
             self.cold_keys.add(victim.key)
             counters.evictions_to_ssd += 1
-            if outcome == "demoted":
+            if outcome is Demotion.WRITTEN:
                 counters.bytes_to_ssd += victim.nbytes
             return
         counters.evictions_dropped += 1
-        if outcome == "corrupt":
+        if outcome is Demotion.CORRUPT:
             counters.corrupt_loads += 1
         else:
             counters.ssd_put_failures += 1
