@@ -245,6 +245,23 @@ def test_close_makes_everything_unavailable(open_tier: Callable[..., SsdTier]) -
 # ------------------------------------------------------------------- reopening
 
 
+def test_an_empty_object_takes_one_slot_and_survives_a_reopen(
+    open_tier: Callable[..., SsdTier],
+) -> None:
+    """The paging rule of every tier (umbp.runtime.paging): an empty object takes one
+    slot, which holds its header record, so it is found again after a reopen."""
+    tier = open_tier()
+    assert tier.put("empty", b"")
+    assert len(tier.object_slots("empty")) == 1
+    assert tier.stats().used_bytes == SLOT
+    assert read(tier, "empty", 0) == (LoadStatus.HIT, b"")
+    tier.close()
+    reopened = open_tier()
+    assert reopened.keys() == ("empty",)
+    assert read(reopened, "empty", 0) == (LoadStatus.HIT, b"")
+    assert slot_accounting_holds(reopened)
+
+
 def test_reopen_rebuilds_the_same_objects_in_put_order(
     open_tier: Callable[..., SsdTier],
 ) -> None:
