@@ -1,7 +1,7 @@
 """Properties of UMBPHiCacheStore itself, on a real embedded SlabPool.
 
-The host pool is a small stand-in with the ``page_first_direct`` page semantics of
-SGLang's MHA host pool (K and V of a page, every layer, as one flat page), so that the
+The host pool is a small stand-in with the page semantics of SGLang's MHA host pool
+(K and V of a page, every layer, as one flat page) in three of its layouts, so that the
 properties can see every slot: a load writes only the pages it was asked for and only
 the leading intact ones; a corrupt object is reported False and never reaches the host
 pool; the hit count is the leading run of stored pages.
@@ -25,10 +25,19 @@ PAGES = 12
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
-class PageFirstDirectHost:
-    """What the backend uses of SGLang's MHATokenToKVPoolHost, same page semantics."""
+_DIMS = {  # SGLang's MHATokenToKVPoolHost buffer shapes, by layout
+    "page_first_direct": (2, PAGES, LAYERS, PAGE_SIZE, HEADS, DIM),
+    "page_first": (2, PAGES * PAGE_SIZE, LAYERS, HEADS, DIM),
+    "layer_first": (2, LAYERS, PAGES * PAGE_SIZE, HEADS, DIM),
+}
+LAYOUTS = tuple(_DIMS)
 
-    layout = "page_first_direct"
+
+class HostPool:
+    """What the backend uses of SGLang's MHATokenToKVPoolHost, with its page semantics
+    for three layouts: the backend moves page-major ones (page_first_direct, page_first)
+    in one batched copy and the others page by page."""
+
     dtype = torch.float32
     page_size = PAGE_SIZE
     layer_num = LAYERS
@@ -36,21 +45,28 @@ class PageFirstDirectHost:
     head_dim = DIM
     v_head_dim = DIM
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, layout: str = "page_first_direct") -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.kv_buffer = torch.randn((2, PAGES, LAYERS, PAGE_SIZE, HEADS, DIM),
-                                     generator=generator)
+        self.layout = layout
+        self.kv_buffer = torch.randn(_DIMS[layout], generator=generator)
+
+    def _page(self, index: int) -> torch.Tensor:
+        if self.layout == "page_first_direct":
+            return self.kv_buffer[:, index // PAGE_SIZE : index // PAGE_SIZE + 1]
+        if self.layout == "page_first":
+            return self.kv_buffer[:, index : index + PAGE_SIZE]
+        return self.kv_buffer[:, :, index : index + PAGE_SIZE]
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self.kv_buffer[:, index // PAGE_SIZE : index // PAGE_SIZE + 1]
+        page = self._page(index)
         return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.kv_buffer[:, index // PAGE_SIZE : index // PAGE_SIZE + 1] = data_page.reshape(
-            2, 1, LAYERS, PAGE_SIZE, HEADS, DIM)
+        page = self._page(index)
+        page[...] = data_page.reshape(page.shape)
 
 
-def _backend(host: PageFirstDirectHost, tp_rank: int = 0) -> UMBPHiCacheStore:
+def _backend(host: HostPool, tp_rank: int = 0) -> UMBPHiCacheStore:
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
@@ -77,7 +93,7 @@ hashes = st.lists(st.binary(min_size=32, max_size=32).map(bytes.hex), min_size=1
                   max_size=6, unique=True)
 
 
-@settings(max_examples=25)
+@settings(max_examples=40)
 @given(hashes, st.data())
 def test_hits_loads_and_corruption(page_hashes: list[str], data: Any) -> None:
     count = len(page_hashes)
@@ -85,7 +101,8 @@ def test_hits_loads_and_corruption(page_hashes: list[str], data: Any) -> None:
     corrupt = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
     source_slots = data.draw(st.permutations(range(PAGES)))[:count]
     target_slots = data.draw(st.permutations(range(PAGES)))[:count]
-    source = PageFirstDirectHost(seed=1)
+    layout = data.draw(st.sampled_from(LAYOUTS))
+    source = HostPool(seed=1, layout=layout)
     backend = _backend(source)
     try:
         chosen = [i for i in range(count) if stored[i]]
@@ -98,8 +115,8 @@ def test_hits_loads_and_corruption(page_hashes: list[str], data: Any) -> None:
         for i in chosen:
             if corrupt[i]:
                 _flip(backend, page_hashes[i])
-        target = PageFirstDirectHost(seed=2)
-        before = target.kv_buffer.clone()
+        target = HostPool(seed=2, layout=layout)
+        before = HostPool(seed=2, layout=layout)
         backend.mem_pool_host = target  # the same store, loading into another host pool
         results = backend.batch_get_v1(page_hashes, _indices(target_slots))
 
@@ -108,19 +125,19 @@ def test_hits_loads_and_corruption(page_hashes: list[str], data: Any) -> None:
         assert results == [i < leading for i in range(count)]
         for slot in range(PAGES):
             written = [i for i in range(leading) if target_slots[i] == slot]
-            now = target.kv_buffer[:, slot]
+            now = target.get_data_page(slot * PAGE_SIZE)
             if written:
-                assert torch.equal(now, source.kv_buffer[:, source_slots[written[0]]])
+                assert torch.equal(now, source.get_data_page(source_slots[written[0]] * PAGE_SIZE))
             else:  # a page not asked for, or not restored, is untouched
-                assert torch.equal(now, before[:, slot])
+                assert torch.equal(now, before.get_data_page(slot * PAGE_SIZE))
     finally:
         backend.close()
 
 
 @given(hashes)
 def test_each_tp_rank_stores_and_asks_only_its_own_keys(page_hashes: list[str]) -> None:
-    rank0 = _backend(PageFirstDirectHost(seed=1), tp_rank=0)
-    rank1 = _backend(PageFirstDirectHost(seed=1), tp_rank=1)
+    rank0 = _backend(HostPool(seed=1), tp_rank=0)
+    rank1 = _backend(HostPool(seed=1), tp_rank=1)
     try:
         keys0, keys1 = rank0._keys(page_hashes), rank1._keys(page_hashes)
         assert keys0 is not None and keys1 is not None
@@ -133,11 +150,11 @@ def test_each_tp_rank_stores_and_asks_only_its_own_keys(page_hashes: list[str]) 
 
 def test_a_second_host_pool_stops_the_start_with_a_sentence() -> None:
     """Hybrid models (sliding window, Mamba) need interface v2, which is not implemented."""
-    host = PageFirstDirectHost(seed=1)
+    host = HostPool(seed=1)
     backend = _backend(host)
     try:
         backend.register_mem_host_pool_v2(host, "kv")  # the KV pool itself is fine
         with pytest.raises(ValueError, match="interface v1 .* host pool 'mamba'"):
-            backend.register_mem_host_pool_v2(PageFirstDirectHost(seed=2), "mamba")
+            backend.register_mem_host_pool_v2(HostPool(seed=2), "mamba")
     finally:
         backend.close()
