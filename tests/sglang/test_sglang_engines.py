@@ -1,7 +1,9 @@
 """Real SGLang engines (CPU, random-weight llama, float32) with umbp as HiCache's storage.
 
 Engine A stores through umbp into a real ``umbp serve``; engine B, a process of its
-own that never saw A's requests, restores from it. Every generation is compared with a plain SGLang engine without
+own that never saw A's requests, restores from it. Two more engines do the same through
+umbp's Mooncake mode against a real ``mooncake_master`` (TCP on loopback): the writer
+stays up while the reader restores, because its segment holds the objects. Every generation is compared with a plain SGLang engine without
 HiCache. Faults are real: bytes flipped in the server's shared-memory pool, the server
 killed with SIGKILL while B serves. The engines are shared by the tests of this module
 (they run in file order; each later test builds on what the earlier ones left).
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ import pytest
 from umbp.runtime.server.client import ServerStore
 from umbp.runtime.server.launch import start_server, stop_server
 from umbp.testing.models import llama_recipe, write_random_model
+from umbp.testing.mooncake_master import MooncakeMaster
 from umbp.testing.sglang_engine import (
     SGLangEngineProcess,
     cpu_environment,
@@ -43,7 +47,9 @@ PROMPT_TOKENS = 512
 PAGE_SIZE = 16
 NEW_TOKENS = 8
 PROMPTS = {name: [random.Random(seed).randrange(1, 500) for _ in range(PROMPT_TOKENS)]
-           for seed, name in enumerate(["restore", "corrupt", "killed", "after_kill"])}
+           for seed, name in enumerate(["restore", "corrupt", "killed", "after_kill",
+                                        "mooncake"])}
+SERVER_PROMPTS = ("restore", "corrupt", "killed", "after_kill")  # the rest: Mooncake's
 # Full pages of a prompt: SGLang stores only full pages.
 PAGES_PER_PROMPT = PROMPT_TOKENS // PAGE_SIZE
 
@@ -53,6 +59,7 @@ class World:
     socket: str
     server: subprocess.Popen[bytes]
     engine_b: SGLangEngineProcess
+    mooncake_reader: SGLangEngineProcess
     reference: dict[str, list[int]]
     from_a: dict[str, dict[str, Any]]
     pages_of: dict[str, range]
@@ -77,6 +84,23 @@ def _wait_for_objects(socket: str, count: int, timeout_s: float = 120.0) -> int:
             time.sleep(0.5)
 
 
+def _mooncake_keys(master: MooncakeMaster) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/metrics",
+                                timeout=10) as answer:
+        metrics = answer.read().decode()
+    (count,) = [line.split()[1] for line in metrics.splitlines()
+                if line.startswith("master_key_count ")]
+    return int(float(count))
+
+
+def _wait_for_mooncake_keys(master: MooncakeMaster, count: int,
+                            timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (keys := _mooncake_keys(master)) < count and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return keys
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     work = tmp_path_factory.mktemp("sglang")
@@ -85,46 +109,66 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                                                  str(work / "torch-extensions")))
     socket = str(work / "umbp.sock")
     server = start_server(socket, 256 << 20)
+    master = MooncakeMaster.start(log=work / "mooncake-master.log")
     storage = umbp_storage(mode="server", endpoint=socket, io_timeout_s=2.0,
                            reconnect_interval_s=0.5)
+    # One engine = one Mooncake node contributing a segment of its own.
+    mooncake = umbp_storage(mode="mooncake", mooncake_master=master.address,
+                            mooncake_local_hostname="127.0.0.1", capacity_bytes=64 << 20,
+                            mooncake_buffer_bytes=16 << 20)
     with_umbp = engine_arguments(model, storage_backend="dynamic", storage_config=storage)
+    with_mooncake = engine_arguments(model, storage_backend="dynamic",
+                                     storage_config=mooncake)
     build = start_hash_extension_build(environment)
-    # All three side by side: engine starts are mostly imports and waiting, and the
+    # All side by side: engine starts are mostly imports and waiting, and the
     # extension is needed only by the first storage lookup. B is a process of its own
     # that never sees A's requests; it is asked only after A's pages are stored.
     plain = SGLangEngineProcess(engine_arguments(model, hicache=False), environment,
                                 work / "plain.log", wait=False)
     engine_a = SGLangEngineProcess(with_umbp, environment, work / "a.log", wait=False)
     engine_b = SGLangEngineProcess(with_umbp, environment, work / "b.log", wait=False)
+    mooncake_writer = SGLangEngineProcess(with_mooncake, environment,
+                                          work / "mooncake-a.log", wait=False)
+    engines = [plain, engine_a, engine_b, mooncake_writer]
     try:
         finish_hash_extension_build(build)
-        for engine in (plain, engine_a, engine_b):
+        for engine in engines:
             engine.wait_until_ready()
         reference = {name: out["tokens"] for name, out in
                      zip(PROMPTS, plain.generate(list(PROMPTS.values()), NEW_TOKENS))}
         plain.close()
+        # Started once the plain engine is gone: five engines at once left too little
+        # memory on a loaded machine. It starts while A and the Mooncake writer work.
+        mooncake_reader = SGLangEngineProcess(with_mooncake, environment,
+                                              work / "mooncake-b.log", wait=False)
+        engines.append(mooncake_reader)
         from_a: dict[str, dict[str, Any]] = {}
         pages_of: dict[str, range] = {}
-        for number, (name, prompt) in enumerate(PROMPTS.items(), start=1):
+        for number, name in enumerate(SERVER_PROMPTS, 1):
             before = _used_pages(socket)
-            (from_a[name],) = engine_a.generate([prompt], NEW_TOKENS)
+            (from_a[name],) = engine_a.generate([PROMPTS[name]], NEW_TOKENS)
             _wait_for_objects(socket, number * PAGES_PER_PROMPT)
             pages_of[name] = range(before, _used_pages(socket))
         engine_a.close()
-        yield World(socket, server, engine_b, reference, from_a, pages_of, work)
+        (from_a["mooncake"],) = mooncake_writer.generate([PROMPTS["mooncake"]], NEW_TOKENS)
+        _wait_for_mooncake_keys(master, PAGES_PER_PROMPT)
+        mooncake_reader.wait_until_ready()
+        yield World(socket, server, engine_b, mooncake_reader, reference, from_a, pages_of,
+                    work)
     finally:
-        for engine in (plain, engine_a, engine_b):
+        for engine in engines:
             engine.close()
+        master.stop()
         stop_server(server, socket)
 
 
 def test_engine_a_stores_every_full_page_and_generates_what_plain_sglang_does(
     world: World,
 ) -> None:
-    for name, output in world.from_a.items():
+    for name, output in world.from_a.items():  # A's, and the Mooncake writer's
         assert output["tokens"] == world.reference[name], name
         assert output["details"].get("storage", 0) == 0, "nothing was stored before A"
-    assert _wait_for_objects(world.socket, 0) >= len(PROMPTS) * PAGES_PER_PROMPT
+    assert _wait_for_objects(world.socket, 0) >= len(SERVER_PROMPTS) * PAGES_PER_PROMPT
 
 
 def test_a_fresh_engine_restores_the_prefix_from_umbp_serve(world: World) -> None:
@@ -183,3 +227,14 @@ def test_the_server_killed_mid_run_costs_hits_not_requests(world: World) -> None
     # And B keeps serving what it holds itself.
     (again,) = world.engine_b.generate([PROMPTS["restore"]], NEW_TOKENS)
     assert again["tokens"] == world.reference["restore"]
+
+
+def test_a_fresh_engine_restores_through_mooncake_what_another_node_stored(
+    world: World,
+) -> None:
+    """umbp's Mooncake mode under SGLang: the writer node's segment holds the pages, the
+    reader (a fresh process, another node) finds and fetches them over TCP."""
+    (output,) = world.mooncake_reader.generate([PROMPTS["mooncake"]], NEW_TOKENS)
+    assert output["details"]["storage_backend"] == "UMBPHiCacheStore"
+    assert PROMPT_TOKENS - 2 * PAGE_SIZE <= output["details"]["storage"] < PROMPT_TOKENS
+    assert output["tokens"] == world.reference["mooncake"]

@@ -92,14 +92,17 @@ def umbp_storage(**options: Any) -> dict[str, Any]:
 def engine_arguments(model: str, *, storage_backend: str | None = None,
                      storage_config: Mapping[str, Any] | None = None,
                      hicache: bool = True, max_total_tokens: int = 8192,
-                     page_size: int = 16) -> dict[str, Any]:
+                     page_size: int = 16, hicache_ratio: float = 2.0) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments that run on these CPUs (float32, torch
     attention, no CUDA graphs); HiCache with the direct IO backend when asked."""
     arguments: dict[str, Any] = {
         "model_path": model, "device": "cpu", "skip_tokenizer_init": True,
         "attention_backend": "torch_native", "page_size": page_size,
         "disable_cuda_graph": True, "max_total_tokens": max_total_tokens,
-        "mem_fraction_static": 0.05, "dtype": "float32", "log_level": "warning",
+        # max_total_tokens sizes the KV pool; the fraction only has to pass SGLang's
+        # check that weights leave room, which counts the whole machine's free memory
+        # (other processes' churn on a shared host failed 0.05 once).
+        "mem_fraction_static": 0.15, "dtype": "float32", "log_level": "warning",
         "random_seed": 0,
         # An idle scheduler spins a core by default; engines here share two cores.
         "sleep_on_idle": True,
@@ -107,7 +110,7 @@ def engine_arguments(model: str, *, storage_backend: str | None = None,
     if hicache:
         arguments.update(
             enable_hierarchical_cache=True, hicache_io_backend="direct",
-            hicache_mem_layout="page_first_direct", hicache_ratio=2.0,
+            hicache_mem_layout="page_first_direct", hicache_ratio=hicache_ratio,
             hicache_write_policy="write_through",
             hicache_storage_prefetch_policy="wait_complete",
         )
