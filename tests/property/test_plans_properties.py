@@ -47,7 +47,6 @@ from umbp.core.plans import (
     save_watermark,
     storable_tokens,
     store_batch,
-    store_batch_recording,
     store_candidate_ranges,
     store_token_limit,
     stores_this_step,
@@ -418,6 +417,7 @@ def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on
         tuple(planned.selected.items()),
         scenario.block_table,
         scenario.hashes,
+        planned={},
         resident=planned.resident,
         reserved=scenario.reserved,
     )
@@ -490,9 +490,10 @@ def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it
 
     def plan() -> tuple[StoreBatch, dict[int, set[bytes]]]:
         record = {group_id: set(hashes) for group_id, hashes in given_input.planned.items()}
-        batch = store_batch_recording(
-            record, "r", scenario.geometry, given_input.selected, scenario.block_table,
-            given_input.hashes, resident=given_input.resident, reserved=scenario.reserved,
+        batch = store_batch(
+            "r", scenario.geometry, given_input.selected, scenario.block_table,
+            given_input.hashes, planned=record, resident=given_input.resident,
+            reserved=scenario.reserved,
             events_enabled=events_enabled,
             token_ids=tuple(range(1000, 1000 + scenario.num_tokens)),
         )

@@ -28,6 +28,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain, compress, repeat
 from typing import TypeAlias
 
@@ -57,7 +58,6 @@ __all__ = [
     "save_watermark",
     "storable_tokens",
     "store_batch",
-    "store_batch_recording",
     "store_candidate_ranges",
     "store_token_limit",
     "stores_this_step",
@@ -516,6 +516,7 @@ def store_batch(
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
     *,
+    planned: dict[int, set[bytes]],
     resident: AbstractSet[Identity] = frozenset(),
     reserved: AbstractSet[Identity] = frozenset(),
     events_enabled: bool = False,
@@ -525,32 +526,11 @@ def store_batch(
 
     Skips null blocks, blocks past the hash coverage, restored blocks still resident
     (``resident``), identities an in-flight store event already writes
-    (``reserved``), and repeats of one identity.
-    """
-    return store_batch_recording(
-        {}, request_id, geometry, selected, block_table, request_hashes,
-        resident=resident, reserved=reserved, events_enabled=events_enabled,
-        token_ids=token_ids,
-    )
-
-
-def store_batch_recording(
-    planned: dict[int, set[bytes]],
-    request_id: str,
-    geometry: LookupGeometry,
-    selected: StoreSelection,
-    block_table: BlockTable,
-    request_hashes: Sequence[bytes],
-    *,
-    resident: AbstractSet[Identity] = frozenset(),
-    reserved: AbstractSet[Identity] = frozenset(),
-    events_enabled: bool = False,
-    token_ids: Sequence[int] = (),
-) -> StoreBatch:
-    """:func:`store_batch` within a store pass: ``planned`` holds, per group id,
-    the hashes the pass has planned so far; they are skipped too, and the
-    batch's own are added. That record is this function's only effect, and it is
-    the caller's: one dict per pass (:func:`umbp.core.store_pass.plan_stores`).
+    (``reserved``), hashes the store pass has already planned (``planned``, per
+    group id) and repeats of one identity. The batch's hashes are added to
+    ``planned``: that record is this function's only effect, and it belongs to
+    the caller's pass (one dict per pass, :func:`umbp.core.store_pass.plan_stores`;
+    ``{}`` for one request alone).
 
     A group's contiguous run with nothing null, repeated, resident, reserved or
     planned is taken as slices (:func:`_contiguous_group_stores`); any other group
@@ -686,8 +666,8 @@ def _batch_of(
         return StoreBatch(request_id, (), (), (), (), (), ())
     if len(parts) == 1:
         group_id, block_size, indices, ids, hashes = parts[0]
-        group_ids: tuple[int, ...] = (group_id,) * len(indices)
-        block_sizes: tuple[int, ...] = (block_size,) * len(indices)
+        group_ids = _repeated_int(group_id, len(indices))
+        block_sizes = _repeated_int(block_size, len(indices))
         block_ids = tuple(ids)
         block_hashes = tuple(hashes)
     else:
@@ -707,11 +687,31 @@ def _batch_of(
             for index in indices
         )
     else:
-        parent_hashes = (None,) * len(block_ids)
-        tokens = ((),) * len(block_ids)
+        parent_hashes = _nones(len(block_ids))
+        tokens = _no_tokens(len(block_ids))
     return StoreBatch(
         request_id, group_ids, block_ids, block_hashes, parent_hashes, tokens, block_sizes
     )
+
+
+# The constant columns of a batch, one shared tuple per value and length: requests
+# of one step have the same few lengths, and a tuple kept per request would feed
+# the garbage collector (the columns are immutable, so sharing them is safe).
+
+
+@lru_cache(maxsize=1024)
+def _repeated_int(value: int, count: int) -> tuple[int, ...]:
+    return (value,) * count
+
+
+@lru_cache(maxsize=256)
+def _nones(count: int) -> tuple[None, ...]:
+    return (None,) * count
+
+
+@lru_cache(maxsize=256)
+def _no_tokens(count: int) -> tuple[tuple[int, ...], ...]:
+    return ((),) * count
 
 
 # ------------------------------------------------------- boundary and tail transfers

@@ -25,7 +25,7 @@ from umbp.core.plans import (
     Identity,
     StoreBatch,
     StoreSelection,
-    store_batch_recording,
+    store_batch,
 )
 from umbp.core.rank_keys import KeyLayout, fold_ranks
 
@@ -153,13 +153,13 @@ def plan_stores(
     planned: dict[int, set[bytes]] = {}
     batches: list[StoreBatch] = []
     for candidate in candidates:
-        batch = store_batch_recording(
-            planned,
+        batch = store_batch(
             candidate.request_id,
             geometry,
             candidate.selected,
             candidate.block_table,
             candidate.block_hashes,
+            planned=planned,
             resident=resident,
             reserved=reserved,
             events_enabled=events_enabled,
