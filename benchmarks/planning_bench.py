@@ -11,7 +11,10 @@ comparable across machines. Figures:
 * lookup -> load plan for a 32,768-token prompt: block 16 and 32, 1 and 4 ranks;
   every object hits (the longest window, the most work);
 * growth with prompt length (2K, 8K, 32K tokens) at block 16, one rank;
-* store planning for 256 requests in one scheduler step;
+* the store step (:func:`store_step_section`): 256 new 1,024-token requests, block 16
+  and 32, TP1 and TP4, CPU time per step (``time.thread_time_ns``, GC on) and GC
+  collections per step, umbp vs the reference scheduler (vLLM 0.33's UMBP
+  connector, on the same requests, its plans checked identical) in one run;
 * admission CPU time (:func:`admission_section`): the same lookup -> load plan as
   the engine's scheduler thread pays for it, CPU time per call
   (``time.thread_time_ns``, GC on), median of many calls, against the issue's
@@ -22,13 +25,17 @@ comparable across machines. Figures:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,13 +48,14 @@ from umbp.core.lookup import (
 )
 from umbp.core.plans import (
     BlockLoadBatch,
+    StoreTracker,
     apply_store_masks,
     load_batch,
     save_watermark,
     storable_tokens,
     store_candidate_ranges,
 )
-from umbp.core.store_events import StoreEvent, pinned_block_ids
+from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
 from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
 
 
@@ -185,48 +193,302 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
     }
 
 
-def store_step_case(requests: int, budget_s: float) -> dict[str, float]:
-    """One scheduler step: ``requests`` chunked prefills of 512 new tokens each on a
-    4,096-token prompt, 1,024 of them restored from the pool (so a residency check
-    runs), against 1,000 identities reserved by in-flight events."""
-    block_size = 16
-    geometry = geometry_for(block_size)
-    keyspace = KeySpace("bench-namespace-0123", RankTopology())
-    prompt = 4096
-    chunk = 512
-    per_request = []
-    for index in range(requests):
-        hashes = block_hashes(prompt // block_size, salt=index.to_bytes(4, "big"))
-        table = (tuple(range(index * 300 + 1, index * 300 + 1 + prompt // block_size)),)
-        previous = (index % 6) * chunk
-        per_request.append((f"req-{index}", hashes, table, previous, 1024))
-    reserved = frozenset((0, h) for h in block_hashes(1000, salt=b"reserved"))
+# ------------------------------------------------------------ store step CPU time
 
-    def plan_step() -> StoreEvent:
-        # The shell's sequence: every request's candidates, one residency check
-        # for the step (every cached block resident), then the batches.
-        candidates: list[StoreCandidates] = []
-        for request_id, hashes, table, previous, cached in per_request:
-            limit = storable_tokens(previous + chunk, len(hashes), block_size)
-            save_to = save_watermark(previous, limit, block_size)
-            ranges = store_candidate_ranges(geometry, previous, save_to, table, frozenset())
-            selected = apply_store_masks(ranges, {}).unwrap()
-            candidates.append(StoreCandidates(request_id, selected, table, hashes, cached))
-        check = residency_check(geometry, keyspace, candidates, reserved)
-        planned = plan_stores(geometry, candidates, check, (True,) * len(check.keys), reserved)
-        event = StoreEvent(0, planned.batches)
-        pinned_block_ids(event)
-        return event
 
-    event = plan_step()
-    stored_blocks = sum(len(batch) for batch in event.batches)
-    total_us = measure_us(plan_step, budget_s)
-    return {
-        "requests": requests,
-        "stored_blocks": stored_blocks,
-        "total_us": total_us,
-        "per_request_us": total_us / requests,
+STORE_TARGET_US_PER_BLOCK = 0.35
+STORE_P90_TARGET = 1.5
+STORE_REQUESTS = 256
+STORE_TOKENS = 1024
+VLLM033_DIR = Path(__file__).resolve().parents[1] / ".vllm-0.33.0"
+
+
+@dataclass(frozen=True)
+class StoreStepInput:
+    """One scheduler step's new requests as vLLM hands them over: per request its
+    id, block hashes (a list, as ``Request.block_hashes``) and block table (a
+    tuple of lists, as ``NewRequestData.block_ids``)."""
+
+    block_size: int
+    tp: int
+    tokens: int
+    requests: tuple[tuple[str, list[bytes], tuple[list[int], ...]], ...]
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(table[0]) for _, _, table in self.requests)
+
+
+def store_step_input(
+    block_size: int, tp: int, requests: int = STORE_REQUESTS, tokens: int = STORE_TOKENS,
+) -> StoreStepInput:
+    per_request = tokens // block_size
+    return StoreStepInput(block_size, tp, tokens, tuple(
+        (
+            f"req-{index}",
+            list(block_hashes(per_request, salt=index.to_bytes(4, "big"))),
+            ([index * per_request + block + 1 for block in range(per_request)],),
+        )
+        for index in range(requests)
+    ))
+
+
+def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
+    """umbp's store step for new requests as the shell runs it (``build_connector_meta``
+    -> ``_new_request_candidates`` -> ``_store_pass`` -> the event's pins): the
+    in-flight reservations, per request the table and hashes copied out of vLLM's
+    objects, the tracker, watermark, candidates and masks (full attention: vLLM's
+    mask is None), one residency check, the batches, the event and its pins.
+    ``prepare()`` resets the trackers (untimed) and returns the timed call."""
+    geometry = geometry_for(step.block_size)
+    keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=step.tp))
+    block_size = geometry.hash_block_size
+    allocated = {
+        request_id: StoreTracker().with_blocks_replaced(table)
+        for request_id, _, table in step.requests
     }
+    in_flight: tuple[StoreEvent, ...] = ()
+
+    def prepare() -> Callable[[], object]:
+        trackers = dict(allocated)
+
+        def run() -> object:
+            reserved = reserved_identities(in_flight)
+            candidates: list[StoreCandidates] = []
+            for request_id, request_hashes, block_ids in step.requests:
+                tracker = trackers[request_id].with_cached_tokens(0)
+                table = tuple(tuple(group) for group in block_ids)
+                hashes = tuple(request_hashes)
+                storable = storable_tokens(step.tokens, len(hashes), block_size)
+                save_to = save_watermark(tracker.saved_tokens, storable, block_size)
+                ranges = store_candidate_ranges(
+                    geometry, tracker.saved_tokens, save_to, table, frozenset()
+                )
+                trackers[request_id] = tracker.with_saved_tokens(save_to)
+                masks = {group_id: None for group_id, _ in ranges}
+                selected = apply_store_masks(ranges, masks).unwrap()
+                candidates.append(
+                    StoreCandidates(request_id, selected, table, hashes, tracker.cached_tokens)
+                )
+            check = residency_check(geometry, keyspace, candidates, reserved)
+            answers = (True,) * len(check.keys) if check.keys else None
+            planned = plan_stores(geometry, candidates, check, answers, reserved)
+            event = StoreEvent(0, planned.batches)
+            pinned_block_ids(event)
+            return event
+
+        return run
+
+    return prepare
+
+
+ReferencePlans = dict[str, tuple[tuple[int, ...], tuple[bytes, ...]]]
+
+
+def reference_store_step(
+    step: StoreStepInput,
+) -> tuple[Callable[[], Callable[[], object]], Callable[[object], ReferencePlans]] | str:
+    """The reference's store step on the same requests: vLLM 0.33's UMBP
+    connector scheduler (``UMBPStoreConnectorScheduler.build_connector_meta``)
+    with vLLM's own objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``),
+    from the vLLM 0.33 code ``make test`` extracts into ``.vllm-0.33.0``.
+    ``prepare()`` admits every request again (``update_state_after_alloc``,
+    untimed) and returns the timed call. A sentence instead when it cannot run."""
+    if not VLLM033_DIR.is_dir():
+        return f"no {VLLM033_DIR.name} (make test extracts vLLM 0.33's code there)"
+    if "vllm" in sys.modules and not sys.modules["vllm"].__file__.startswith(str(VLLM033_DIR)):
+        return "another vLLM is already imported in this process"
+    sys.path.insert(0, str(VLLM033_DIR))
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+        BlockIdentityCodec,
+        UMBPNamespace,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+        RankTopology as ReferenceTopology,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.scheduler import (
+        UMBPStoreConnectorScheduler,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=step.block_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="UMBPStoreConnector",
+            kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.umbp",
+            kv_role="kv_both",
+        ),
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=step.blocks + 1,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
+            block_size=step.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
+        ))],
+    )
+    scheduler = UMBPStoreConnectorScheduler(
+        config, kv_cache_config, None,
+        BlockIdentityCodec(UMBPNamespace("bench-namespace-0123")),
+        ReferenceTopology(tp_size=step.tp),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    admitted = []
+    new_requests = []
+    for request_id, request_hashes, block_ids in step.requests:
+        request = Request(request_id, [1] * step.tokens, params, None)
+        request.block_hashes = request_hashes
+        blocks = KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in block_ids))
+        admitted.append((request, blocks))
+        new_requests.append(NewRequestData(
+            req_id=request_id, prompt_token_ids=request.prompt_token_ids, mm_features=[],
+            sampling_params=params, pooling_params=None, block_ids=block_ids,
+            num_computed_tokens=0, lora_request=None,
+        ))
+    output = SchedulerOutput(
+        scheduled_new_reqs=new_requests,
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={request_id: step.tokens for request_id, _, _ in step.requests},
+        total_num_scheduled_tokens=step.tokens * len(step.requests),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+    def prepare() -> Callable[[], object]:
+        scheduler._request_trackers.clear()
+        scheduler._store_events.clear()
+        for request, blocks in admitted:
+            scheduler.update_state_after_alloc(request, blocks, 0)
+        return lambda: scheduler.build_connector_meta(output)
+
+    def plans_of(meta: object) -> ReferencePlans:
+        return {
+            request_id: (tuple(batch.block_ids), tuple(batch.block_hashes))
+            for request_id, batch in meta.store_requests.items()  # type: ignore[attr-defined]
+        }
+
+    return prepare, plans_of
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU time per step (ns) and garbage collections (every generation) per step."""
+
+    samples_ns: tuple[int, ...]
+    collections: tuple[int, ...]
+
+    @property
+    def median_ns(self) -> float:
+        return statistics.median(self.samples_ns)
+
+    @property
+    def p90_ns(self) -> float:
+        return statistics.quantiles(self.samples_ns, n=10)[-1]
+
+    @property
+    def collections_per_step(self) -> float:
+        return statistics.mean(self.collections)
+
+
+def cpu_times_per_step(
+    prepares: dict[str, Callable[[], Callable[[], object]]], rounds: int
+) -> dict[str, CpuTimes]:
+    """This thread's CPU time per call of each entry (``time.thread_time_ns``: time
+    other sessions take from the machine is not counted), GC on as the engine runs,
+    entries alternating in rotating order round by round; ``prepare()`` is untimed."""
+    names = list(prepares)
+    for name in names:  # warm up
+        prepares[name]()()
+    samples: dict[str, list[int]] = {name: [] for name in names}
+    collections: dict[str, list[int]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            call = prepares[name]()
+            before = sum(generation["collections"] for generation in gc.get_stats())
+            started = time.thread_time_ns()
+            call()
+            samples[name].append(time.thread_time_ns() - started)
+            collections[name].append(
+                sum(generation["collections"] for generation in gc.get_stats()) - before
+            )
+    return {name: CpuTimes(tuple(samples[name]), tuple(collections[name])) for name in names}
+
+
+def store_step_section(quick: bool) -> dict[str, object]:
+    """The store step of 256 new 1,024-token requests (one full-attention group)
+    at block 16 and 32, TP1 and TP4, umbp vs the reference in one run, with the
+    plans checked identical; then umbp's growth with the step's blocks."""
+    rounds = 15 if quick else 200
+    print(f"store step, {STORE_REQUESTS} new requests x {STORE_TOKENS:,} tokens, one "
+          f"full-attention group: thread CPU time per step, GC on, {rounds} interleaved "
+          "steps each")
+    print(f"{'block':>5} {'ranks':>5} {'blocks':>6} | {'umbp p50':>9} {'p90':>7} {'us/blk':>6} "
+          f"{'gc':>4} | {'ref p50':>9} {'p90':>7} {'us/blk':>6} {'gc':>4} | {'umbp/ref':>8}")
+    rows: list[dict[str, object]] = []
+    unavailable = ""
+    for block_size in (16, 32):
+        for tp in (1, 4):
+            step = store_step_input(block_size, tp)
+            prepares = {"umbp": umbp_store_step(step)}
+            reference = reference_store_step(step) if not unavailable else unavailable
+            if isinstance(reference, str):
+                unavailable = reference
+            else:
+                prepare_reference, plans_of = reference
+                prepares["reference"] = prepare_reference
+                event = prepares["umbp"]()()
+                assert isinstance(event, StoreEvent)
+                ours = {b.request_id: (b.block_ids, b.block_hashes) for b in event.batches}
+                assert ours == plans_of(prepare_reference()()), "umbp and the reference disagree"
+            times = cpu_times_per_step(prepares, rounds)
+            row: dict[str, object] = {"block_size": block_size, "ranks": tp, "blocks": step.blocks}
+            line = f"{block_size:>5} {tp:>5} {step.blocks:>6}"
+            for name in ("umbp", "reference"):
+                if name not in times:
+                    line += f" | {'-':>9} {'-':>7} {'-':>6} {'-':>4}"
+                    continue
+                t = times[name]
+                row[name] = {"median_us": t.median_ns / 1e3, "p90_us": t.p90_ns / 1e3,
+                             "us_per_block": t.median_ns / 1e3 / step.blocks,
+                             "collections_per_step": t.collections_per_step}
+                line += (f" | {t.median_ns / 1e3:>7.0f}us {t.p90_ns / 1e3:>5.0f}us "
+                         f"{t.median_ns / 1e3 / step.blocks:>6.2f} {t.collections_per_step:>4.1f}")
+            if "reference" in times:
+                ratio = times["umbp"].median_ns / times["reference"].median_ns
+                row["umbp_over_reference"] = ratio
+                line += f" | {ratio:>7.2f}x"
+            rows.append(row)
+            print(line)
+    if unavailable:
+        print(f"reference not measured: {unavailable}")
+    head = rows[0]["umbp"]
+    assert isinstance(head, dict)
+    per_block, spread = head["us_per_block"], head["p90_us"] / head["median_us"]
+    print(f"block 16, TP1: {per_block:.3f} us per block (target <= {STORE_TARGET_US_PER_BLOCK}: "
+          f"{'met' if per_block <= STORE_TARGET_US_PER_BLOCK else 'NOT met'}), p90 {spread:.2f}x "
+          f"the median (target <= {STORE_P90_TARGET}x: "
+          f"{'met' if spread <= STORE_P90_TARGET else 'NOT met'})")
+    growth = []
+    for requests in (64, 256, 1024):
+        step = store_step_input(16, 1, requests=requests)
+        t = cpu_times_per_step({"umbp": umbp_store_step(step)}, rounds)["umbp"]
+        growth.append({"requests": requests, "blocks": step.blocks,
+                       "us_per_block": t.median_ns / 1e3 / step.blocks})
+    print("growth at block 16, TP1 (umbp): " + ", ".join(
+        f"{g['requests']} requests {g['us_per_block']:.3f} us/block" for g in growth))
+    return {"rounds": rounds, "rows": rows, "growth": growth,
+            "reference_unavailable": unavailable or None}
 
 
 # ------------------------------------------------------ admission CPU time
@@ -236,13 +498,13 @@ ADMISSION_TARGET_MS = 0.15
 TP4_PER_KEY_TARGET = 1.5
 
 
-def cpu_median_ns(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def cpu_median_ns(calls: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
     """Median CPU ns of this thread per call of each entry, GC on (as the engine
     runs), timed in rotating order round by round so load on the machine hits all."""
     names = list(calls)
     for name in names:
         calls[name]()
-    samples: dict[str, list[int]] = {name: [] for name in names}
+    samples: dict[Any, list[int]] = {name: [] for name in names}
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -295,24 +557,30 @@ def admission_section(quick: bool) -> dict[str, object]:
     print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'keys':>6} {'admission':>10} "
           f"{'lookup':>9} {'ns/key':>7} {'keys alone':>10} {'baseline':>9} {'speed-up':>8}")
     rows: list[dict[str, float]] = []
-    for num_tokens, block_size, tp in (
-        (32768, 32, 1), (32768, 32, 4), (32768, 16, 1), (32768, 16, 4),
-        (2048, 16, 1), (8192, 16, 1),
+    # Cases that are compared (TP4 with TP1, prompt lengths) are timed together,
+    # round by round, so their ratios see the same load on the machine.
+    for group in (
+        ((32768, 32, 1), (32768, 32, 4)),
+        ((2048, 16, 1), (8192, 16, 1), (32768, 16, 1), (32768, 16, 4)),
     ):
-        calls = admission_calls(num_tokens, block_size, tp)
-        keys = (num_tokens // block_size - 1) * tp
+        calls = {(case, name): call for case in group
+                 for name, call in admission_calls(*case).items()}
         medians = cpu_median_ns(calls, rounds)
-        row = {"tokens": num_tokens, "block_size": block_size, "ranks": tp, "keys": keys,
-               "blocks": num_tokens // block_size,
-               "admission_us": medians["admission"] / 1e3, "lookup_us": medians["lookup"] / 1e3,
-               "lookup_ns_per_key": medians["lookup"] / keys,
-               "baseline_us": medians["baseline"] / 1e3,
-               "key_strings_us": medians["key_strings"] / 1e3}
-        rows.append(row)
-        print(f"{num_tokens:>7} {block_size:>5} {tp:>5} {keys:>6} {row['admission_us']:>8.0f}us "
-              f"{row['lookup_us']:>7.0f}us {row['lookup_ns_per_key']:>7.0f} "
-              f"{row['key_strings_us']:>8.0f}us "
-              f"{row['baseline_us']:>7.0f}us {row['baseline_us'] / row['admission_us']:>7.1f}x")
+        for num_tokens, block_size, tp in group:
+            case = (num_tokens, block_size, tp)
+            keys = (num_tokens // block_size - 1) * tp
+            row = {"tokens": num_tokens, "block_size": block_size, "ranks": tp, "keys": keys,
+                   "blocks": num_tokens // block_size,
+                   "admission_us": medians[(case, "admission")] / 1e3,
+                   "lookup_us": medians[(case, "lookup")] / 1e3,
+                   "lookup_ns_per_key": medians[(case, "lookup")] / keys,
+                   "baseline_us": medians[(case, "baseline")] / 1e3,
+                   "key_strings_us": medians[(case, "key_strings")] / 1e3}
+            rows.append(row)
+            print(f"{num_tokens:>7} {block_size:>5} {tp:>5} {keys:>6} "
+                  f"{row['admission_us']:>8.0f}us {row['lookup_us']:>7.0f}us "
+                  f"{row['lookup_ns_per_key']:>7.0f} {row['key_strings_us']:>8.0f}us "
+                  f"{row['baseline_us']:>7.0f}us {row['baseline_us'] / row['admission_us']:>7.1f}x")
     by_case = {(r["tokens"], r["block_size"], r["ranks"]): r for r in rows}
     case = by_case[(32768, 32, 1)]
     target = case["admission_us"] / 1e3
@@ -335,8 +603,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
+    parser.add_argument("--store-only", action="store_true", help="only the store step")
     args = parser.parse_args(argv)
     budget = 0.3 if args.quick else 1.0
+    if args.store_only:
+        store = store_step_section(args.quick)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"store_step": store}, indent=2))
+        return 0
 
     print(f"python {sys.version.split()[0]}; times are the best of 5 runs, microseconds per call")
     print()
@@ -371,12 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"(blocks grow {growth[-1]['blocks'] / growth[0]['blocks']:.0f}x)")
     print()
-    store = store_step_case(256, budget)
-    print("store planning, one step of 256 requests (512 new tokens each, residency check)")
-    print(
-        f"  {store['total_us']:.0f} us per step, {store['per_request_us']:.1f} us per request, "
-        f"{store['stored_blocks']} blocks planned"
-    )
+    store = store_step_section(args.quick)
     print()
     admission = admission_section(args.quick)
     if args.json is not None:
