@@ -213,8 +213,8 @@ def cpu_medians(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def rank_case(block_size: int, ranks: int, rounds: int) -> tuple[int, dict[str, float]]:
-    """(keys asked, median ns per lookup by key name and by position)."""
+def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[], object]], list[SlabPool]]:
+    """(keys asked, the lookup routed by key name and by position, the pools to close)."""
     geometry = LookupGeometry(
         group_ids=(0,), group_block_sizes=(block_size,), lookup_units=(block_size,),
         block_size=block_size, hash_block_size=block_size,
@@ -244,23 +244,32 @@ def rank_case(block_size: int, ranks: int, rounds: int) -> tuple[int, dict[str, 
     expected = by_position()
     if by_name() != expected or expected != ((True,) * held + (False,) * (len(hashes) - 1 - held),):
         raise RuntimeError("routing by position and by key name disagree")
-    try:
-        return len(query.keys), cpu_medians({"by_name": by_name, "by_position": by_position}, rounds)
-    finally:
-        for pool in pools:
-            pool.close()
+    return len(query.keys), {"by_name": by_name, "by_position": by_position}, pools
 
 
 def measure_ranks(rounds: int) -> list[RankRow]:
+    """Per block size, TP1 and TP4 timed together, round by round, so the per-key
+    ratio between them sees the same load on the machine."""
     rows: list[RankRow] = []
     for block_size in (32, 16):
-        tp1_per_key = 0.0
+        keys: dict[int, int] = {}
+        calls: dict[str, Callable[[], object]] = {}
+        pools: list[SlabPool] = []
         for ranks in (1, 4):
-            keys, medians = rank_case(block_size, ranks, rounds)
-            per_key = medians["by_position"] / keys
-            tp1_per_key = tp1_per_key or per_key
-            rows.append(RankRow(block_size, ranks, keys, medians["by_name"] / 1e3,
-                                medians["by_position"] / 1e3, per_key, per_key / tp1_per_key))
+            keys[ranks], rank_calls_, rank_pools = rank_calls(block_size, ranks)
+            calls.update({f"{name}/{ranks}": call for name, call in rank_calls_.items()})
+            pools.extend(rank_pools)
+        try:
+            medians = cpu_medians(calls, rounds)
+        finally:
+            for pool in pools:
+                pool.close()
+        tp1_per_key = medians["by_position/1"] / keys[1]
+        for ranks in (1, 4):
+            per_key = medians[f"by_position/{ranks}"] / keys[ranks]
+            rows.append(RankRow(block_size, ranks, keys[ranks], medians[f"by_name/{ranks}"] / 1e3,
+                                medians[f"by_position/{ranks}"] / 1e3, per_key,
+                                per_key / tp1_per_key))
     return rows
 
 
