@@ -1,0 +1,124 @@
+"""Admission CPU time of this checkout's ``umbp.core`` against an earlier commit's, in one run.
+
+    python benchmarks/admission_ab.py --before REV [--rounds N] [--json FILE]
+
+``git archive REV umbp/core`` is unpacked into a temporary directory as the package
+``umbp_before.core`` (core is pure, so it needs nothing else), and both versions'
+admission (lookup keys, per-rank fold, hit window, load plan for a prompt whose
+every object hits) and lookup part (keys and fold) are timed call by call,
+interleaved in rotating order, in this one process: CPU time of this thread per call
+(``time.thread_time_ns``), GC on, median of ``--rounds`` calls. Prints the medians
+and each case's after/before ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import io
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = ((32768, 32, 1), (32768, 32, 4), (32768, 16, 1), (32768, 16, 4), (8192, 32, 1))
+_IMPORT = re.compile(r"^(\s*(?:from|import) )umbp(?=[. ])", re.MULTILINE)
+
+
+def unpack_before(rev: str, into: Path) -> None:
+    """``umbp/core`` of ``rev`` as the package ``umbp_before.core`` under ``into``."""
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "umbp/core"], cwd=ROOT, check=True,
+        capture_output=True,
+    ).stdout
+    package = into / "umbp_before"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not member.name.endswith(".py"):
+                continue
+            extracted = tar.extractfile(member)
+            assert extracted is not None
+            source = _IMPORT.sub(r"\1umbp_before", extracted.read().decode())
+            (package / "core" / Path(member.name).name).write_text(source)
+
+
+def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
+    identity: Any = importlib.import_module(f"{package}.core.identity")
+    lookup: Any = importlib.import_module(f"{package}.core.lookup")
+    plans: Any = importlib.import_module(f"{package}.core.plans")
+    geometry = lookup.LookupGeometry((0,), (block_size,), (block_size,), block_size, block_size)
+    keyspace = identity.KeySpace("bench-namespace-0123", identity.RankTopology(tp_size=tp))
+    hashes = tuple(hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(num_tokens // block_size))
+    table = (tuple(range(1, num_tokens // block_size + 1)),)
+    answers = (True,) * len(lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens).keys)
+
+    def lookup_part() -> object:
+        query = lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
+        return lookup.fold_rank_hits(query, answers)
+
+    def admission() -> object:
+        query = lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
+        folded = lookup.fold_rank_hits(query, answers)
+        spec = lookup.single_group_load_spec(geometry, query, folded)
+        return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
+
+    return {"admission": admission, "lookup": lookup_part}
+
+
+def interleaved_cpu_medians(calls: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    samples: dict[Any, list[int]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.thread_time_ns()
+            calls[name]()
+            samples[name].append(time.thread_time_ns() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="the commit to compare with")
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="umbp-ab-") as scratch:
+        unpack_before(args.before, Path(scratch))
+        sys.path.insert(0, scratch)
+        print(f"admission CPU time, this checkout vs {args.before}: thread CPU per call, GC on, "
+              f"median of {args.rounds} interleaved calls; every object hits")
+        print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'part':>9} {'before':>9} {'after':>9} {'after/before':>12}")
+        for case in CASES:
+            calls = {(package, part): call for package in ("umbp_before", "umbp")
+                     for part, call in admission_calls(package, *case).items()}
+            medians = interleaved_cpu_medians(calls, args.rounds)
+            for part in ("admission", "lookup"):
+                before, after = medians[("umbp_before", part)] / 1e3, medians[("umbp", part)] / 1e3
+                rows.append({"tokens": case[0], "block_size": case[1], "ranks": case[2], "part": part,
+                             "before_us": before, "after_us": after})
+                print(f"{case[0]:>7} {case[1]:>5} {case[2]:>5} {part:>9} {before:>7.0f}us "
+                      f"{after:>7.0f}us {after / before:>12.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
