@@ -468,6 +468,7 @@ def apply_store_masks(
     malformed) is not a candidate again for that request.
     """
     selected: list[tuple[int, Sequence[int]]] = []
+    dropped = False
     for group_id, indices in ranges:
         mask = masks.get(group_id)
         if mask is None:
@@ -477,7 +478,13 @@ def apply_store_masks(
             return Failure(
                 f"store mask for group {group_id} has {len(mask)} entries for {len(indices)} blocks"
             )
-        selected.append((group_id, indices if all(mask) else tuple(compress(indices, mask))))
+        if all(mask):
+            selected.append((group_id, indices))
+        else:
+            dropped = True
+            selected.append((group_id, tuple(compress(indices, mask))))
+    if not dropped and isinstance(ranges, tuple):
+        return Success(ranges)  # every candidate kept: the ranges themselves
     return Success(tuple(selected))
 
 
