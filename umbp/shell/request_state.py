@@ -50,7 +50,9 @@ class RequestState:
         return self.request is not None and self.life.tracker is not None
 
     def with_life(self, life: RequestLifecycle) -> RequestState:
-        return replace(self, life=life)
+        if life is self.life:
+            return self
+        return RequestState(self.request, self.lookup, life)  # hot: no dataclasses.replace
 
     def without_lookup(self) -> RequestState:
         """The running lookup is dropped (its answer is not wanted any more)."""
