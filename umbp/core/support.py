@@ -9,7 +9,7 @@ were absent.
 
 vLLM does not record whether the user or vLLM switched prefix caching off; the
 shell tells the two apart by the model (``prefix_caching_possible``, see
-``umbp.shell.vllm_compat.prefix_caching_possible``).
+``umbp.shell.vllm_compat.support_inputs``).
 """
 
 from __future__ import annotations

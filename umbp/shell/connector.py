@@ -53,7 +53,7 @@ def engine_support(vllm_config: Any, kv_cache_config: Any) -> Support:
 def _recompute_failed_loads(vllm_config: Any) -> None:
     """umbp is a cache: a failed load must cost a recompute, never the request."""
     transfer = vllm_config.kv_transfer_config
-    if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+    if transfer.kv_load_failure_policy != "recompute":
         logger.info("umbp sets kv_load_failure_policy=recompute: a failed load is recomputed")
         transfer.kv_load_failure_policy = "recompute"
 

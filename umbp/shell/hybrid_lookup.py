@@ -141,11 +141,8 @@ class HybridLookup:
             kv_cache_groups=[groups[group_id] for group_id in geometry.group_ids],
             num_blocks=1,
         )
-        model_config = getattr(vllm_config, "model_config", None)
-        max_model_len = int(
-            getattr(
-                model_config, "max_model_len", kv_cache_config.num_blocks * geometry.block_size
-            )
+        max_model_len = vllm_compat.max_model_len(vllm_config) or (
+            kv_cache_config.num_blocks * geometry.block_size
         )
         required: dict[str, object] = {
             "kv_cache_config": lookup_config,
@@ -163,12 +160,9 @@ class HybridLookup:
             "hash_block_size": geometry.hash_block_size,
         }
         optional: dict[str, object] = {
-            "num_prefill_lookahead": int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0)),
+            **vllm_compat.coordinator_lookahead(vllm_config),
             "allow_partial_hash_hits": enable_partial_hash_hits,
         }
-        hash_lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", None)
-        if hash_lookahead is not None:
-            optional["num_hash_lookahead_tokens"] = int(hash_lookahead)
         parameters = inspect.signature(get_kv_cache_coordinator).parameters
         coordinator = get_kv_cache_coordinator(
             **coordinator_arguments(parameters, required, optional)
@@ -180,8 +174,8 @@ class HybridLookup:
             manager._null_block = pool.null_block
         self._coordinator: Any = coordinator
         self._pool = pool
-        self.allows_partial_hash_hits: bool = bool(
-            getattr(coordinator, "enable_partial_hash_hits", False)
+        self.allows_partial_hash_hits: bool = vllm_compat.coordinator_allows_partial_hash_hits(
+            coordinator
         )
         """Whether the coordinator probes hash-block boundaries inside a group's
         blocks (vLLM allows it only with Mamba "align" groups and fine-grained

@@ -18,6 +18,7 @@ from umbp.core.plans import StoreBatch
 from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
 from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
+from umbp.shell import vllm_compat
 
 CHECK_BATCH = 256
 RECHECK_PUBLISHED_EVERY_S = 1.0
@@ -134,6 +135,6 @@ def _to_vllm(event: core_events.KvEvent) -> Any:
         "group_idx": event.group_id,
         "locality": "LOCAL",
     }
-    if "lookahead_token_ids" in getattr(BlockStored, "__struct_fields__", ()):
+    if vllm_compat.block_stored_takes_lookahead(BlockStored):
         fields["lookahead_token_ids"] = []  # vLLM 0.33: a stored block has no lookahead
     return BlockStored(**fields)

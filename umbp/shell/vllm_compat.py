@@ -389,6 +389,39 @@ def kv_role(vllm_config: Any) -> str | None:
     return None if role is None else str(role)
 
 
+def runs_in_one_process(vllm_config: Any) -> bool:
+    """Whether the engine's workers share the scheduler's process (the "uni"
+    executor); any other backend needs a pool other processes can map."""
+    return bool(vllm_config.parallel_config.distributed_executor_backend == "uni")
+
+
+def max_model_len(vllm_config: Any) -> int | None:
+    """The model's context length; None for a config without a model (a bare
+    ``VllmConfig()``)."""
+    model = vllm_config.model_config
+    return None if model is None else int(model.max_model_len)
+
+
+def coordinator_lookahead(vllm_config: Any) -> dict[str, int]:
+    """The lookahead arguments of vLLM's cache coordinator: 0.32 takes the prefill
+    lookahead only, 0.33 also a hash lookahead."""
+    lookahead = {"num_prefill_lookahead": int(vllm_config.num_prefill_lookahead_tokens)}
+    if hasattr(type(vllm_config), "num_hash_lookahead_tokens"):
+        lookahead["num_hash_lookahead_tokens"] = int(vllm_config.num_hash_lookahead_tokens)
+    return lookahead
+
+
+def coordinator_allows_partial_hash_hits(coordinator: Any) -> bool:
+    """0.33's coordinator records whether it probes hash-block boundaries inside a
+    group's blocks; 0.32's never does."""
+    return bool(getattr(coordinator, "enable_partial_hash_hits", False))
+
+
+def block_stored_takes_lookahead(block_stored: type) -> bool:
+    """vLLM 0.33's ``BlockStored`` event has a ``lookahead_token_ids`` field."""
+    return "lookahead_token_ids" in getattr(block_stored, "__struct_fields__", ())
+
+
 def world_size(vllm_config: Any) -> int:
     """Workers that report every store event."""
     return int(vllm_config.parallel_config.world_size)

@@ -104,9 +104,10 @@ class UMBPWorker:
         self._object_bytes = {g: copier.object_bytes for g, copier in self._copiers.items()}
         object_sizes = [copier.object_bytes for copier in self._copiers.values()]
         page_bytes = pool_page_bytes(self._config.page_bytes, object_sizes)
-        executor = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
         self._backend = open_worker_backend(
-            self._config, page_bytes, serve_other_processes=executor != "uni"
+            self._config,
+            page_bytes,
+            serve_other_processes=not vllm_compat.runs_in_one_process(self._vllm_config),
         )
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
