@@ -27,7 +27,7 @@ from umbp.core.plans import (
     StoreSelection,
     store_batch,
 )
-from umbp.core.rank_keys import KeyLayout, fold_ranks
+from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
     "ResidencyCheck",
@@ -108,16 +108,16 @@ def residency_check(
                 if identity not in reserved:
                     seen[identity] = None
     identities = tuple(seen)
-    coords = keyspace.topology.coords()
-    prefixes = {
-        group_id: [keyspace.key(rank, group_id, b"") for rank in coords]
-        for group_id in geometry.group_ids
-    }
+    rank_count = keyspace.topology.rank_count
+    prefixes = {group_id: rank_prefixes(keyspace, group_id) for group_id in geometry.group_ids}
     keys: list[str] = []
     for group_id, block_hash in identities:
         digest = block_hash.hex()
         keys.extend(prefix + digest for prefix in prefixes[group_id])
-    return ResidencyCheck(identities, tuple(keys), len(coords))
+    # Object-major with its layout, so a per-rank router slices it and never
+    # parses a key.
+    ranked = RankedKeys(keys, KeyLayout.objects(len(identities), rank_count), rank_tags(keyspace))
+    return ResidencyCheck(identities, ranked, rank_count)
 
 
 def resident_blocks_from_hits(
