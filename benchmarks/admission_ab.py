@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -58,7 +59,9 @@ def unpack_before(rev: str, into: Path) -> None:
 def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
     identity: Any = importlib.import_module(f"{package}.core.identity")
     lookup: Any = importlib.import_module(f"{package}.core.lookup")
-    plans: Any = importlib.import_module(f"{package}.core.plans")
+    # Load plans were in core.plans before that module was split.
+    plans_module = "load_plans" if importlib.util.find_spec(f"{package}.core.load_plans") else "plans"
+    plans: Any = importlib.import_module(f"{package}.core.{plans_module}")
     geometry = lookup.LookupGeometry((0,), (block_size,), (block_size,), block_size, block_size)
     keyspace = identity.KeySpace("bench-namespace-0123", identity.RankTopology(tp_size=tp))
     hashes = tuple(hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(num_tokens // block_size))

@@ -40,23 +40,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from umbp.core.identity import KeySpace, RankTopology
+from umbp.core.load_plans import BlockLoadBatch, load_batch
 from umbp.core.lookup import (
     LookupGeometry,
     build_lookup_query,
     fold_rank_hits,
     single_group_load_spec,
 )
-from umbp.core.plans import (
-    BlockLoadBatch,
+from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
+from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
+from umbp.core.store_plans import (
     StoreTracker,
     apply_store_masks,
-    load_batch,
     save_watermark,
     storable_tokens,
     store_candidate_ranges,
 )
-from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
-from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
 
 
 def measure_us(call: Callable[[], object], budget_s: float, repeats: int = 5) -> float:

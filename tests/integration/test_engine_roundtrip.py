@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from umbp.testing.engine import shared_prefix_prompts, unique_prompts
-
 from tests.integration.harness import run_scenario
+from umbp.testing.engine import shared_prefix_prompts, unique_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

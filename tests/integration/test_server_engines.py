@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from umbp.runtime.server.launch import start_server, stop_server
 
 from tests.integration.harness import run_scenario, start_scenario, wait_for_mark
+from umbp.runtime.server.launch import start_server, stop_server
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

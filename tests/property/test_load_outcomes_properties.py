@@ -39,7 +39,7 @@ from umbp.core.load_outcomes import (
     rows_by_group,
     unplanned_load_outcome,
 )
-from umbp.core.plans import BlockLoadBatch
+from umbp.core.load_plans import BlockLoadBatch
 
 statuses = st.sampled_from(list(LoadStatus))
 

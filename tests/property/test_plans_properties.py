@@ -1,4 +1,5 @@
-"""Properties of ``umbp.core.plans`` and ``umbp.core.store_events``."""
+"""Properties of the load, store and transfer plans (``umbp.core.*_plans``) and
+``umbp.core.store_events``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.property.strategies import (
     single_group_geometries,
     store_scenarios,
 )
+from umbp.core.load_plans import BlockLoadBatch, load_batch, plan_allocated_load
 from umbp.core.lookup import (
     NULL_BLOCK_ID,
     LoadSpec,
@@ -30,28 +32,6 @@ from umbp.core.lookup import (
     coordinator_hit_sets,
     fold_rank_hits,
     single_group_load_spec,
-)
-from umbp.core.plans import (
-    BlockLoadBatch,
-    BlockTransferPlan,
-    DropReason,
-    StoreBatch,
-    StoreTracker,
-    apply_store_masks,
-    boundary_state_plans,
-    eagle_store_groups,
-    finished_partial_tail_plans,
-    is_prefill,
-    load_batch,
-    plan_allocated_load,
-    save_watermark,
-    storable_tokens,
-    store_batch,
-    store_candidate_ranges,
-    store_token_limit,
-    stores_this_step,
-    stores_under_role,
-    transfer_batch,
 )
 from umbp.core.store_events import (
     StoreEvent,
@@ -67,6 +47,27 @@ from umbp.core.store_pass import (
     plan_stores,
     residency_check,
     resident_blocks_from_hits,
+)
+from umbp.core.store_plans import (
+    StoreBatch,
+    StoreTracker,
+    apply_store_masks,
+    eagle_store_groups,
+    is_prefill,
+    save_watermark,
+    storable_tokens,
+    store_batch,
+    store_candidate_ranges,
+    store_token_limit,
+    stores_this_step,
+    stores_under_role,
+)
+from umbp.core.transfer_plans import (
+    BlockTransferPlan,
+    DropReason,
+    boundary_state_plans,
+    finished_partial_tail_plans,
+    transfer_batch,
 )
 
 
@@ -500,7 +501,7 @@ def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it
         return batch, record
 
     fast, fast_record = plan()
-    with mock.patch("umbp.core.plans._contiguous_group_stores", no_contiguous_runs):
+    with mock.patch("umbp.core.store_plans._contiguous_group_stores", no_contiguous_runs):
         scanned, scanned_record = plan()
     assert fast == scanned
     assert fast_record == scanned_record
@@ -874,8 +875,8 @@ def test_stored_identities_exclude_every_failed_identity(
 def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
     table: list[int], start: int, length: int
 ) -> None:
-    from umbp.core.lookup import LookupGeometry
-    from umbp.core.plans import NULL_BLOCK_ID, window_block_ids
+    from umbp.core.load_plans import window_block_ids
+    from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
 
     geometry = LookupGeometry((0,), (32,), (32,), 32, 32)
     end = start + length

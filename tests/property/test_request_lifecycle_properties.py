@@ -18,14 +18,15 @@ from returns.result import Failure, Success
 
 from tests.property.strategies import block_tables, request_hashes, single_group_geometries
 from umbp.core import request_lifecycle as lifecycle
+from umbp.core.load_plans import BlockLoadBatch
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupSkip
-from umbp.core.plans import BlockLoadBatch, StoreTracker
 from umbp.core.request_lifecycle import (
     LookupAction,
     LookupProgress,
     RequestLifecycle,
 )
 from umbp.core.store_events import StoreEvent, StoreEventResult
+from umbp.core.store_plans import StoreTracker
 
 # ----------------------------------------------------------------- lookup steps
 

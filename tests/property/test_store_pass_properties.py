@@ -20,13 +20,13 @@ from tests.property.strategies import (
 )
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
-from umbp.core.plans import StoreBatch
 from umbp.core.store_pass import (
     StoreCandidates,
     plan_stores,
     residency_check,
     resident_blocks_from_hits,
 )
+from umbp.core.store_plans import StoreBatch
 
 
 def identities_of(batch: StoreBatch) -> list[Identity]:
@@ -240,6 +240,6 @@ def test_a_pass_with_contiguous_runs_plans_exactly_as_the_block_by_block_scan(
         return planned.batches, planned.skipped_resident
 
     fast = plan()
-    with mock.patch("umbp.core.plans._contiguous_group_stores", lambda *_: None):
+    with mock.patch("umbp.core.store_plans._contiguous_group_stores", lambda *_: None):
         scanned = plan()
     assert fast == scanned

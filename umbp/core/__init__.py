@@ -16,55 +16,63 @@ from umbp.core import (
     events,
     identity,
     load_outcomes,
+    load_plans,
     lookup,
     page_identity,
-    plans,
     rank_keys,
     request_lifecycle,
     stack_config,
     store_events,
     store_pass,
+    store_plans,
     support,
+    transfer_plans,
 )
 from umbp.core.config import *
 from umbp.core.events import *
 from umbp.core.identity import *
 from umbp.core.load_outcomes import *
+from umbp.core.load_plans import *
 from umbp.core.lookup import *
 from umbp.core.page_identity import *
-from umbp.core.plans import *
 from umbp.core.rank_keys import *
 from umbp.core.request_lifecycle import *
 from umbp.core.stack_config import *
 from umbp.core.store_events import *
 from umbp.core.store_pass import *
+from umbp.core.store_plans import *
 from umbp.core.support import *
+from umbp.core.transfer_plans import *
 
 __all__ = [
     "config",
     "events",
     "identity",
     "load_outcomes",
+    "load_plans",
     "lookup",
     "page_identity",
-    "plans",
     "rank_keys",
     "request_lifecycle",
     "stack_config",
     "store_events",
     "store_pass",
+    "store_plans",
     "support",
+    "transfer_plans",
 ]
 __all__ += config.__all__
 __all__ += events.__all__
 __all__ += identity.__all__
 __all__ += load_outcomes.__all__
+__all__ += load_plans.__all__
 __all__ += lookup.__all__
 __all__ += page_identity.__all__
-__all__ += plans.__all__
 __all__ += rank_keys.__all__
 __all__ += request_lifecycle.__all__
 __all__ += stack_config.__all__
 __all__ += store_events.__all__
 __all__ += store_pass.__all__
+__all__ += store_plans.__all__
 __all__ += support.__all__
+__all__ += transfer_plans.__all__

@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
 
 from returns.result import Failure, Result, Success
 
 __all__ = [
     "FORMAT_VERSION",
+    "Identity",
     "KEY_PREFIX",
     "CacheGroupShape",
     "KeyParts",
@@ -37,6 +38,10 @@ __all__ = [
     "rank_coord",
     "resolve_namespace",
 ]
+
+Identity: TypeAlias = tuple[int, bytes]
+"""One stored object, on any rank: ``(group_id, block_hash)``; each rank's key of
+it is :meth:`KeySpace.key`."""
 
 FORMAT_VERSION: Final = 1
 KEY_PREFIX: Final = "umbp"

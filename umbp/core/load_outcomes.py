@@ -18,7 +18,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from umbp.core.plans import BlockLoadBatch, Identity
+from umbp.core.identity import Identity
+from umbp.core.load_plans import BlockLoadBatch
 
 __all__ = [
     "DEFAULT_AUTO_PAGE_BYTES",

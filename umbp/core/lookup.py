@@ -32,13 +32,14 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from typing import Final
+from typing import Final, TypeAlias
 
 from umbp.core.identity import KeySpace
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
     "NULL_BLOCK_ID",
+    "BlockTable",
     "LoadSpec",
     "LookupGeometry",
     "LookupQuery",
@@ -61,6 +62,9 @@ __all__ = [
 
 NULL_BLOCK_ID: Final = 0
 """vLLM's null block: a placeholder in a block table that holds no KV."""
+
+BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
+"""Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
 
 
 @dataclass(frozen=True, slots=True)

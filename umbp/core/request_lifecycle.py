@@ -5,7 +5,7 @@ The scheduler shell keeps one :class:`RequestLifecycle` per request (inside its
 -> apply the result": which lookup step comes next, what an allocation plans, which
 loads a step forwards, what a preemption or a cache reset forgets, and which block
 table and token window a step stores from. The plans themselves come from
-:mod:`umbp.core.plans` and :mod:`umbp.core.lookup`; this module only sequences them.
+:mod:`umbp.core.load_plans`, :mod:`umbp.core.store_plans` and :mod:`umbp.core.lookup`; this module only sequences them.
 """
 
 from __future__ import annotations
@@ -17,20 +17,8 @@ from dataclasses import dataclass, replace
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery, LookupSkip
-from umbp.core.plans import (
-    BlockLoadBatch,
-    BlockTable,
-    StoreTracker,
-    UnplannedLoad,
-    apply_store_masks,
-    plan_allocated_load,
-    save_watermark,
-    storable_tokens,
-    store_candidate_ranges,
-    store_token_limit,
-    stores_this_step,
-)
+from umbp.core.load_plans import BlockLoadBatch, UnplannedLoad, plan_allocated_load
+from umbp.core.lookup import BlockTable, LoadSpec, LookupGeometry, LookupQuery, LookupSkip
 from umbp.core.store_events import (
     StoreEvent,
     StoreEventResult,
@@ -38,6 +26,15 @@ from umbp.core.store_events import (
     merge_store_results,
 )
 from umbp.core.store_pass import StoreCandidates
+from umbp.core.store_plans import (
+    StoreTracker,
+    apply_store_masks,
+    save_watermark,
+    storable_tokens,
+    store_candidate_ranges,
+    store_token_limit,
+    stores_this_step,
+)
 
 __all__ = [
     "AllocationOutcome",

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from umbp.core.plans import Identity, StoreBatch
+from umbp.core.identity import Identity
+from umbp.core.store_plans import StoreBatch
 
 __all__ = [
     "StoreEvent",

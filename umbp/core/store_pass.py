@@ -18,16 +18,10 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import compress
 
-from umbp.core.identity import KeySpace
-from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
-from umbp.core.plans import (
-    BlockTable,
-    Identity,
-    StoreBatch,
-    StoreSelection,
-    store_batch,
-)
+from umbp.core.identity import Identity, KeySpace
+from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
+from umbp.core.store_plans import StoreBatch, StoreSelection, store_batch
 
 __all__ = [
     "ResidencyCheck",
@@ -147,7 +141,7 @@ def plan_stores(
 
     An identity is planned once, by the first request that selects it, unless it
     is reserved or every rank holds it; null blocks and blocks past the hashes are
-    never planned (see :func:`umbp.core.plans.store_batch`).
+    never planned (see :func:`umbp.core.store_plans.store_batch`).
     """
     resident = resident_blocks_from_hits(check, answers)
     planned: dict[int, set[bytes]] = {}

@@ -14,9 +14,9 @@ from typing import Any
 
 from umbp.core import events as core_events
 from umbp.core.identity import KeySpace
-from umbp.core.plans import StoreBatch
 from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
+from umbp.core.store_plans import StoreBatch
 from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
 from umbp.shell import vllm_compat
 

@@ -13,8 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from umbp.core.identity import RankCoord
-from umbp.core.plans import BlockLoadBatch, StoreBatch
+from umbp.core.load_plans import BlockLoadBatch
 from umbp.core.store_events import StoreEventResult, merge_store_results
+from umbp.core.store_plans import StoreBatch
 from umbp.runtime.embedded import PoolAddress
 
 

@@ -19,12 +19,11 @@ from typing import Any
 from returns.result import Failure, Success
 
 from umbp.core import lookup as core_lookup
-from umbp.core import plans as core_plans
 from umbp.core import request_lifecycle as lifecycle
+from umbp.core import store_plans, transfer_plans
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
-from umbp.core.lookup import LoadSpec, LookupQuery
-from umbp.core.plans import BlockTable, StoreBatch
+from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
 from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
 from umbp.core.store_events import (
     StoreEvent,
@@ -32,6 +31,7 @@ from umbp.core.store_events import (
     pinned_block_ids,
     reserved_identities,
 )
+from umbp.core.store_plans import StoreBatch
 from umbp.runtime.backends import open_scheduler_store
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.runtime.lookup_service import rank_tag
@@ -90,7 +90,7 @@ class UMBPScheduler:
             self._single_group_window if self._hybrid is None else self._coordinated_window
         )
         # The drafter recomputes the last block of its groups: their masks drop it.
-        self._eagle_store_groups = core_plans.eagle_store_groups(
+        self._eagle_store_groups = store_plans.eagle_store_groups(
             vllm_compat.eagle_group_ids(kv_cache_config),
             self._geometry.group_ids, self._geometry.use_eagle,
         )
@@ -102,7 +102,7 @@ class UMBPScheduler:
         )
         if warning is not None:
             logger.warning("umbp: %s", warning)
-        self._store_enabled = core_plans.stores_under_role(active, vllm_compat.kv_role(vllm_config))
+        self._store_enabled = store_plans.stores_under_role(active, vllm_compat.kv_role(vllm_config))
         self._num_workers = vllm_compat.world_size(vllm_config)
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -276,7 +276,7 @@ class UMBPScheduler:
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
-        # A consumer stores nothing (core.plans.stores_under_role).
+        # A consumer stores nothing (core.store_plans.stores_under_role).
         stores = self._store_step.plan(
             scheduler_output, self._requests, reserved, preempted, self._store, self._keyspace
         ) if self._store_enabled else []
@@ -354,7 +354,7 @@ class UMBPScheduler:
             return False
         assert pool is not None  # registers_finished_tail requires a bound pool
         geometry = self._geometry
-        plans = core_plans.finished_partial_tail_plans(
+        plans = transfer_plans.finished_partial_tail_plans(
             request_id, geometry, offloads, _table(block_ids[g] for g in geometry.group_ids),
             tuple(request.block_hashes), request.num_computed_tokens,
             request.num_in_flight_tokens, self._full_attention_groups,
@@ -362,7 +362,7 @@ class UMBPScheduler:
         )
         match plans:
             case Success(tail):
-                batch = core_plans.transfer_batch(request_id, tail)
+                batch = transfer_plans.transfer_batch(request_id, tail)
                 self._pin(batch)
                 self._finished_tails[request_id] = batch
             case Failure(reason):

@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 from returns.result import Failure, Success
 
-from umbp.core import plans as core_plans
 from umbp.core import request_lifecycle as lifecycle
 from umbp.core import store_pass as core_store_pass
-from umbp.core.identity import KeySpace
-from umbp.core.lookup import LookupGeometry
-from umbp.core.plans import BlockTable, Identity, StoreBatch
+from umbp.core import transfer_plans
+from umbp.core.identity import Identity, KeySpace
+from umbp.core.lookup import BlockTable, LookupGeometry
 from umbp.core.request_lifecycle import StoreWindow
 from umbp.core.store_pass import ResidencyCheck, StoreCandidates
+from umbp.core.store_plans import StoreBatch
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.shell import vllm_compat
 from umbp.shell.request_state import UNKNOWN, RequestState
@@ -186,7 +186,7 @@ class StoreStep:
             and state.request is not None
         }
         geometry = self._geometry
-        plans, dropped = core_plans.boundary_state_plans(
+        plans, dropped = transfer_plans.boundary_state_plans(
             offloads, output.finished_req_ids, preempted, tracked,
             frozenset(geometry.group_ids), geometry.hash_block_size,
             dict(zip(geometry.group_ids, geometry.group_block_sizes)), self._events_enabled,
@@ -194,7 +194,7 @@ class StoreStep:
         for drop in dropped:
             logger.debug("umbp boundary offloads dropped request=%s entries=%d: %s",
                          drop.request_id, drop.entries, drop.reason.value)
-        return core_plans.transfer_batches(plans)
+        return transfer_plans.transfer_batches(plans)
 
 
 def _table(groups: Iterable[Iterable[int]]) -> BlockTable:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from umbp.core.config import ConnectorConfig
-from umbp.core.identity import KeySpace, RankCoord, resolve_namespace
+from umbp.core.identity import Identity, KeySpace, RankCoord, resolve_namespace
 from umbp.core.load_outcomes import (
     GroupLoadOutcome,
     LoadReport,
@@ -37,8 +37,9 @@ from umbp.core.load_outcomes import (
     rows_by_group,
     unplanned_load_outcome,
 )
-from umbp.core.plans import BlockLoadBatch, Identity, StoreBatch
+from umbp.core.load_plans import BlockLoadBatch
 from umbp.core.store_events import StoreEventResult
+from umbp.core.store_plans import StoreBatch
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import StagingRows
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
