@@ -20,18 +20,18 @@ import importlib.util
 import io
 import json
 import re
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
 CASES = ((32768, 32, 1), (32768, 32, 4), (32768, 16, 1), (32768, 16, 4), (8192, 32, 1))
 _IMPORT = re.compile(r"^(\s*(?:from|import) )umbp(?=[. ])", re.MULTILINE)
@@ -81,18 +81,6 @@ def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> 
     return {"admission": admission, "lookup": lookup_part}
 
 
-def interleaved_cpu_medians(calls: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
-    names = list(calls)
-    for name in names:
-        calls[name]()
-    samples: dict[Any, list[int]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            started = time.thread_time_ns()
-            calls[name]()
-            samples[name].append(time.thread_time_ns() - started)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for case in CASES:
             calls = {(package, part): call for package in ("umbp_before", "umbp")
                      for part, call in admission_calls(package, *case).items()}
-            medians = interleaved_cpu_medians(calls, args.rounds)
+            medians = interleaved_cpu_median_ns(calls, args.rounds)
             for part in ("admission", "lookup"):
                 before, after = medians[("umbp_before", part)] / 1e3, medians[("umbp", part)] / 1e3
                 rows.append({"tokens": case[0], "block_size": case[1], "ranks": case[2], "part": part,

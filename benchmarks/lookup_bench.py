@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
+
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
 from umbp.core.lookup import LookupGeometry, LookupQuery, build_lookup_query, fold_rank_hits
 from umbp.core.rank_keys import rank_tags
@@ -197,20 +199,6 @@ class RankRow:
     per_key_vs_tp1: float
 
 
-def cpu_medians(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median CPU nanoseconds of this thread per call of each entry (GC on, as the
-    engine runs), timed in rotating order round by round."""
-    names = list(calls)
-    for name in names:
-        calls[name]()
-    samples: dict[str, list[int]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            started = time.thread_time_ns()
-            calls[name]()
-            samples[name].append(time.thread_time_ns() - started)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[], object]], list[SlabPool]]:
@@ -260,7 +248,7 @@ def measure_ranks(rounds: int) -> list[RankRow]:
             calls.update({f"{name}/{ranks}": call for name, call in rank_calls_.items()})
             pools.extend(rank_pools)
         try:
-            medians = cpu_medians(calls, rounds)
+            medians = interleaved_cpu_median_ns(calls, rounds)
         finally:
             for pool in pools:
                 pool.close()

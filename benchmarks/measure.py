@@ -118,6 +118,23 @@ def time_alternately(
     return times
 
 
+def interleaved_cpu_median_ns(calls: Mapping[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
+    """Median CPU nanoseconds of this thread per call of each entry, GC on (as the
+    engine runs), after one warm-up call each; timed in rotating order round by round,
+    so load on the machine falls on every entry alike."""
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    samples: dict[Any, list[int]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.thread_time_ns()
+            calls[name]()
+            samples[name].append(time.thread_time_ns() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def copy_row_by_row(source: Any, destination: Any) -> Callable[[], None]:
     """The memcpy reference: numpy copies of the same objects, one by one."""
 

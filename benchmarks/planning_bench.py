@@ -35,9 +35,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.load_plans import BlockLoadBatch, load_batch
@@ -497,20 +498,6 @@ ADMISSION_TARGET_MS = 0.15
 TP4_PER_KEY_TARGET = 1.5
 
 
-def cpu_median_ns(calls: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
-    """Median CPU ns of this thread per call of each entry, GC on (as the engine
-    runs), timed in rotating order round by round so load on the machine hits all."""
-    names = list(calls)
-    for name in names:
-        calls[name]()
-    samples: dict[Any, list[int]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            started = time.thread_time_ns()
-            calls[name]()
-            samples[name].append(time.thread_time_ns() - started)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
@@ -564,7 +551,7 @@ def admission_section(quick: bool) -> dict[str, object]:
     ):
         calls = {(case, name): call for case in group
                  for name, call in admission_calls(*case).items()}
-        medians = cpu_median_ns(calls, rounds)
+        medians = interleaved_cpu_median_ns(calls, rounds)
         for num_tokens, block_size, tp in group:
             case = (num_tokens, block_size, tp)
             keys = (num_tokens // block_size - 1) * tp

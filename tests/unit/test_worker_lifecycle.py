@@ -30,20 +30,6 @@ BLOCK = 32
 
 
 @pytest.fixture
-def make_driver(model_dir: Path) -> Iterator[Any]:
-    drivers: list[Driver] = []
-
-    def make(**kwargs: Any) -> Driver:
-        driver = Driver(model_dir, **kwargs)
-        drivers.append(driver)
-        return driver
-
-    yield make
-    for driver in drivers:
-        driver.close()
-
-
-@pytest.fixture
 def server() -> Iterator[Any]:
     """A real ``umbp serve`` process on a short socket path (Unix sockets allow 108 bytes)."""
     from umbp.runtime.server.launch import start_server, stop_server
