@@ -15,12 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.unit import test_scheduler_lifecycle as lifecycle
 from tests.unit.test_scheduler_lifecycle import BLOCK, connector_stats, fill_pool, prompt
 from tests.unit.vllm_driver import Driver
-
-# The lifecycle tests' fixtures: a model config written once, drivers closed after.
-make_driver = lifecycle.make_driver
 
 pytestmark = pytest.mark.vllm_versions
 
