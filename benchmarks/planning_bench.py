@@ -153,20 +153,8 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
     query = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
     answers = (True,) * len(query.keys)  # what a runtime returns: a tuple of bools
 
-    def core_path() -> BlockLoadBatch:
-        q = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
-        folded = fold_rank_hits(q, answers)
-        assert folded is not None
-        spec = single_group_load_spec(geometry, q, folded)
-        assert spec is not None
-        return load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
-
-    def baseline() -> BlockLoadBatch:
-        return baseline_lookup_to_load(
-            geometry, keyspace, hashes, num_tokens, lambda n: (True,) * n, table[0]
-        )
-
-    assert core_path() == baseline(), "baseline and core disagree"
+    calls = admission_calls(num_tokens, block_size, tp)  # checks core == baseline
+    core_path, baseline = calls["admission"], calls["baseline"]
     folded = fold_rank_hits(query, answers)
     assert folded is not None
     spec = single_group_load_spec(geometry, query, folded)
