@@ -96,7 +96,7 @@ def gpu_like_kv_caches(model_dir: Path, kind: str, layout_name: str) -> tuple[An
     from vllm.v1.worker.utils import allocate_kv_cache
     from vllm.v1.worker.worker_base import record_kv_cache_layout
 
-    from umbp.shell import vllm_compat
+    from umbp.shell.vllm_compat import versions
 
     vllm_config = vllm_config_for(model_dir, max_model_len=256)
     record_kv_cache_layout(vllm_config.cache_config, layout_name)
@@ -104,7 +104,7 @@ def gpu_like_kv_caches(model_dir: Path, kind: str, layout_name: str) -> tuple[An
     memory = NUM_BLOCKS * sum(spec.page_size_bytes for spec in specs.values())
     if kind == "hybrid":  # groups share the bytes: one group's worth of pages
         memory = NUM_BLOCKS * max(spec.page_size_bytes for spec in specs.values()) * 2
-    worker_config, _ = vllm_compat.engine_kv_cache_configs(vllm_config, specs, memory)
+    worker_config, _ = versions.engine_kv_cache_configs(vllm_config, specs, memory)
     kv = allocate_kv_cache(worker_config, torch.device("cpu"), KVCacheLayout[layout_name])
     return worker_config, kv
 

@@ -146,6 +146,7 @@ class Driver:
 
         import umbp
         from umbp.shell import vllm_compat
+        from umbp.shell.vllm_compat import versions
 
         self.vllm_config = vllm_config_for(
             model_dir, block_size=block_size, max_model_len=max_model_len,
@@ -166,7 +167,7 @@ class Driver:
         specs = {name: spec(i) for i, name in enumerate(LAYERS)}
         resolve_layout(self.vllm_config, specs.values())
         page = next(iter(specs.values())).page_size_bytes
-        worker_config, scheduler_config = vllm_compat.engine_kv_cache_configs(
+        worker_config, scheduler_config = versions.engine_kv_cache_configs(
             self.vllm_config, specs, num_blocks * page * len(LAYERS)
         )
         self.kv_cache_config = scheduler_config

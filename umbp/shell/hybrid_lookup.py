@@ -28,6 +28,10 @@ from typing import Any
 from umbp.core import lookup as core_lookup
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
 from umbp.shell import vllm_compat
+from umbp.shell.vllm_compat.versions import (
+    coordinator_allows_partial_hash_hits,
+    coordinator_lookahead,
+)
 
 __all__ = ["HybridLookup", "LocalBlockProbe", "coordinator_arguments"]
 
@@ -160,7 +164,7 @@ class HybridLookup:
             "hash_block_size": geometry.hash_block_size,
         }
         optional: dict[str, object] = {
-            **vllm_compat.coordinator_lookahead(vllm_config),
+            **coordinator_lookahead(vllm_config),
             "allow_partial_hash_hits": enable_partial_hash_hits,
         }
         parameters = inspect.signature(get_kv_cache_coordinator).parameters
@@ -174,7 +178,7 @@ class HybridLookup:
             manager._null_block = pool.null_block
         self._coordinator: Any = coordinator
         self._pool = pool
-        self.allows_partial_hash_hits: bool = vllm_compat.coordinator_allows_partial_hash_hits(
+        self.allows_partial_hash_hits: bool = coordinator_allows_partial_hash_hits(
             coordinator
         )
         """Whether the coordinator probes hash-block boundaries inside a group's

@@ -18,7 +18,7 @@ from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
 from umbp.core.store_plans import StoreBatch
 from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
-from umbp.shell import vllm_compat
+from umbp.shell.vllm_compat.versions import block_stored_takes_lookahead
 
 CHECK_BATCH = 256
 RECHECK_PUBLISHED_EVERY_S = 1.0
@@ -135,6 +135,6 @@ def _to_vllm(event: core_events.KvEvent) -> Any:
         "group_idx": event.group_id,
         "locality": "LOCAL",
     }
-    if vllm_compat.block_stored_takes_lookahead(BlockStored):
+    if block_stored_takes_lookahead(BlockStored):
         fields["lookahead_token_ids"] = []  # vLLM 0.33: a stored block has no lookahead
     return BlockStored(**fields)

@@ -2,7 +2,7 @@
 
 Its decisions live in :class:`umbp.core.request_lifecycle.RequestLifecycle` and the
 functions beside it; this value adds only what core cannot hold: vLLM's request
-object (read through :class:`~umbp.shell.vllm_compat.RequestLike`) and a lookup
+object (read through :class:`~umbp.shell.vllm_compat.objects.RequestLike`) and a lookup
 running on the lookup thread pool.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from umbp.core.lookup import LookupQuery
 from umbp.core.request_lifecycle import LookupProgress, RequestLifecycle
-from umbp.shell.vllm_compat import RequestLike
+from umbp.shell.vllm_compat.objects import RequestLike
 
 
 @dataclass(frozen=True, slots=True)

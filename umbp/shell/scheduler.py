@@ -41,7 +41,7 @@ from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.request_state import UNKNOWN, PendingLookup, RequestState
 from umbp.shell.store_step import StoreStep
-from umbp.shell.vllm_compat import (
+from umbp.shell.vllm_compat.objects import (
     BlockPoolLike,
     ConnectorOutputLike,
     KVCacheBlocksLike,

@@ -28,7 +28,7 @@ from umbp.core.store_plans import StoreBatch
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.shell import vllm_compat
 from umbp.shell.request_state import UNKNOWN, RequestState
-from umbp.shell.vllm_compat import RequestLike, SchedulerOutputLike
+from umbp.shell.vllm_compat.objects import RequestLike, SchedulerOutputLike
 
 logger = logging.getLogger("umbp")
 

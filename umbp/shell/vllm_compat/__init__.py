@@ -1,148 +1,26 @@
-"""Everything umbp reads from vLLM's objects, in one place.
+"""Everything umbp reads from vLLM, in one package.
 
-vLLM objects are typed through small Protocols (only the attributes umbp reads)
-so the rest of the shell is checked by ``mypy --strict`` without importing
-vLLM's own types. Differences between supported vLLM versions (0.32, 0.33) are
-feature-detected here and nowhere else.
+This module reads vLLM's configs and scheduler output: the executor and
+parallel layout, the cache groups and their specs (kinds, block sizes,
+reachability masks), the namespace inputs that key the store, and the support
+decision's inputs. ``objects`` types vLLM's objects through small Protocols
+(only the attributes umbp reads, so the shell is checked by ``mypy --strict``
+without importing vLLM's types); ``versions`` feature-detects the differences
+between supported vLLM versions (0.32, 0.33), which appear nowhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from typing import Any, Literal, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from umbp.core.identity import CacheGroupShape, NamespaceInputs, RankCoord, RankTopology, rank_coord
 from umbp.core.lookup import LookupGeometry, lookup_unit
 from umbp.core.request_lifecycle import needs_coordinator
 from umbp.core.support import SupportInputs
-
-
-class RequestLike(Protocol):
-    """The attributes of vLLM's ``Request`` the scheduler role reads."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def num_in_flight_tokens(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def shared_prefix_boundary(self) -> int: ...
-
-
-class NewRequestDataLike(Protocol):
-    """``NewRequestData``: a request scheduled for the first time this step."""
-
-    @property
-    def req_id(self) -> str: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def block_ids(self) -> Sequence[Sequence[int]]: ...
-
-
-class CachedRequestDataLike(Protocol):
-    """``CachedRequestData``: requests scheduled before, in parallel lists."""
-
-    @property
-    def req_ids(self) -> Sequence[str]: ...
-
-    @property
-    def resumed_req_ids(self) -> AbstractSet[str]: ...
-
-    @property
-    def new_block_ids(self) -> Sequence[Sequence[Sequence[int]] | None]: ...
-
-    @property
-    def num_computed_tokens(self) -> Sequence[int]: ...
-
-
-class BlockStateLike(Protocol):
-    """``KVConnectorBlockState``: current tables that are not append-only, and the
-    Mamba "align" boundary states handed off this step."""
-
-    @property
-    def boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]: ...
-
-    def get_block_ids(self, req_id: str) -> Sequence[Sequence[int]] | None: ...
-
-
-class SchedulerOutputLike(Protocol):
-    """``SchedulerOutput``: what one step scheduled."""
-
-    @property
-    def scheduled_new_reqs(self) -> Sequence[NewRequestDataLike]: ...
-
-    @property
-    def scheduled_cached_reqs(self) -> CachedRequestDataLike: ...
-
-    @property
-    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
-
-    @property
-    def finished_req_ids(self) -> AbstractSet[str]: ...
-
-    @property
-    def preempted_req_ids(self) -> AbstractSet[str] | None: ...
-
-    @property
-    def kv_connector_block_state(self) -> BlockStateLike | None: ...
-
-
-class KVCacheBlocksLike(Protocol):
-    """``KVCacheBlocks``: the blocks vLLM allocated to a request."""
-
-    def get_block_ids(
-        self, allow_none: Literal[False] = False, *, group_ids: Sequence[int] | None = None
-    ) -> Sequence[Sequence[int]]: ...
-
-
-class BlockLike(Protocol):
-    @property
-    def block_id(self) -> int: ...
-
-
-class BlockPoolLike(Protocol):
-    """vLLM's GPU ``BlockPool``: pins (``touch`` / ``free_blocks``) and its cache."""
-
-    @property
-    def blocks(self) -> Sequence[Any]: ...
-
-    @property
-    def null_block(self) -> BlockLike: ...
-
-    def touch(self, blocks: Sequence[Any]) -> None: ...
-
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
-
-    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: list[int]) -> Any: ...
-
-
-class ConnectorOutputLike(Protocol):
-    """``KVConnectorOutput``: what the workers reported this step."""
-
-    @property
-    def kv_connector_worker_meta(self) -> object | None: ...
+from umbp.shell.vllm_compat.objects import RequestLike, SchedulerOutputLike
 
 
 def spec_field_text(value: object) -> str:
@@ -402,26 +280,6 @@ def max_model_len(vllm_config: Any) -> int | None:
     return None if model is None else int(model.max_model_len)
 
 
-def coordinator_lookahead(vllm_config: Any) -> dict[str, int]:
-    """The lookahead arguments of vLLM's cache coordinator: 0.32 takes the prefill
-    lookahead only, 0.33 also a hash lookahead."""
-    lookahead = {"num_prefill_lookahead": int(vllm_config.num_prefill_lookahead_tokens)}
-    if hasattr(type(vllm_config), "num_hash_lookahead_tokens"):
-        lookahead["num_hash_lookahead_tokens"] = int(vllm_config.num_hash_lookahead_tokens)
-    return lookahead
-
-
-def coordinator_allows_partial_hash_hits(coordinator: Any) -> bool:
-    """0.33's coordinator records whether it probes hash-block boundaries inside a
-    group's blocks; 0.32's never does."""
-    return bool(getattr(coordinator, "enable_partial_hash_hits", False))
-
-
-def block_stored_takes_lookahead(block_stored: type) -> bool:
-    """vLLM 0.33's ``BlockStored`` event has a ``lookahead_token_ids`` field."""
-    return "lookahead_token_ids" in getattr(block_stored, "__struct_fields__", ())
-
-
 def world_size(vllm_config: Any) -> int:
     """Workers that report every store event."""
     return int(vllm_config.parallel_config.world_size)
@@ -494,50 +352,3 @@ def _platform_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-def engine_kv_cache_configs(
-    vllm_config: Any, kv_cache_specs: dict[str, Any], available_memory: int
-) -> tuple[Any, Any]:
-    """(worker config, scheduler config) for one worker's layer specs, built the
-    way vLLM's engine core does at start-up (``_initialize_kv_caches``).
-
-    vLLM 0.32 has ``get_kv_cache_configs`` in ``kv_cache_utils``; 0.33 moved it to
-    ``kv_cache_planning`` and takes the global groups from
-    ``get_global_kv_cache_groups``. Used by the tests that drive vLLM's scheduler
-    without an engine."""
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        resolve_kv_cache_block_sizes,
-    )
-
-    legacy = getattr(kv_cache_utils, "get_kv_cache_configs", None)
-    if legacy is not None:  # 0.32
-        configs = legacy(vllm_config, [kv_cache_specs], [available_memory])
-    else:
-        try:
-            from vllm.v1.core.kv_cache_planning import (
-                get_global_kv_cache_groups,
-                get_kv_cache_configs,
-            )
-        except ImportError as error:
-            raise RuntimeError(
-                f"vLLM {_vllm_version()} has neither kv_cache_utils.get_kv_cache_configs "
-                "(0.32) nor kv_cache_planning.get_kv_cache_configs (0.33)"
-            ) from error
-        groups = get_global_kv_cache_groups(vllm_config, [kv_cache_specs])
-        configs = get_kv_cache_configs(vllm_config, [kv_cache_specs], [available_memory], groups)
-    worker = configs[0]
-    scheduler = generate_scheduler_kv_cache_config(configs)
-    vllm_config.cache_config.num_gpu_blocks = scheduler.num_blocks
-    _, hash_block_size = resolve_kv_cache_block_sizes(scheduler, vllm_config)
-    for config in (worker, scheduler):
-        config.hash_block_size = hash_block_size
-    return worker, scheduler
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
