@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from typing import TypeAlias
 
 from returns.result import Failure, Result, Success
 
@@ -73,19 +75,16 @@ def load_batch(
             f"request {request_id}: block table has {len(block_table)} groups, "
             f"expected {len(geometry.group_ids)}"
         )
-    group_ids: list[int] = []
-    block_ids: list[int] = []
-    block_hashes: list[bytes] = []
-    if spec.block_hashes_by_group:
-        problem = _coordinated_loads(
-            geometry, spec, block_table, group_ids, block_ids, block_hashes
-        )
-    else:
-        problem = _positional_loads(
-            geometry, spec, block_table, request_hashes, group_ids, block_ids, block_hashes
-        )
-    if problem is not None:
-        return Failure(f"request {request_id}: {problem}")
+    planned = (
+        _coordinated_loads(geometry, spec, block_table)
+        if spec.block_hashes_by_group
+        else _positional_loads(geometry, spec, block_table, request_hashes)
+    )
+    if isinstance(planned, str):
+        return Failure(f"request {request_id}: {planned}")
+    group_ids, block_ids, block_hashes = planned
+    # One set answers both checks; it is most of a plan's cost (no per-block
+    # Python work is left beside it).
     destinations = set(block_ids)
     if NULL_BLOCK_ID in destinations:
         group_id = group_ids[block_ids.index(NULL_BLOCK_ID)]
@@ -95,9 +94,7 @@ def load_batch(
         )
     if len(destinations) != len(block_ids):
         return Failure(f"request {request_id}: a destination block is written twice")
-    return Success(
-        BlockLoadBatch(request_id, tuple(group_ids), tuple(block_ids), tuple(block_hashes))
-    )
+    return Success(BlockLoadBatch(request_id, group_ids, block_ids, block_hashes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,19 +183,21 @@ def window_block_ids(
     return tuple(blocks)
 
 
+_Columns: TypeAlias = tuple[tuple[int, ...], tuple[int, ...], tuple[bytes, ...]]
+"""A plan's group ids, block ids and block hashes, aligned."""
+
+
 def _coordinated_loads(
-    geometry: LookupGeometry,
-    spec: LoadSpec,
-    block_table: BlockTable,
-    group_ids: list[int],
-    block_ids: list[int],
-    block_hashes: list[bytes],
-) -> str | None:
+    geometry: LookupGeometry, spec: LoadSpec, block_table: BlockTable
+) -> _Columns | str:
     if len(spec.block_hashes_by_group) != len(geometry.group_ids):
         return (
             f"load spec names {len(spec.block_hashes_by_group)} groups, "
             f"expected {len(geometry.group_ids)}"
         )
+    group_ids: list[int] = []
+    block_ids: list[int] = []
+    block_hashes: list[bytes] = []
     for group_id, block_size, table, group_hashes in zip(
         geometry.group_ids, geometry.group_block_sizes, block_table, spec.block_hashes_by_group
     ):
@@ -211,7 +210,7 @@ def _coordinated_loads(
             group_ids.append(group_id)
             block_ids.append(table[index])
             block_hashes.append(block_hash)
-    return None
+    return tuple(group_ids), tuple(block_ids), tuple(block_hashes)
 
 
 def _positional_loads(
@@ -219,34 +218,30 @@ def _positional_loads(
     spec: LoadSpec,
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
-    group_ids: list[int],
-    block_ids: list[int],
-    block_hashes: list[bytes],
-) -> str | None:
+) -> _Columns | str:
+    """Each group's window as slices of its table and of the hashes, and one shared
+    constant column: no per-block Python work."""
     hash_block_size = geometry.hash_block_size
     covered = len(request_hashes) * hash_block_size
     end = spec.external_tokens
     if end > covered:
         return f"the window ends at token {end} but hashes cover {covered}"
+    parts: list[_Columns] = []
     for group_id, block_size, table in zip(
         geometry.group_ids, geometry.group_block_sizes, block_table
     ):
         first = spec.local_tokens // block_size
         full = end // block_size
+        block_ids: tuple[int, ...] = ()
+        block_hashes: tuple[bytes, ...] = ()
         if full > first:
             if full > len(table):
                 return f"group {group_id} has {len(table)} blocks, the window needs {full}"
-            block_ids.extend(table[first:full])
-            block_hashes.extend(
-                hashes_at_token_ends(
-                    request_hashes,
-                    (first + 1) * block_size,
-                    full * block_size,
-                    block_size,
-                    hash_block_size,
-                )
+            block_ids = tuple(table[first:full])
+            block_hashes = hashes_at_token_ends(
+                request_hashes, (first + 1) * block_size, full * block_size, block_size,
+                hash_block_size,
             )
-            group_ids.extend([group_id] * (full - first))
         if end % block_size:
             # The window ends inside this group's block: only a saved partial tail,
             # identified by the hash at the window's end, can fill it.
@@ -256,7 +251,13 @@ def _positional_loads(
                 return f"the window end {end} is not hash aligned"
             if full >= len(table):
                 return f"partial hit in group {group_id} has no destination block"
-            group_ids.append(group_id)
-            block_ids.append(table[full])
-            block_hashes.append(request_hashes[end // hash_block_size - 1])
-    return None
+            block_ids += (table[full],)
+            block_hashes += (request_hashes[end // hash_block_size - 1],)
+        parts.append(((group_id,) * len(block_ids), block_ids, block_hashes))
+    if len(parts) == 1:
+        return parts[0]
+    return (
+        tuple(chain.from_iterable(part[0] for part in parts)),
+        tuple(chain.from_iterable(part[1] for part in parts)),
+        tuple(chain.from_iterable(part[2] for part in parts)),
+    )
