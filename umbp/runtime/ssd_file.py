@@ -1,5 +1,5 @@
 """The SSD tier's slot file as an open descriptor: opening it safely, reserving its space,
-and whole reads and writes.
+and whole reads and writes (an object's payload, then its header records).
 
 Files: the directory must be this user's (or root's) and not writable by others unless
 sticky; the slot file is opened without following symlinks and must be a regular file of
@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from umbp.runtime.private_files import open_private_file, prepare_directory
-from umbp.runtime.ssd_format import RECORD_BYTES, Extents, SlotGeometry, consecutive_runs
+from umbp.runtime.ssd_format import (
+    RECORD_BYTES,
+    Extents,
+    SlotGeometry,
+    build_records,
+    consecutive_runs,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -38,6 +44,7 @@ __all__ = [
     "pwrite_all",
     "read_extents",
     "require_room",
+    "write_object",
     "zero_records",
 ]
 
@@ -127,6 +134,35 @@ def read_extents(fd: int, extents: Extents, destination: memoryview) -> bool:
                 return False
             done += count
     return True
+
+
+def write_object(
+    fd: int,
+    geometry: SlotGeometry,
+    slots: tuple[int, ...],
+    encoded_key: bytes,
+    source: memoryview,
+    checksum: int,
+    generation: int,
+) -> Extents:
+    """Write one object into `slots` and return its extents. Payload first, header
+    records last, so that a record on disk always describes bytes that are fully in
+    place. On `WriteFailed` the records already written are zeroed before it is raised
+    again: nothing of the object stays readable."""
+    nbytes = source.nbytes
+    extents = geometry.extents(slots, nbytes)
+    written_records: list[int] = []
+    try:
+        for file_offset, start, length in extents:
+            pwrite_all(fd, source[start : start + length], file_offset)
+        for run in consecutive_runs(slots):
+            records = build_records(run, slots, encoded_key, nbytes, generation, checksum)
+            written_records.extend(run)  # before: a short write may leave some whole
+            pwrite_all(fd, records, geometry.record_offset(run[0]))
+    except WriteFailed:
+        zero_records(fd, geometry, written_records)
+        raise
+    return extents
 
 
 def zero_records(fd: int, geometry: SlotGeometry, slots: Sequence[int]) -> None:

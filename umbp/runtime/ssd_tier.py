@@ -10,23 +10,9 @@ On-disk format: `umbp.runtime.ssd_format` (superblock, one checksummed header re
 slot, data slots). The slot file's I/O, its safe opening and its preallocation:
 `umbp.runtime.ssd_file`.
 
-Write ordering and what a crash leaves behind. A put writes (1) zeros over the records of
-any objects it evicts, (2) the payload into its slots, (3) its header records, last. A
-remove, eviction or corrupt-drop zeros the object's records before its slots can be
-reused. So at every instant the records on disk describe only objects whose bytes are
-fully in place, and when a process dies at any point (kill -9; the page cache survives)
-the reopened tier holds every object that was resident at that moment, nothing whose put
-had not returned, and serves each bit-identically (an object caught with only some
-records written, or some zeroed, is incomplete and dropped at open). On open only
-complete, self-consistent objects are kept (`ssd_format.recover`); anything else is
-zeroed and counted in `dropped_at_open`.
-
-No fsync per put: this is a cache. After a power loss or kernel crash the page cache may
-reach the disk in any order, so recent objects may be lost or a stale record may describe
-slots that now hold other bytes. That can cost objects but never serves wrong bytes: the
-payload checksum is verified on every read, a mismatch answers CORRUPT and drops the
-object (its records zeroed, its slots freed). `flush()` is there for a caller that wants
-the current state on stable storage (e.g. at shutdown).
+Write ordering and what a crash leaves behind (kill -9, power loss): `umbp.runtime.ssd_open`,
+which opens the file again. A put writes over the records of the objects it evicts, then
+`ssd_file.write_object` writes its payload and its header records, last.
 
 Preallocation: the whole file is reserved at open, for real, or the tier does not open
 (`ssd_file.preallocate` says what it needs). A write that still fails (EIO; ENOSPC or
@@ -54,7 +40,6 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,27 +53,19 @@ from umbp.runtime.ssd_file import (
     WriteFailed,
     open_slot_file,
     preallocate,
-    pwrite_all,
     read_extents,
     require_room,
+    write_object,
     zero_records,
 )
-from umbp.runtime.ssd_format import (
-    MAX_KEY_BYTES,
-    SLOT_FILE_NAME,
-    Extents,
-    SlotGeometry,
-    build_records,
-    consecutive_runs,
-    count_objects_in_place,
-    encode_key,
-    recover,
-)
+from umbp.runtime.ssd_format import SLOT_FILE_NAME, Extents, SlotGeometry, encode_key
+from umbp.runtime.ssd_open import OpenedFile, load_or_format
+from umbp.runtime.ssd_stats import SsdCounters, SsdStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MAX_KEY_BYTES", "SLOT_FILE_NAME", "SsdStats", "SsdTier"]
+__all__ = ["SsdTier"]
 
 logger = logging.getLogger("umbp")
 
@@ -120,60 +97,6 @@ class _StoredObject(Resident):
         self.generation = generation
 
 
-@dataclass(frozen=True, slots=True)
-class SsdStats:
-    """A snapshot of the tier's occupancy and counters (counters are since open)."""
-
-    capacity_bytes: int
-    """Bytes of slots the tier can use (less than configured after ENOSPC/EFBIG)."""
-    used_bytes: int
-    """Bytes of slots taken by resident objects (whole slots)."""
-    slot_bytes: int
-    """Allocation granule; an object occupies max(1, ceil(size / slot_bytes)) slots."""
-    objects: int
-    """Resident objects."""
-    hits: int
-    """Reads that returned HIT."""
-    misses: int
-    """Reads that returned MISSING."""
-    puts: int
-    """Objects written (a put of a resident key writes nothing and is not counted)."""
-    put_failures: int
-    """Puts that failed on an I/O error (ENOSPC, EFBIG, EIO)."""
-    put_rejects: int
-    """Puts refused without I/O: larger than the tier, key too long, tier closed."""
-    evictions: int
-    """Objects evicted to make room (LRU)."""
-    corrupt_reads: int
-    """Reads that found a checksum mismatch or missing data (the object was dropped)."""
-    read_errors: int
-    """Reads that failed on an I/O error (answered UNAVAILABLE, object kept)."""
-    dropped_at_open: int
-    """Damaged header records, incomplete or inconsistent objects, and reset files
-    (damaged superblock, other geometry) found while opening; each counts once."""
-    bytes_written: int
-    """Payload bytes written by successful puts."""
-    bytes_read: int
-    """Payload bytes delivered by reads that hit."""
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Monotonic counters behind `SsdStats`; mutated only under the tier lock."""
-
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    put_failures: int = 0
-    put_rejects: int = 0
-    evictions: int = 0
-    corrupt_reads: int = 0
-    read_errors: int = 0
-    dropped_at_open: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-
-
 class SsdTier(ClosesOnExit):
     """The disk tier: objects (key -> bytes) in a preallocated file of fixed-size slots.
 
@@ -200,7 +123,7 @@ class SsdTier(ClosesOnExit):
         self._slots: PagedLru[_StoredObject]
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         self._next_generation = 1
-        self._counters = _Counters()
+        self._counters = SsdCounters()
         self._lock = threading.Lock()
         self._closed = False
         self._fd = open_slot_file(self._path)
@@ -209,7 +132,7 @@ class SsdTier(ClosesOnExit):
             # A slot where a write failed with ENOSPC/EFBIG is retired (never handed out
             # again). Both watermarks are the whole file: evict only what a put needs.
             self._slots = PagedLru(self._total_slots, self._total_slots, self._total_slots)
-            self._load_or_format()
+            self._restore(load_or_format(self._fd, self._geometry, self._path))
             preallocate(self._fd, self._file_bytes, self._path)
         except BaseException:
             os.close(self._fd)
@@ -331,23 +254,11 @@ class SsdTier(ClosesOnExit):
     def stats(self) -> SsdStats:
         """A consistent snapshot (taken under the lock); works after close."""
         with self._lock:
-            counters = self._counters
-            return SsdStats(
+            return self._counters.snapshot(
                 capacity_bytes=self._slots.usable_pages * self._slot_bytes,
                 used_bytes=self._slots.used_pages * self._slot_bytes,
                 slot_bytes=self._slot_bytes,
                 objects=len(self._slots),
-                hits=counters.hits,
-                misses=counters.misses,
-                puts=counters.puts,
-                put_failures=counters.put_failures,
-                put_rejects=counters.put_rejects,
-                evictions=counters.evictions,
-                corrupt_reads=counters.corrupt_reads,
-                read_errors=counters.read_errors,
-                dropped_at_open=counters.dropped_at_open,
-                bytes_written=counters.bytes_written,
-                bytes_read=counters.bytes_read,
             )
 
     def clear(self) -> bool:
@@ -428,24 +339,17 @@ class SsdTier(ClosesOnExit):
     def _write_object(
         self, key: str, encoded_key: bytes, source: memoryview, slots: tuple[int, ...]
     ) -> bool:
-        """Payload first, header records last, so that a record on disk always describes
-        bytes that are fully in place. On failure nothing of the object stays readable."""
+        """Write the object (`ssd_file.write_object`: payload first, header records last)
+        and admit it; on a failed write nothing of it stays readable."""
         nbytes = source.nbytes
         checksum = xxhash.xxh3_64_intdigest(source)
         generation = self._next_generation
         self._next_generation += 1
-        geometry, fd = self._geometry, self._fd
-        extents = geometry.extents(slots, nbytes)
-        written_records: list[int] = []
         try:
-            for file_offset, start, length in extents:
-                pwrite_all(fd, source[start : start + length], file_offset)
-            for run in consecutive_runs(slots):
-                records = build_records(run, slots, encoded_key, nbytes, generation, checksum)
-                written_records.extend(run)  # before: a short write may leave some whole
-                pwrite_all(fd, records, geometry.record_offset(run[0]))
+            extents = write_object(
+                self._fd, self._geometry, slots, encoded_key, source, checksum, generation
+            )
         except WriteFailed as failure:
-            self._invalidate_records(written_records)
             self._after_failed_write(key, failure, slots)
             self._slots.return_pages(slots)
             self._counters.put_failures += 1
@@ -487,55 +391,10 @@ class SsdTier(ClosesOnExit):
     def _invalidate_records(self, slots: Sequence[int]) -> None:
         zero_records(self._fd, self._geometry, slots)
 
-    # ------------------------------------------------------- opening and rebuilding
-
-    def _load_or_format(self) -> None:
-        file_bytes = os.fstat(self._fd).st_size
-        expected = self._geometry.superblock()
-        found = os.pread(self._fd, len(expected), 0) if file_bytes else b""
-        if found == expected:
-            if file_bytes < self._file_bytes:
-                # Cut short (the superblock survived, records and data past the cut did not):
-                # what was recorded there is lost, and says so rather than vanishing.
-                logger.warning(
-                    "ssd tier: %s was truncated to %d of its %d bytes; the objects recorded "
-                    "past that are lost",
-                    self._path,
-                    file_bytes,
-                    self._file_bytes,
-                )
-                self._counters.dropped_at_open += 1
-            self._rebuild_index(file_bytes)
-        else:
-            if file_bytes:
-                lost = count_objects_in_place(self._fd, self._geometry, file_bytes)
-                logger.warning(
-                    "ssd tier: %s has a damaged or truncated superblock or another geometry; "
-                    "emptying it (%s)",
-                    self._path,
-                    f"{lost} objects lost" if lost else "the objects it held are lost",
-                )
-                self._counters.dropped_at_open += max(1, lost)
-            self._format()
-
-    def _format(self) -> None:
-        """Start an empty file. The superblock goes in last so that a crash while
-        formatting leaves a file the next open formats again."""
-        self._slots.reset()
-        try:
-            os.ftruncate(self._fd, 0)
-            pwrite_all(self._fd, self._geometry.superblock(), 0)
-        except (OSError, WriteFailed) as error:
-            raise OSError(
-                getattr(error, "errno", None) or errno.EIO,
-                f"cannot format the SSD slot file {self._path}: {error}; check the disk",
-            ) from None
-
-    def _rebuild_index(self, file_bytes: int) -> None:
-        """Keep every complete, self-consistent object the header area describes; zero
-        the records of everything else and count it in `dropped_at_open`."""
-        found = recover(self._fd, self._geometry, file_bytes)
-        self._next_generation = found.next_generation
+    def _restore(self, opened: OpenedFile) -> None:
+        """Index the objects the file held whole when it was opened."""
+        self._next_generation = opened.next_generation
+        self._counters.dropped_at_open += opened.dropped
         geometry = self._geometry
         self._slots.restore(
             _StoredObject(
@@ -546,16 +405,8 @@ class SsdTier(ClosesOnExit):
                 found_object.checksum,
                 found_object.generation,
             )
-            for found_object in found.objects
+            for found_object in opened.objects
         )
-        self._invalidate_records(found.slots_to_zero)
-        self._counters.dropped_at_open += found.dropped
-        if found.dropped:
-            logger.warning(
-                "ssd tier: dropped %d damaged or incomplete entries while opening %s",
-                found.dropped,
-                self._path,
-            )
 
     def _require_open(self) -> None:
         if self._closed:

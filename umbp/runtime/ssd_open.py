@@ -1,0 +1,123 @@
+"""Opening the SSD tier's slot file: keep what it holds whole, or start it empty.
+
+A file whose superblock matches the tier's geometry is kept: every complete,
+self-consistent object its header records describe is recovered
+(`ssd_format.recover`), the records of everything else are zeroed, and each damaged
+record, incomplete or inconsistent object and lost tail counts in `dropped_at_open`. A
+file cut short keeps what lies before the cut. Any other file (a damaged superblock,
+another slot size or capacity) is emptied and formatted, its objects counted as lost.
+
+Write ordering and what a crash leaves behind. A put writes (1) zeros over the records of
+any objects it evicts, (2) the payload into its slots, (3) its header records, last. A
+remove, eviction or corrupt-drop zeros the object's records before its slots can be
+reused. So at every instant the records on disk describe only objects whose bytes are
+fully in place, and when a process dies at any point (kill -9; the page cache survives)
+the reopened tier holds every object that was resident at that moment, nothing whose put
+had not returned, and serves each bit-identically (an object caught with only some
+records written, or some zeroed, is incomplete and dropped at open).
+
+No fsync per put: this is a cache. After a power loss or kernel crash the page cache may
+reach the disk in any order, so recent objects may be lost or a stale record may describe
+slots that now hold other bytes. That can cost objects but never serves wrong bytes: the
+payload checksum is verified on every read, a mismatch answers CORRUPT and drops the
+object (its records zeroed, its slots freed). `SsdTier.flush()` is there for a caller that wants
+the current state on stable storage (e.g. at shutdown).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from umbp.runtime.ssd_file import WriteFailed, pwrite_all, zero_records
+from umbp.runtime.ssd_format import (
+    RecoveredObject,
+    SlotGeometry,
+    count_objects_in_place,
+    recover,
+)
+
+__all__ = ["OpenedFile", "load_or_format"]
+
+logger = logging.getLogger("umbp")
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedFile:
+    """What an opened slot file holds, for the tier to index."""
+
+    objects: tuple[RecoveredObject, ...]
+    """Complete objects, oldest generation first (the LRU order to rebuild)."""
+    next_generation: int
+    dropped: int
+    """Entries dropped while opening (`SsdStats.dropped_at_open`)."""
+
+
+def load_or_format(fd: int, geometry: SlotGeometry, path: Path) -> OpenedFile:
+    """Recover the objects of the slot file open as `fd` at `path`, or format it when
+    its superblock does not match `geometry`."""
+    file_bytes = os.fstat(fd).st_size
+    expected = geometry.superblock()
+    found = os.pread(fd, len(expected), 0) if file_bytes else b""
+    if found == expected:
+        dropped = 0
+        if file_bytes < geometry.file_bytes:
+            # Cut short (the superblock survived, records and data past the cut did not):
+            # what was recorded there is lost, and says so rather than vanishing.
+            logger.warning(
+                "ssd tier: %s was truncated to %d of its %d bytes; the objects recorded "
+                "past that are lost",
+                path,
+                file_bytes,
+                geometry.file_bytes,
+            )
+            dropped += 1
+        return _rebuild_index(fd, geometry, path, file_bytes, dropped)
+    dropped = 0
+    if file_bytes:
+        lost = count_objects_in_place(fd, geometry, file_bytes)
+        logger.warning(
+            "ssd tier: %s has a damaged or truncated superblock or another geometry; "
+            "emptying it (%s)",
+            path,
+            f"{lost} objects lost" if lost else "the objects it held are lost",
+        )
+        dropped += max(1, lost)
+    _format(fd, geometry, path)
+    return OpenedFile(objects=(), next_generation=1, dropped=dropped)
+
+
+def _format(fd: int, geometry: SlotGeometry, path: Path) -> None:
+    """Start an empty file. The superblock goes in last so that a crash while
+    formatting leaves a file the next open formats again."""
+    try:
+        os.ftruncate(fd, 0)
+        pwrite_all(fd, geometry.superblock(), 0)
+    except (OSError, WriteFailed) as error:
+        raise OSError(
+            getattr(error, "errno", None) or errno.EIO,
+            f"cannot format the SSD slot file {path}: {error}; check the disk",
+        ) from None
+
+
+def _rebuild_index(
+    fd: int, geometry: SlotGeometry, path: Path, file_bytes: int, dropped: int
+) -> OpenedFile:
+    """Keep every complete, self-consistent object the header area describes; zero
+    the records of everything else and count it as dropped."""
+    found = recover(fd, geometry, file_bytes)
+    zero_records(fd, geometry, found.slots_to_zero)
+    if found.dropped:
+        logger.warning(
+            "ssd tier: dropped %d damaged or incomplete entries while opening %s",
+            found.dropped,
+            path,
+        )
+    return OpenedFile(
+        objects=found.objects,
+        next_generation=found.next_generation,
+        dropped=dropped + found.dropped,
+    )
