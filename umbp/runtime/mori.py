@@ -3,7 +3,8 @@ embedded, standalone (node-local server) and distributed deployments.
 
 MORI ships only for ROCm (docs/backends.md), so this adapter is exercised here against
 `umbp.testing.fake_mori`, a fake of the documented API; pass `module=` to choose the
-module (the fake in tests), else `mori.umbp` is imported on construction.
+module (the fake in tests), else `mori.umbp` is imported on construction. Creating,
+registering with and releasing a client: `umbp.runtime.mori_binding`.
 
 How the contract is met with the documented API (batch calls answer `list[bool]`):
 
@@ -21,10 +22,9 @@ How the contract is met with the documented API (batch calls answer `list[bool]`
   that key is accepted. Other clients detect the corruption on their own, by checksum.
 * A sidecar may be evicted apart from its payload (the store evicts objects, not pairs):
   a load then answers MISSING though `lookup` said resident, as any eviction race does.
-* Known defects (docs/backends.md): in 1.2.4 every put after `clear()` fails, so on that
-  version `clear()` replaces the client by a fresh one (re-registering memory); nightly
-  builds have no `close()`, so `close()` calls it only when it exists and otherwise drops
-  the client to its destructor.
+* Known defects (docs/backends.md, `mori_binding`): in 1.2.4 every put after `clear()`
+  fails, so on that version `clear()` replaces the client by a fresh one (re-registering
+  memory); nightly builds have no `close()`, so the client is then left to its destructor.
 * Failures: a MORI call that raises (a stopped server, a transport error) becomes a
   contract value: put False, `LoadStatus.UNAVAILABLE`, `StoreUnavailable` from `lookup`,
   `clear()` False.
@@ -35,7 +35,6 @@ How the contract is met with the documented API (batch calls answer `list[bool]`
 
 from __future__ import annotations
 
-import importlib
 import logging
 import struct
 import threading
@@ -54,6 +53,17 @@ from umbp.runtime.contract import (
 )
 from umbp.runtime.counters import StoreCounters
 from umbp.runtime.host_memory import byte_views
+from umbp.runtime.mori_binding import (
+    DEPLOYMENTS,
+    MoriSetupError,
+    clear_breaks_puts,
+    import_mori,
+    new_client,
+    quietly,
+    register_memory,
+    release_client,
+    where,
+)
 from umbp.runtime.registered_memory import (
     HostArea,
     Piece,
@@ -66,32 +76,15 @@ from umbp.runtime.registered_memory import (
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["DEPLOYMENTS", "META_SUFFIX", "MoriSetupError", "MoriStore"]
+__all__ = ["META_SUFFIX", "MoriStore"]
 
 _log = logging.getLogger(__name__)
 
-DEPLOYMENTS = ("embedded", "standalone", "distributed")
 META_SUFFIX = "#umbp.meta"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 64 << 20
 _META = struct.Struct("<QQ")  # xxh3-64 of the payload, payload length
 _META_SLOTS = 4096  # keys per MORI call; larger batches are cut into chunks
-_VERSIONS_WHOSE_CLEAR_BREAKS_PUTS = ("1.2.4",)
-
-
-class MoriSetupError(StoreUnavailable):
-    """MORI is missing or the client could not be created (the message says which)."""
-
-
-def import_mori() -> types.ModuleType:
-    try:
-        return importlib.import_module("mori.umbp")
-    except ImportError as error:
-        raise MoriSetupError(
-            "mode 'mori' needs AMD's amd-mori package with ROCm; it ships wheels for "
-            "CPython 3.10 and 3.12 linked against ROCm 7 only, so it cannot run on this "
-            f"machine ({error}). Use mode 'mooncake' or 'server' here (docs/multi-node.md)."
-        ) from error
 
 
 class MoriStore(ClosesOnExit):
@@ -133,8 +126,7 @@ class MoriStore(ClosesOnExit):
         self._ranges = RegisteredRanges()
         self._dropped: set[str] = set()
         self._umbp = module if module is not None else import_mori()
-        version = str(getattr(self._umbp, "__version__", ""))
-        self._clear_breaks_puts = version in _VERSIONS_WHOSE_CLEAR_BREAKS_PUTS
+        self._clear_breaks_puts = clear_breaks_puts(self._umbp)
         self._client = self._new_client()
         self._closed = False
         self._meta = HostArea(_META_SLOTS * _META.size)
@@ -234,7 +226,7 @@ class MoriStore(ClosesOnExit):
     def unregister_host_memory(self, address: int) -> None:
         with self._lock:
             if self._ranges.remove(address) and not self._closed:
-                self._quietly(self._client.deregister_memory, address)
+                quietly(self._client.deregister_memory, address)
 
     # --------------------------------------------------------- for tests and tools
 
@@ -250,34 +242,15 @@ class MoriStore(ClosesOnExit):
     # ------------------------------------------------------------------ internals
 
     def _where(self) -> str:
-        return self._deployment + (f" at {self._address}" if self._address else "")
+        return where(self._deployment, self._address)
 
     def _new_client(self) -> Any:
-        umbp = self._umbp
-        try:
-            config = umbp.UMBPConfig()
-            config.dram.capacity_bytes = self._capacity
-            if self._deployment == "standalone":
-                config.standalone_process.address = self._address
-                config.standalone_process.auto_start = self._auto_start
-            elif self._deployment == "distributed":
-                config.distributed.master_address = self._address
-            return umbp.UMBPClient(config)
-        except Exception as error:
-            raise MoriSetupError(
-                f"MORI UMBPClient ({self._where()}) could not be created: {error}"
-            ) from error
+        return new_client(
+            self._umbp, self._deployment, self._address, self._capacity, self._auto_start
+        )
 
     def _register(self, address: int, nbytes: int) -> None:
-        try:
-            answer = self._client.register_memory(address, nbytes)
-        except Exception as error:
-            raise OSError(f"MORI register_memory raised: {error}") from error
-        refused = answer is False or (
-            isinstance(answer, int) and not isinstance(answer, bool) and answer != 0
-        )
-        if refused:
-            raise OSError(f"MORI refused to register {nbytes} bytes at {address:#x} ({answer})")
+        register_memory(self._client, address, nbytes)
 
     def _replace_client(self) -> bool:
         """The 1.2.4 workaround: after clear(), only a new client accepts puts."""
@@ -296,14 +269,9 @@ class MoriStore(ClosesOnExit):
         return True
 
     def _release_client(self, client: Any) -> None:
-        for area in (getattr(self, "_meta", None), getattr(self, "_bounce", None)):
-            if area is not None:
-                self._quietly(client.deregister_memory, area.address)
-        for start in self._ranges.starts():
-            self._quietly(client.deregister_memory, start)
-        close = getattr(client, "close", None)  # nightly builds have none
-        if close is not None:
-            self._quietly(close)
+        areas = (getattr(self, "_meta", None), getattr(self, "_bounce", None))
+        staging = [area.address for area in areas if area is not None]
+        release_client(client, [*staging, *self._ranges.starts()])
 
     def _put_chunk(self, keys: Sequence[str], chunk: list[Piece], results: list[bool]) -> None:
         meta = self._meta
@@ -400,7 +368,7 @@ class MoriStore(ClosesOnExit):
             with temporarily_registered(
                 chunk,
                 self._register_for_one_call,
-                lambda address: self._quietly(self._client.deregister_memory, address),
+                lambda address: quietly(self._client.deregister_memory, address),
             ):
                 answers = call(names, pointers, sizes)
                 if len(answers) != len(names):
@@ -416,12 +384,6 @@ class MoriStore(ClosesOnExit):
         self._client.register_memory(address, nbytes)
         return True
 
-    @staticmethod
-    def _quietly(call: Any, *arguments: object) -> None:
-        try:
-            call(*arguments)
-        except Exception:  # noqa: BLE001 - cleanup must go on; the failure is logged
-            _log.warning("MORI %s raised", getattr(call, "__name__", call), exc_info=True)
 
 
 if TYPE_CHECKING:
