@@ -1,6 +1,8 @@
 """`umbp serve`: the node-local store server process.
 
-A threading Unix-socket server over `StoreCore`. Its DRAM tier is a shared-memory file
+A threading Unix-socket server over `StoreCore` (the socket and its connections:
+`listener`; what each request does: `dispatch`); this module starts it, runs it until a
+signal and shuts it down. Its DRAM tier is a shared-memory file
 in /dev/shm that clients map; only control messages cross the socket (see `protocol`).
 The socket is owner-only (0600, its directory 0700 when the server creates it), so only
 processes of the same user can talk to it or map its pool. One server per socket path:
@@ -21,31 +23,24 @@ socket path removes the socket and the shared-memory file its predecessor left b
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import secrets
 import signal
-import socket
-import socketserver
 import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from umbp.runtime.server import protocol, schema
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.server.listener import StoreServer, bind
 from umbp.runtime.server.ownership import SocketOwnership
-from umbp.runtime.server.sessions import RequestRefused, Session
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
 from umbp.runtime.server.state import StoreCore
 
 __all__ = ["ServerConfig", "serve"]
-
-logger = logging.getLogger("umbp.serve")
 
 DEFAULT_PAGE_BYTES = 64 << 10
 """The DRAM allocation granule when none is given."""
@@ -97,162 +92,6 @@ class ServerConfig:
             raise ValueError(f"frame_timeout_s must be in [0.01, 3600], got {self.frame_timeout_s}")
 
 
-class _Handler(socketserver.BaseRequestHandler):
-    server: _StoreServer
-
-    def handle(self) -> None:
-        sock: socket.socket = self.request
-        core = self.server.core
-        session = core.open_session()
-        self.server.track(sock)
-        try:
-            while True:
-                op, body = protocol.read_request(
-                    sock, schema.body_limit, self.server.frame_timeout_s
-                )
-                answer = self._answer(op, body, session)
-                if answer is not None:
-                    sock.settimeout(self.server.frame_timeout_s)  # a reader that never reads
-                    sock.sendall(answer)
-        except protocol.ProtocolError as error:
-            # Not this protocol (unknown op, oversized or unfinished frame): say why, then
-            # drop the connection; its session's reservations and pins come back below.
-            logger.warning("umbp serve: dropping a connection: %s", error)
-            with contextlib.suppress(OSError):
-                sock.settimeout(1.0)
-                sock.sendall(protocol.encode_json(protocol.ERROR, f"ProtocolError: {error}"))
-        except OSError:
-            return  # the client went away (ConnectionError included)
-        finally:
-            self.server.untrack(sock)
-            core.close_session(session)
-
-    def _answer(self, op: int, body: bytes, session: Session) -> bytes | None:
-        try:
-            request = schema.parse(op, body)
-            return self._dispatch(op, request, session)
-        except protocol.ProtocolError:
-            raise
-        except (schema.BadRequest, RequestRefused) as error:
-            # The client's mistake, refused before anything changed: no traceback.
-            logger.warning("umbp serve: request %d refused: %s", op, error)
-            return None if op in protocol.ONE_WAY else protocol.encode_json(
-                protocol.ERROR, f"{type(error).__name__}: {error}"
-            )
-        except Exception as error:  # one bad request must not kill the server
-            logger.exception("umbp serve: request %d failed", op)
-            if op in protocol.ONE_WAY:
-                return None
-            return protocol.encode_json(protocol.ERROR, f"{type(error).__name__}: {error}")
-
-    def _dispatch(self, op: int, request: schema.Request, session: Session) -> bytes | None:
-        core = self.server.core
-        if isinstance(request, schema.Keys):
-            codes = core.lookup(request.keys) if op == protocol.LOOKUP else core.where(request.keys)
-            return protocol.encode(protocol.OK, codes)
-        if isinstance(request, schema.BeginPut):
-            token, put_answers = core.begin_put(session, request.keys, request.sizes)
-            return protocol.encode_json(protocol.OK, {"token": token, "answers": put_answers})
-        if isinstance(request, schema.CommitPut):
-            return protocol.encode_json(
-                protocol.OK, core.commit_put(session, request.token, request.checksums)
-            )
-        if isinstance(request, schema.BeginGet):
-            token, get_answers = core.begin_get(session, request.keys, request.sizes)
-            return protocol.encode_json(protocol.OK, {"token": token, "answers": get_answers})
-        if isinstance(request, schema.EndGet):
-            core.end_get(session, request.token, request.corrupt)
-            return None
-        if op == protocol.HELLO:
-            return protocol.encode_json(protocol.OK, self.server.hello)
-        if op == protocol.CLEAR:
-            return protocol.encode_json(protocol.OK, core.clear())
-        if op == protocol.STATS:
-            figures = core.stats(asking=session) | {
-                "pid": self.server.hello["pid"],
-                "server": self.server.hello,
-                "limits": self.server.limits(),
-            }
-            return protocol.encode_json(protocol.OK, figures)
-        raise protocol.ProtocolError(f"unknown op {op}")
-
-
-class _StoreServer(socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        path: str,
-        core: StoreCore,
-        hello: dict[str, Any],
-        max_connections: int,
-        frame_timeout_s: float,
-    ) -> None:
-        self.core = core
-        self.hello = hello
-        self.max_connections = max_connections
-        self.frame_timeout_s = frame_timeout_s
-        self.refused_connections = 0
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        # One thread per connection, and at most `max_connections` of them: a connection
-        # beyond is told why and closed at once, before a thread is started for it.
-        self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(path, _Handler)
-
-    def limits(self) -> dict[str, Any]:
-        return {
-            "max_connections": self.max_connections,
-            "frame_timeout_s": self.frame_timeout_s,
-            "refused_connections": self.refused_connections,
-            "body_limits": {str(op): limit for op, limit in schema.BODY_LIMITS.items()},
-        }
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused_connections += 1
-            logger.warning(
-                "umbp serve: refusing a connection: all %d connections are in use",
-                self.max_connections,
-            )
-            with contextlib.suppress(OSError):
-                request.settimeout(1.0)
-                request.sendall(protocol.encode_json(
-                    protocol.ERROR,
-                    f"the server holds its limit of {self.max_connections} connections; "
-                    "close idle clients or raise --max-connections",
-                ))
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def track(self, sock: socket.socket) -> None:
-        with self._connections_lock:
-            self._connections.add(sock)
-
-    def untrack(self, sock: socket.socket) -> None:
-        with self._connections_lock:
-            self._connections.discard(sock)
-
-    def drop_connections(self) -> None:
-        """Wake every handler blocked on its client so that none outlives the server."""
-        with self._connections_lock:
-            for sock in self._connections:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-
 def serve(config: ServerConfig) -> int:
     """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status."""
     config.validate()
@@ -261,7 +100,7 @@ def serve(config: ServerConfig) -> int:
     ownership = SocketOwnership.acquire(socket_path)
     pool: SharedPool | None = None
     cold: ColdTier | None = None
-    server: _StoreServer | None = None
+    server: StoreServer | None = None
     try:
         ownership.clear_leftovers()
         pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
@@ -270,7 +109,8 @@ def serve(config: ServerConfig) -> int:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
             _report_cold_tier(cold)
         core = StoreCore(pool.view, _index_for(config, pool), cold)
-        server = _bind(socket_path, config, core, _hello(config, pool))
+        hello = _hello(config, pool)
+        server = bind(socket_path, core, hello, config.max_connections, config.frame_timeout_s)
         ownership.bound()
         _run_until(stop, server, socket_path, pool)
         server.server_close()
@@ -319,22 +159,6 @@ def remove_stale_leftovers(socket_path: str) -> None:
         ownership.release()
 
 
-def _bind(
-    socket_path: str, config: ServerConfig, core: StoreCore, hello: dict[str, Any]
-) -> _StoreServer:
-    """Bind with a umask that makes the socket owner-only from its first instant (a chmod
-    after bind would leave a window in which anyone could connect)."""
-    previous = os.umask(0o177)
-    try:
-        server = _StoreServer(
-            socket_path, core, hello, config.max_connections, config.frame_timeout_s
-        )
-    finally:
-        os.umask(previous)
-    os.chmod(socket_path, 0o600)
-    return server
-
-
 def _stop_on_signals() -> threading.Event:
     """Installed before anything is allocated, so that a SIGTERM during a long start
     (allocating a large pool) still ends in a clean shutdown."""
@@ -352,7 +176,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _run_until(
-    stop: threading.Event, server: _StoreServer, socket_path: str, pool: SharedPool
+    stop: threading.Event, server: StoreServer, socket_path: str, pool: SharedPool
 ) -> None:
     # A short poll interval: shutdown() waits up to one interval for the loop to notice.
     thread = threading.Thread(
@@ -386,7 +210,7 @@ def _report_cold_tier(cold: ColdTier) -> None:
 
 
 def _shut_down(
-    server: _StoreServer | None,
+    server: StoreServer | None,
     ownership: SocketOwnership,
     pool: SharedPool | None,
     cold: ColdTier | None,
