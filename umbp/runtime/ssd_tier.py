@@ -10,7 +10,7 @@ On-disk format: `umbp.runtime.ssd_format` (superblock, one checksummed header re
 slot, data slots). The slot file's I/O, its safe opening and its preallocation:
 `umbp.runtime.ssd_file`.
 
-Write ordering and what a crash leaves behind (kill -9, power loss): `umbp.runtime.ssd_open`,
+Write ordering and what a crash leaves behind (kill -9, power loss): `umbp.runtime.ssd_index`,
 which opens the file again. A put writes over the records of the objects it evicts, then
 `ssd_file.write_object` writes its payload and its header records, last.
 
@@ -48,7 +48,7 @@ import xxhash
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
-from umbp.runtime.paging import PagedLru, Resident, pages_for
+from umbp.runtime.paging import PagedLru, pages_for
 from umbp.runtime.ssd_file import (
     WriteFailed,
     open_slot_file,
@@ -58,8 +58,8 @@ from umbp.runtime.ssd_file import (
     write_object,
     zero_records,
 )
-from umbp.runtime.ssd_format import SLOT_FILE_NAME, Extents, SlotGeometry, encode_key
-from umbp.runtime.ssd_open import OpenedFile, load_or_format
+from umbp.runtime.ssd_format import SLOT_FILE_NAME, SlotGeometry, encode_key
+from umbp.runtime.ssd_index import OpenedFile, StoredObject, load_or_format
 from umbp.runtime.ssd_stats import SsdCounters, SsdStats
 
 if TYPE_CHECKING:
@@ -71,30 +71,6 @@ logger = logging.getLogger("umbp")
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG)
-
-
-class _StoredObject(Resident):
-    """Where one object lives and what it must hash to. Its `pages` are its slots, in
-    object order."""
-
-    __slots__ = ("checksum", "extents", "generation", "nbytes")
-
-    def __init__(
-        self,
-        key: str,
-        slots: tuple[int, ...],
-        extents: Extents,
-        nbytes: int,
-        checksum: int,
-        generation: int,
-    ) -> None:
-        super().__init__(key, slots)
-        self.extents = extents
-        """(file offset, offset in the object, length) of each run of consecutive slots,
-        so a read or write is one syscall per run rather than per slot."""
-        self.nbytes = nbytes
-        self.checksum = checksum
-        self.generation = generation
 
 
 class SsdTier(ClosesOnExit):
@@ -120,7 +96,7 @@ class SsdTier(ClosesOnExit):
         self._file_bytes = self._geometry.file_bytes
         self._path = Path(directory) / SLOT_FILE_NAME
         # Slots and LRU order, made once the filesystem is known to hold the file.
-        self._slots: PagedLru[_StoredObject]
+        self._slots: PagedLru[StoredObject]
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         self._next_generation = 1
         self._counters = SsdCounters()
@@ -354,7 +330,7 @@ class SsdTier(ClosesOnExit):
             self._slots.return_pages(slots)
             self._counters.put_failures += 1
             return False
-        self._slots.admit(_StoredObject(key, slots, extents, nbytes, checksum, generation))
+        self._slots.admit(StoredObject(key, slots, extents, nbytes, checksum, generation))
         self._evicted.pop(key, None)
         self._counters.puts += 1
         self._counters.bytes_written += nbytes
@@ -382,7 +358,7 @@ class SsdTier(ClosesOnExit):
             self._total_slots,
         )
 
-    def _drop(self, stored: _StoredObject) -> None:
+    def _drop(self, stored: StoredObject) -> None:
         """Remove an object that can no longer be trusted; report it as evicted."""
         self._invalidate_records(stored.pages)
         self._slots.retire(stored)
@@ -395,18 +371,7 @@ class SsdTier(ClosesOnExit):
         """Index the objects the file held whole when it was opened."""
         self._next_generation = opened.next_generation
         self._counters.dropped_at_open += opened.dropped
-        geometry = self._geometry
-        self._slots.restore(
-            _StoredObject(
-                found_object.key,
-                found_object.slots,
-                geometry.extents(found_object.slots, found_object.nbytes),
-                found_object.nbytes,
-                found_object.checksum,
-                found_object.generation,
-            )
-            for found_object in opened.objects
-        )
+        self._slots.restore(opened.objects)
 
     def _require_open(self) -> None:
         if self._closed:

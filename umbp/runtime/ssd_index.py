@@ -1,4 +1,6 @@
-"""Opening the SSD tier's slot file: keep what it holds whole, or start it empty.
+"""The SSD tier's index: one `StoredObject` per resident object (its slots, extents and
+checksum), and the index rebuilt from the slot file when it is opened: keep what the
+file holds whole, or start it empty.
 
 A file whose superblock matches the tier's geometry is kept: every complete,
 self-consistent object its header records describe is recovered
@@ -20,8 +22,8 @@ No fsync per put: this is a cache. After a power loss or kernel crash the page c
 reach the disk in any order, so recent objects may be lost or a stale record may describe
 slots that now hold other bytes. That can cost objects but never serves wrong bytes: the
 payload checksum is verified on every read, a mismatch answers CORRUPT and drops the
-object (its records zeroed, its slots freed). `SsdTier.flush()` is there for a caller that wants
-the current state on stable storage (e.g. at shutdown).
+object (its records zeroed, its slots freed). `SsdTier.flush()` is there for a caller
+that wants the current state on stable storage (e.g. at shutdown).
 """
 
 from __future__ import annotations
@@ -32,24 +34,44 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from umbp.runtime.paging import Resident
 from umbp.runtime.ssd_file import WriteFailed, pwrite_all, zero_records
-from umbp.runtime.ssd_format import (
-    RecoveredObject,
-    SlotGeometry,
-    count_objects_in_place,
-    recover,
-)
+from umbp.runtime.ssd_format import Extents, SlotGeometry, count_objects_in_place, recover
 
-__all__ = ["OpenedFile", "load_or_format"]
+__all__ = ["OpenedFile", "StoredObject", "load_or_format"]
 
 logger = logging.getLogger("umbp")
+
+
+class StoredObject(Resident):
+    """Where one object lives and what it must hash to. Its `pages` are its slots, in
+    object order."""
+
+    __slots__ = ("checksum", "extents", "generation", "nbytes")
+
+    def __init__(
+        self,
+        key: str,
+        slots: tuple[int, ...],
+        extents: Extents,
+        nbytes: int,
+        checksum: int,
+        generation: int,
+    ) -> None:
+        super().__init__(key, slots)
+        self.extents = extents
+        """(file offset, offset in the object, length) of each run of consecutive slots,
+        so a read or write is one syscall per run rather than per slot."""
+        self.nbytes = nbytes
+        self.checksum = checksum
+        self.generation = generation
 
 
 @dataclass(frozen=True, slots=True)
 class OpenedFile:
     """What an opened slot file holds, for the tier to index."""
 
-    objects: tuple[RecoveredObject, ...]
+    objects: tuple[StoredObject, ...]
     """Complete objects, oldest generation first (the LRU order to rebuild)."""
     next_generation: int
     dropped: int
@@ -116,8 +138,19 @@ def _rebuild_index(
             found.dropped,
             path,
         )
+    objects = tuple(
+        StoredObject(
+            found_object.key,
+            found_object.slots,
+            geometry.extents(found_object.slots, found_object.nbytes),
+            found_object.nbytes,
+            found_object.checksum,
+            found_object.generation,
+        )
+        for found_object in found.objects
+    )
     return OpenedFile(
-        objects=found.objects,
+        objects=objects,
         next_generation=found.next_generation,
         dropped=dropped + found.dropped,
     )
