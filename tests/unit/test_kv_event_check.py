@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.rank_keys import KeyLayout, object_major_keys
-from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK
+from umbp.runtime.contract import Medium
 from umbp.shell.kv_events import _fold
 
 
@@ -25,10 +25,10 @@ def test_the_check_asks_every_rank_of_each_object_together() -> None:
 
 def test_an_object_is_resident_only_on_every_rank_and_on_disk_when_any_shard_is() -> None:
     layout = KeyLayout.objects(3, 2)
-    tiers = (MEDIUM_CPU, MEDIUM_DISK, MEDIUM_CPU, None, MEDIUM_CPU, MEDIUM_CPU)
+    tiers = (Medium.CPU, Medium.DISK, Medium.CPU, None, Medium.CPU, Medium.CPU)
     resident, media = _fold(_answered(tiers), layout)
     assert resident == [True, False, True]
-    assert media == [MEDIUM_DISK, MEDIUM_CPU, MEDIUM_CPU]
+    assert media == [Medium.DISK, Medium.CPU, Medium.CPU]
 
 
 def test_plain_lookup_answers_name_no_medium() -> None:

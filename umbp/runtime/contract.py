@@ -28,13 +28,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from umbp.core.load_outcomes import LoadStatus
 
 __all__ = [
-    "MEDIUM_CPU",
-    "MEDIUM_DISK",
     "LoadStatus",
     "Medium",
     "PoolStats",
@@ -55,12 +53,6 @@ class Medium(enum.StrEnum):
     """Host memory."""
     DISK = "DISK"
     """A disk tier."""
-
-
-# The names back-ends and the KV-event shell import, typed as the strings vLLM's
-# events carry (their lists and maps of media are typed str).
-MEDIUM_CPU: Final[str] = Medium.CPU
-MEDIUM_DISK: Final[str] = Medium.DISK
 
 
 class StoreUnavailable(Exception):
@@ -153,9 +145,9 @@ class WorkerStore(Protocol):
 @runtime_checkable
 class TierAware(Protocol):
     """Optional: a store with several tiers says where each object is, so that KV events
-    can name the medium (`MEDIUM_CPU`, `MEDIUM_DISK`)."""
+    can name the medium (`Medium.CPU`, `Medium.DISK`)."""
 
-    def where(self, keys: Sequence[str]) -> tuple[str | None, ...]:
+    def where(self, keys: Sequence[str]) -> tuple[Medium | None, ...]:
         """The medium holding each key, None when it is not resident. Raises
         `StoreUnavailable` like `lookup`."""
         ...
@@ -180,7 +172,7 @@ class RegistersHostMemory(Protocol):
 class ReportsTiers(Protocol):
     """Optional: a store with several tiers reports the usage of each."""
 
-    def tier_usage(self) -> dict[str, tuple[int, int]]:
-        """(used bytes, objects) per medium (`MEDIUM_CPU`, `MEDIUM_DISK`) the store has.
+    def tier_usage(self) -> dict[Medium, tuple[int, int]]:
+        """(used bytes, objects) per medium the store has.
         Raises `StoreUnavailable` like `lookup`."""
         ...

@@ -17,15 +17,15 @@ from umbp.core.identity import KeySpace
 from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
 from umbp.core.store_plans import StoreBatch
-from umbp.runtime.contract import MEDIUM_CPU, MEDIUM_DISK, SchedulerStore, TierAware
+from umbp.runtime.contract import Medium, SchedulerStore, TierAware
 from umbp.shell.vllm_compat.versions import block_stored_takes_lookahead
 
 CHECK_BATCH = 256
 RECHECK_PUBLISHED_EVERY_S = 1.0
-POOL_MEDIUM = MEDIUM_CPU
+POOL_MEDIUM = Medium.CPU
 
 # Per key: resident or not (`lookup`), or the medium holding it (`TierAware.where`).
-_Answer = tuple[bool, ...] | tuple[str | None, ...]
+_Answer = tuple[bool, ...] | tuple[Medium | None, ...]
 
 
 class KVEventPublisher:
@@ -88,7 +88,7 @@ class KVEventPublisher:
 
 def _fold(
     answer: Future[_Answer], layout: KeyLayout
-) -> tuple[list[bool] | None, list[str] | None]:
+) -> tuple[list[bool] | None, list[Medium] | None]:
     """Per object: resident on every rank, and (from a tiered store) its medium: DISK
     when any rank's shard is on disk. (None, None) when the check failed."""
     try:
@@ -100,9 +100,9 @@ def _fold(
         return None, None
     if not any(isinstance(value, str) for value in per_key):
         return list(resident[0]), None
-    on_disk = fold_ranks(layout, [value == MEDIUM_DISK for value in per_key], any)
+    on_disk = fold_ranks(layout, [value == Medium.DISK for value in per_key], any)
     assert on_disk is not None  # the same length as the resident fold's
-    return list(resident[0]), [MEDIUM_DISK if disk else MEDIUM_CPU for disk in on_disk[0]]
+    return list(resident[0]), [Medium.DISK if disk else Medium.CPU for disk in on_disk[0]]
 
 
 def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:

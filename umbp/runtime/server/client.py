@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
-    MEDIUM_CPU,
-    MEDIUM_DISK,
     LoadStatus,
+    Medium,
     PoolStats,
     ReportsTiers,
     SchedulerStore,
@@ -40,10 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ServerStore"]
 
-_MEDIA: dict[int, str | None] = {
+_MEDIA: dict[int, Medium | None] = {
     protocol.WHERE_NONE: None,
-    protocol.WHERE_CPU: MEDIUM_CPU,
-    protocol.WHERE_DISK: MEDIUM_DISK,
+    protocol.WHERE_CPU: Medium.CPU,
+    protocol.WHERE_DISK: Medium.DISK,
 }
 _GET_STATUS = {
     protocol.GET_MISSING: LoadStatus.MISSING,
@@ -75,8 +74,8 @@ class ServerStore(ClosesOnExit):
         answer = self._link.request_raw(protocol.LOOKUP, {"keys": list(keys)}, len(keys))
         return tuple([byte == 1 for byte in answer])
 
-    def where(self, keys: Sequence[str]) -> tuple[str | None, ...]:
-        """"CPU", "DISK" or None per key. Raises `StoreUnavailable`."""
+    def where(self, keys: Sequence[str]) -> tuple[Medium | None, ...]:
+        """`Medium.CPU`, `Medium.DISK` or None per key. Raises `StoreUnavailable`."""
         if not keys:
             self._link.require_open()
             return ()
@@ -135,14 +134,14 @@ class ServerStore(ClosesOnExit):
             raise StoreUnavailable(f"umbp server at {self._link.endpoint}: malformed stats")
         return answer
 
-    def tier_usage(self) -> dict[str, tuple[int, int]]:
+    def tier_usage(self) -> dict[Medium, tuple[int, int]]:
         """(used bytes, objects) of the DRAM tier and, when the server has one, the SSD
         tier; raises `StoreUnavailable` when the server cannot be reached."""
         figures = self.server_stats()
         dram, ssd = figures["dram"], figures["ssd"]
-        usage = {MEDIUM_CPU: (int(dram["used_bytes"]), int(dram["objects"]))}
+        usage = {Medium.CPU: (int(dram["used_bytes"]), int(dram["objects"]))}
         if ssd.get("enabled"):
-            usage[MEDIUM_DISK] = (int(ssd["used_bytes"]), int(ssd["objects"]))
+            usage[Medium.DISK] = (int(ssd["used_bytes"]), int(ssd["objects"]))
         return usage
 
     def clear(self) -> bool:
