@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from umbp.testing.table import format_table  # noqa: E402
+from umbp.testing.table import format_table
 
 MODES = ("recomputed", "vllm_hit", "restored")
 BLOCK_SIZE = 32

@@ -20,6 +20,7 @@ def run_scenario(spec: dict[str, Any], *, env: dict[str, str] | None = None) -> 
     process = subprocess.run(
         [sys.executable, "-m", "umbp.testing.scenario", json.dumps(spec)],
         capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S, env=environment, cwd=REPO,
+        check=False,  # a failed scenario is reported below with its output
     )
     for line in process.stdout.splitlines():
         if line.startswith("UMBP-SCENARIO "):

@@ -90,7 +90,7 @@ def test_corrupted_pool_bytes_are_detected_and_recomputed(llama_fp32: str) -> No
     steps = ["generate", "reset", "corrupt", "generate", "stats"]
     report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32",
                                     connector=EMBEDDED, steps=steps))
-    (baseline,), (first, reset, corrupt, after, stats) = report["engines"]
+    (baseline,), (_first, _reset, corrupt, after, stats) = report["engines"]
     assert corrupt["flipped"] > 0
     assert after["tokens"] == baseline["tokens"], "a corrupted object was served"
     assert stats["worker"]["load_failures"].get("corrupt", 0) > 0
@@ -103,7 +103,7 @@ def test_pool_smaller_than_working_set_stays_within_capacity(llama_fp32: str) ->
     prompts = unique_prompts(4, 330, seed=17)
     report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32", connector=small,
                                     prompts=prompts))
-    (baseline,), (first, reset, restored, stats) = report["engines"]
+    (baseline,), (_first, _reset, restored, stats) = report["engines"]
     assert restored["tokens"] == baseline["tokens"]
     (pool,) = stats["pools"]
     assert pool["used_bytes"] <= pool["capacity_bytes"]

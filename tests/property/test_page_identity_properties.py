@@ -125,9 +125,11 @@ def test_the_fingerprint_changes_with_every_shape_field() -> None:
     from umbp.core.page_identity import page_namespace_inputs
 
     base = namespace_fingerprint(page_namespace_inputs(SHAPE))
-    changes = dict(model_name="m2", kv_dtype="bfloat16", pool_kind="MLA", layout="page_first",
-                   page_size=32, layer_num=3, head_num=4, head_dim=64, v_head_dim=16,
-                   page_bytes=1, is_mla=True, tp_size=4, pp_size=2, cp_size=2, dcp_size=2)
+    changes: dict[str, object] = {
+        "model_name": "m2", "kv_dtype": "bfloat16", "pool_kind": "MLA", "layout": "page_first",
+        "page_size": 32, "layer_num": 3, "head_num": 4, "head_dim": 64, "v_head_dim": 16,
+        "page_bytes": 1, "is_mla": True, "tp_size": 4, "pp_size": 2, "cp_size": 2, "dcp_size": 2,
+    }
     for name, value in changes.items():
         changed = namespace_fingerprint(page_namespace_inputs(replace(SHAPE, **{name: value})))
         assert changed != base, name

@@ -22,10 +22,10 @@ from umbp.core.identity import check_namespace_override
 
 __all__ = [
     "DEFAULT_CONFIG",
-    "MODES",
-    "MODE_OPTIONS",
     "MAX_PAGE_BYTES",
     "MIN_PAGE_BYTES",
+    "MODES",
+    "MODE_OPTIONS",
     "OPTION_DOCS",
     "OPTION_NAMES",
     "ConfigError",

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from returns.result import Failure, Result, Success
 
 __all__ = [
-    "SupportInputs",
     "Support",
+    "SupportInputs",
     "check_support",
 ]
 

@@ -37,7 +37,8 @@ def parse_backend_config(extra: Mapping[str, object]) -> ConnectorConfig:
         refused_modes=_REFUSED_MODES,
     )
     if isinstance(parsed, Failure):
-        message = format_config_errors(parsed.failure())
-        raise ValueError(message.replace("kv_connector_extra_config",
-                                         f"{SGLANG_STACK} hicache storage extra config"))
+        message = format_config_errors(parsed.failure()).replace(
+            "kv_connector_extra_config", f"{SGLANG_STACK} hicache storage extra config"
+        )
+        raise ValueError(message)  # noqa: TRY004 - a Result
     return parsed.unwrap()

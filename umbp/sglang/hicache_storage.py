@@ -103,7 +103,7 @@ class UMBPHiCacheStore(HiCacheStorage):
                 "mode 'server' or 'mooncake'")
         namespace = page_namespace(shape, self._config.namespace)
         if not isinstance(namespace.value_or(None), str):
-            raise ValueError(f"umbp: {namespace.failure()}")
+            raise ValueError(f"umbp: {namespace.failure()}")  # noqa: TRY004 - a Result
         self._shape = shape
         self._space = page_key_space(namespace.unwrap(), shape)
         page_bytes = self._config.page_bytes or max(4096, -(-shape.page_bytes // 4096) * 4096)

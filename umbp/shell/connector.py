@@ -36,7 +36,7 @@ def connector_config(vllm_config: Any) -> ConnectorConfig:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     parsed = parse_connector_config(extra)
     if isinstance(parsed, Failure):
-        raise ValueError(format_config_errors(parsed.failure()))
+        raise ValueError(format_config_errors(parsed.failure()))  # noqa: TRY004 - a Result
     return parsed.unwrap()
 
 
@@ -45,7 +45,7 @@ def engine_support(vllm_config: Any, kv_cache_config: Any) -> Support:
     set-up is unsupported (both roles check, so every process fails alike)."""
     decision = check_support(vllm_compat.support_inputs(vllm_config, kv_cache_config))
     if isinstance(decision, Failure):
-        raise ValueError(decision.failure())
+        raise ValueError(decision.failure())  # noqa: TRY004 - a Result
     support: Support = decision.unwrap()
     return support
 

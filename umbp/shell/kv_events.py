@@ -93,7 +93,7 @@ def _fold(
     when any rank's shard is on disk. (None, None) when the check failed."""
     try:
         per_key = answer.result()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a failed check publishes nothing this time
         return None, None
     resident = fold_ranks(layout, [value is not None and value is not False for value in per_key])
     if resident is None:

@@ -81,7 +81,7 @@ class PoolFigures:
         self._next = now + POOL_STATS_EVERY_S
         try:
             stats = store.stats()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - stats must never fail an engine step
             logger.debug("umbp store stats unavailable: %s", error)
             return
         counters.pool_evictions = stats.evictions
@@ -90,7 +90,7 @@ class PoolFigures:
         if isinstance(store, ReportsTiers):
             try:
                 usage = store.tier_usage()
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - as for stats() above
                 logger.debug("umbp store tier usage unavailable: %s", error)
                 return
             counters.pool_disk_used_bytes, counters.pool_disk_objects = usage.get(

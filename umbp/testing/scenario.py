@@ -279,7 +279,7 @@ def _try_start(spec: dict[str, Any], connector: dict[str, Any],
     engine_args = {**spec.get("engine", {}), **(engine or {})}
     try:
         llm = make_llm(spec["model_dir"], connector=connector, **engine_args)
-    except Exception as error:  # the point: what does the user see
+    except Exception as error:  # noqa: BLE001 - the point: what does the user see
         return {"started": False, "error": f"{type(error).__name__}: {error}",
                 "trace": traceback.format_exc()}
     del llm

@@ -129,7 +129,7 @@ class SGLangEngineProcess:
                  wait: bool = True) -> None:
         """Start the child; with ``wait=False`` call :meth:`wait_until_ready` later
         (engines start faster side by side than one after another)."""
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes it until close()
         self.log_path = str(log_path)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "umbp.testing.sglang_engine", json.dumps(dict(arguments))],
