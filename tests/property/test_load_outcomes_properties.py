@@ -7,6 +7,8 @@ statuses mean for the KV cache and for vLLM.
   vLLM hears of it in one form only: block ids with one cache group, the request
   id (asynchronous loads) with several; finished asynchronous loads include the
   failed ones.
+* Nothing a synchronous load's failure left wrong is stored: the requests whose
+  sync load failed store nothing that step, and their rows are reported not stored.
 * The pool's automatic page holds one object of the smallest group exactly, on
   4 KiB pages: page = max(4 KiB, smallest object rounded up to 4 KiB). It is not
   sized for the largest object, which spans ceil(size / page) pages.
@@ -30,6 +32,7 @@ from umbp.core.load_outcomes import (
     RequestLoadOutcome,
     auto_page_bytes,
     batch_load_outcome,
+    computed_over_failed_loads,
     failed_store_identities,
     failure_reporting,
     failure_unreportable,
@@ -37,9 +40,11 @@ from umbp.core.load_outcomes import (
     pool_page_bytes,
     report_load,
     rows_by_group,
+    stores_past_failed_loads,
     unplanned_load_outcome,
 )
 from umbp.core.load_plans import BlockLoadBatch
+from umbp.core.store_plans import StoreBatch
 
 statuses = st.sampled_from(list(LoadStatus))
 
@@ -219,6 +224,33 @@ def test_a_store_reports_failed_exactly_what_it_did_not_write(
         assert failed == set(identities)
     else:
         assert failed == {i for i, ok in zip(identities, stored) if not ok}
+
+
+@given(steps_of_outcomes(), st.data())
+def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
+    outcomes: list[RequestLoadOutcome], data: st.DataObject
+) -> None:
+    """Exactly the requests whose synchronous load failed are left out (an
+    asynchronous load's request is not computed in its step); every row of theirs
+    is reported not stored, every other batch goes out untouched, in order."""
+    over_failures = computed_over_failed_loads(outcomes)
+    assert over_failures == {o.request_id for o in outcomes if o.failed and not o.is_async}
+    request_ids = [o.request_id for o in outcomes] + ["no-load"]
+    stores = []
+    for request_id in data.draw(st.lists(st.sampled_from(request_ids), max_size=6)):
+        rows = data.draw(st.lists(st.tuples(st.integers(0, 2), st.binary(min_size=1, max_size=2)),
+                                  max_size=4))
+        group_ids, hashes = tuple([g for g, _ in rows]), tuple([h for _, h in rows])
+        stores.append(StoreBatch(
+            request_id, group_ids, tuple(range(1, len(rows) + 1)), hashes,
+            (None,) * len(rows), ((),) * len(rows), (16,) * len(rows),
+        ))
+    kept, not_stored = stores_past_failed_loads(stores, over_failures)
+    assert list(kept) == [b for b in stores if b.request_id not in over_failures]
+    assert not_stored == {
+        (g, h) for b in stores if b.request_id in over_failures
+        for g, h in zip(b.group_ids, b.block_hashes)
+    }
 
 
 @given(st.lists(st.integers(0, 8 << 20), min_size=1, max_size=5))

@@ -184,6 +184,91 @@ def test_chunks_make_every_full_block_a_candidate_exactly_once(
     assert seen == list(range(limit // block))
 
 
+# ------------------------------------------------------------ failed loads
+
+
+@given(
+    st.integers(0, 40), st.lists(st.integers(1, 60), max_size=12, unique=True),
+    st.sets(st.integers(0, 80), max_size=6), st.booleans(), st.integers(0, 2000),
+    st.sampled_from([16, 32]), st.integers(0, 200),
+)
+def test_only_a_request_vllm_failed_moves_its_watermark_and_only_back(
+    saved_blocks: int, table: list[int], failed: set[int], request_failed: bool,
+    num_computed: int, hash_block_size: int, cached: int,
+) -> None:
+    tracker = StoreTracker(saved_blocks * hash_block_size, (tuple(table),), cached)
+    state = RequestLifecycle(tracker=tracker)
+    after = lifecycle.after_failed_load(
+        state, failed, request_failed, num_computed, hash_block_size
+    )
+    assert after.tracker is not None
+    saved = after.tracker.saved_tokens
+    # The table and what came from a cache are vLLM's facts: never touched.
+    assert (after.tracker.block_table, after.tracker.cached_tokens) == (tracker.block_table, cached)
+    if not request_failed and not failed & set(table):
+        assert after is state
+    else:
+        recompute_from = num_computed - num_computed % hash_block_size
+        assert saved == min(tracker.saved_tokens, recompute_from)
+        # Every token vLLM recomputes is at or past the watermark: a candidate again.
+        assert saved <= num_computed and saved % hash_block_size == 0
+    assert saved <= tracker.saved_tokens
+    untracked = RequestLifecycle()
+    assert lifecycle.after_failed_load(untracked, failed, True, num_computed, hash_block_size) is untracked
+
+
+@st.composite
+def failed_sync_loads(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, int, list[int]]:
+    """A prompt with a hit window of ``external`` tokens loaded synchronously in
+    its first step, one of whose blocks fails; then vLLM's recompute in chunks."""
+    geometry = draw(single_group_geometries())
+    block = geometry.block_size
+    external_blocks = draw(st.integers(1, 8))
+    prompt = draw(st.integers(external_blocks * block + 1, (external_blocks + 6) * block))
+    failed_index = draw(st.integers(0, external_blocks - 1))
+    chunks = draw(st.lists(st.integers(1, 3 * block), min_size=1, max_size=12))
+    return geometry, prompt, external_blocks * block, failed_index, chunks
+
+
+@given(failed_sync_loads())
+def test_a_failed_sync_load_makes_every_recomputed_block_a_candidate_again(
+    case: tuple[LookupGeometry, int, int, int, list[int]],
+) -> None:
+    """The scheduler's sequence around a failed synchronous load: the first step
+    plans stores from its window, vLLM reports the failed block and cuts the
+    computed tokens to it, the shell applies :func:`after_failed_load`, and the
+    recompute's steps (the same, cached request) make every block from the failed
+    one on a candidate again, each once and in order, and none before it."""
+    geometry, prompt, external, failed_index, chunks = case
+    block = geometry.block_size
+    table = (tuple(range(1, prompt // block + 2)),)
+    hashes = tuple(i.to_bytes(4, "big") for i in range(prompt // geometry.hash_block_size))
+    first = prompt - external  # the load lands before the step's forward pass
+    state, _ = lifecycle.new_request_store_window(
+        RequestLifecycle(tracker=StoreTracker().with_blocks_replaced(table)), geometry,
+        frozenset(), external, first, table, len(hashes),
+    )
+    computed = failed_index * block  # vLLM: truncate at the first failed block
+    state = lifecycle.after_failed_load(
+        state, {table[0][failed_index]}, False, computed, geometry.hash_block_size
+    )
+    seen: list[int] = []
+    for chunk in chunks:
+        if computed >= prompt:
+            break
+        scheduled = min(chunk, prompt - computed)
+        state, stores = lifecycle.cached_request_stores(state, computed, False, prompt, False)
+        assert stores
+        state, window = lifecycle.cached_request_store_window(
+            state, geometry, frozenset(), computed, scheduled, False, None, None, prompt,
+            len(hashes), False,
+        )
+        seen += [i for _, r in window.ranges for i in r]
+        computed += scheduled
+    assert sorted(seen) == seen and len(set(seen)) == len(seen)
+    assert seen == list(range(failed_index, computed // block))
+
+
 # ------------------------------------------------------------ acknowledgements
 
 

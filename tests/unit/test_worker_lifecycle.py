@@ -72,6 +72,12 @@ def corrupt_stored_block(driver: Driver, block_hash: bytes) -> int:
     return len(keys)
 
 
+def stored_copies(driver: Driver, block_hash: bytes) -> int:
+    """How many objects the embedded pool holds for ``block_hash`` (one per group)."""
+    suffix = bytes(block_hash).hex()
+    return sum(key.endswith(suffix) for key in driver.worker.worker.pool.stored_keys())
+
+
 def connector_stats(driver: Driver) -> dict[str, float]:
     """Every step's connector stats as vLLM's scheduler reported them, summed."""
     total: dict[str, float] = {}
@@ -160,6 +166,37 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
 
 
 @pytest.mark.parametrize("load_async", [False, True])
+def test_blocks_recomputed_after_a_failed_load_are_stored_again_by_the_request(
+    make_driver: Any, load_async: bool
+) -> None:
+    # The pool holds blocks 0-3 of a 6-block prompt; block 2's object is corrupt.
+    driver = make_driver(extra={"load_async": load_async})
+    tokens = prompt(6)
+    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
+
+    b = driver.add("b", tokens, max_tokens=2)
+    first = driver.step()
+    assert first.kv_output.invalid_block_ids == {driver.block_ids("b")[0][2]}
+    # A synchronous load lands before the forward pass, which computed blocks 4-5
+    # over the failed block: wrong KV in a real model, so not stored from that step.
+    assert [stored_copies(driver, h) for h in b.block_hashes] == [1, 1, 0, 1, 0, 0]
+    driver.run(["b"])
+    driver.drain()
+    # vLLM recomputed from block 2 on; b stored what it recomputed.
+    assert [stored_copies(driver, h) for h in b.block_hashes] == [1] * 6
+
+    # A third request restores every block from umbp, byte-exact.
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("c", tokens, max_tokens=2)
+    restore = step_with(driver, "c", max_steps=3) if load_async else driver.step()
+    assert scheduled_from(restore, "c") == 6 * BLOCK
+    assert driver.assert_blocks_hold("c", tokens, range(6)) == 6 * 2
+    driver.run(["c"])
+    assert driver.cached_tokens("c") == 6 * BLOCK
+
+
+@pytest.mark.parametrize("load_async", [False, True])
 def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
     make_driver: Any, server: Any, load_async: bool
 ) -> None:
@@ -217,6 +254,17 @@ def test_several_cache_groups_report_the_request_never_block_ids(make_driver: An
     stats = connector_stats(driver)
     assert stats["worker_load_failures_corrupt"] >= 1
     assert driver.stored_events()  # the engine stored and went on
+    # b stored what it recomputed: a third request restores the whole prompt
+    # (all but the last block, which vLLM always computes), byte-exact.
+    driver.drain()
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("c", tokens, max_tokens=2)
+    assert scheduled_from(step_with(driver, "c"), "c") == 5 * BLOCK
+    # Full attention: 5 blocks; the sliding-window group keeps only the window's
+    # last 2 (the rest are null).
+    assert driver.assert_blocks_hold("c", tokens, range(5)) == 5 + 2
+    driver.run(["c"])
+    assert driver.cached_tokens("c") == 5 * BLOCK
 
 
 def test_a_failed_request_report_is_taken_once(make_driver: Any) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from umbp.core.identity import Identity
 from umbp.core.load_plans import BlockLoadBatch
+from umbp.core.store_plans import StoreBatch
 
 __all__ = [
     "DEFAULT_AUTO_PAGE_BYTES",
@@ -32,6 +34,7 @@ __all__ = [
     "RequestLoadOutcome",
     "auto_page_bytes",
     "batch_load_outcome",
+    "computed_over_failed_loads",
     "failed_store_identities",
     "failure_reporting",
     "failure_unreportable",
@@ -39,6 +42,7 @@ __all__ = [
     "pool_page_bytes",
     "report_load",
     "rows_by_group",
+    "stores_past_failed_loads",
     "unplanned_load_outcome",
 ]
 
@@ -266,6 +270,34 @@ def failed_store_identities(
     if stored is None or len(stored) != len(identities):
         return frozenset(identities)
     return frozenset(identity for identity, ok in zip(identities, stored) if not ok)
+
+
+def computed_over_failed_loads(outcomes: Sequence[RequestLoadOutcome]) -> frozenset[str]:
+    """The requests whose synchronous load failed this step. Their load lands before
+    the forward pass, which then computes every new token of theirs attending to the
+    failed blocks' stale contents: what that step writes is wrong KV under the
+    right hashes. (An asynchronous load's request is not computed in its step.)"""
+    return frozenset(o.request_id for o in outcomes if o.failed and not o.is_async)
+
+
+def stores_past_failed_loads(
+    stores: Sequence[StoreBatch], computed_over_failures: AbstractSet[str]
+) -> tuple[tuple[StoreBatch, ...], frozenset[Identity]]:
+    """The step's store batches without those of :func:`computed_over_failed_loads`'
+    requests, and the identities left out. A put of a resident key writes nothing,
+    so a wrong object stored once would be served until evicted; vLLM recomputes
+    those blocks and the scheduler plans them again
+    (:func:`umbp.core.request_lifecycle.after_failed_load`). The identities count as
+    not stored: no KV event announces them."""
+    if not computed_over_failures:
+        return tuple(stores), frozenset()
+    kept = tuple(b for b in stores if b.request_id not in computed_over_failures)
+    dropped = frozenset(
+        identity
+        for batch in stores if batch.request_id in computed_over_failures
+        for identity in zip(batch.group_ids, batch.block_hashes)
+    )
+    return kept, dropped
 
 
 # ------------------------------------------------------------ pool geometry

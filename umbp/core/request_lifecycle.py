@@ -46,6 +46,7 @@ __all__ = [
     "acknowledge_reports",
     "after_allocation",
     "after_cache_reset",
+    "after_failed_load",
     "after_lookup_skip",
     "after_match",
     "after_preemption",
@@ -57,6 +58,7 @@ __all__ = [
     "new_request_store_window",
     "next_lookup_action",
     "registers_finished_tail",
+    "rewound_watermark",
     "store_candidates",
     "take_step_loads",
 ]
@@ -240,6 +242,40 @@ def after_preemption(state: RequestLifecycle) -> RequestLifecycle:
     and its spec describes nothing vLLM will allocate."""
     tracker = None if state.tracker is None else state.tracker.reset()
     return replace(state, load_spec=None, tracker=tracker)
+
+
+def rewound_watermark(saved_tokens: int, num_computed_tokens: int, hash_block_size: int) -> int:
+    """The store watermark of a request vLLM recomputes from ``num_computed_tokens``
+    after a failed load: back to the hash-aligned start of the recomputation (the
+    block vLLM recomputes first is a candidate again), never forward."""
+    return min(saved_tokens, num_computed_tokens - num_computed_tokens % hash_block_size)
+
+
+def after_failed_load(
+    state: RequestLifecycle,
+    failed_block_ids: AbstractSet[int],
+    request_failed: bool,
+    num_computed_tokens: int,
+    hash_block_size: int,
+) -> RequestLifecycle:
+    """vLLM heard of a failed load (``KVConnectorOutput.invalid_block_ids``, one
+    cache group; ``failed_recving``, the request) and cut the request's computed
+    tokens to ``num_computed_tokens``: its first failed block, or where the step
+    started when an earlier request recomputes a shared failed block. It recomputes
+    from there, so those blocks are stored again by this request
+    (:func:`rewound_watermark`). A request holding no failed block, and not failed
+    itself, is unchanged; so is one not tracked for storing."""
+    tracker = state.tracker
+    if tracker is None:
+        return state
+    if not request_failed and failed_block_ids.isdisjoint(
+        block for group in tracker.block_table for block in group
+    ):
+        return state
+    saved = rewound_watermark(tracker.saved_tokens, num_computed_tokens, hash_block_size)
+    if saved == tracker.saved_tokens:
+        return state
+    return state.with_tracker(replace(tracker, saved_tokens=saved))
 
 
 def cache_reset_allowed(stores_in_flight: bool, finished_tails_waiting: bool) -> bool:

@@ -326,6 +326,8 @@ class UMBPScheduler:
         return event_id
 
     def update_connector_output(self, output: ConnectorOutputLike) -> None:
+        if output.invalid_block_ids or output.failed_recving:
+            self._after_failed_loads(output.invalid_block_ids, output.failed_recving)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, UMBPWorkerMetadata):  # another connector's, or none
             return
@@ -336,6 +338,18 @@ class UMBPScheduler:
             self._unpin(event)
             if self._kv_events is not None:
                 self._kv_events.track(event, result)
+
+    def _after_failed_loads(self, failed_blocks: set[int], failed_requests: set[str]) -> None:
+        """vLLM has cut the failed requests' computed tokens by now; their
+        watermarks follow, so what vLLM recomputes is stored again."""
+        hash_block_size = self._geometry.hash_block_size
+        for request_id, state in list(self._requests.items()):
+            request = state.request
+            if request is not None:
+                self._requests[request_id] = state.with_life(lifecycle.after_failed_load(
+                    state.life, failed_blocks, request_id in failed_requests,
+                    request.num_computed_tokens, hash_block_size,
+                ))
 
     # -- request lifecycle --------------------------------------------------------
 

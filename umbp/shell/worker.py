@@ -29,12 +29,14 @@ from umbp.core.load_outcomes import (
     LoadStatus,
     RequestLoadOutcome,
     batch_load_outcome,
+    computed_over_failed_loads,
     failed_store_identities,
     failure_reporting,
     failure_unreportable,
     pool_page_bytes,
     report_load,
     rows_by_group,
+    stores_past_failed_loads,
     unplanned_load_outcome,
 )
 from umbp.core.load_plans import BlockLoadBatch
@@ -77,6 +79,8 @@ class UMBPWorker:
         self._staging = StagingRows(self._register, self._unregister)
         self._backend: WorkerBackend | None = None
         self._report = LoadReport()
+        # This step's requests computed over a failed load: save() stores none of it.
+        self._computed_over_failures: frozenset[str] = frozenset()
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
         self._pool_figures = PoolFigures()
@@ -187,6 +191,7 @@ class UMBPWorker:
             self.counters.load_seconds += time.perf_counter() - started
         for outcome in outcomes:
             self._report_load(outcome)
+        self._computed_over_failures = computed_over_failed_loads(outcomes)
 
     def _load(self, batch: BlockLoadBatch, is_async: bool) -> RequestLoadOutcome:
         statuses = {
@@ -264,10 +269,18 @@ class UMBPWorker:
     # -- stores ---------------------------------------------------------------------
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
+        computed_over_failures, self._computed_over_failures = (
+            self._computed_over_failures, frozenset()
+        )
         if meta.store_event is None:
             return
         started = time.perf_counter()
-        failed = frozenset[Identity]().union(*(self._store_objects(batch) for batch in meta.stores))
+        stores, not_stored = stores_past_failed_loads(meta.stores, computed_over_failures)
+        if not_stored:
+            logger.warning("umbp: %d blocks computed over a failed load this step are not "
+                           "stored; vLLM recomputes them and they are stored then",
+                           len(not_stored))
+        failed = not_stored.union(*(self._store_objects(batch) for batch in stores))
         self.counters.store_seconds += time.perf_counter() - started
         with self._lock:
             self._store_results[meta.store_event] = StoreEventResult(1, failed)

@@ -132,7 +132,15 @@ class BlockPoolLike(Protocol):
 
 
 class ConnectorOutputLike(Protocol):
-    """``KVConnectorOutput``: what the workers reported this step."""
+    """``KVConnectorOutput``: what the workers reported this step. vLLM's scheduler
+    acts on the failed loads (cuts the requests' computed tokens) before it hands
+    the output to the connector; both fields exist in 0.32 and 0.33."""
 
     @property
     def kv_connector_worker_meta(self) -> object | None: ...
+
+    @property
+    def invalid_block_ids(self) -> set[int]: ...
+
+    @property
+    def failed_recving(self) -> set[str]: ...
