@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from umbp.core import lookup as core_lookup
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
-from umbp.shell.hybrid_lookup import HybridLookup, coordinator_arguments
+from umbp.shell.hybrid_lookup import HybridLookup
+from umbp.shell.vllm_compat.versions import coordinator_arguments
 
 pytestmark = pytest.mark.integration
 

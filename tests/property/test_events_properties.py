@@ -29,7 +29,6 @@ from umbp.core.events import (
     new_event_tracker,
     residency_batch,
     track_stored,
-    tracked_count,
 )
 
 GROUPS = (0, 1)
@@ -62,7 +61,7 @@ def check_structure(state: EventTracker) -> None:
     """The tracker's own invariants: queues and records agree."""
     records = dict(state.objects.items())
     assert len(records) <= state.max_objects
-    assert tracked_count(state) == len(records)
+    assert len(state.objects) == len(records)
     pending = {record.serial: identity for identity, record in records.items() if record.pending}
     assert dict(state.pending_queue.items()) == pending
     rotation = {record.turn: identity for identity, record in records.items() if record.published}
@@ -150,7 +149,7 @@ class EventReconciliation(RuleBasedStateMachine):
     def pool_cleared(self) -> None:
         before = self.state
         self.state = clear(before)
-        assert tracked_count(self.state) == 0 and not has_pending(self.state)
+        assert len(self.state.objects) == 0 and not has_pending(self.state)
         assert self.state.suppressed == before.suppressed
         # The shell announces the clear as a whole (AllBlocksCleared).
         self.forgotten |= set(before.objects.keys())
@@ -293,7 +292,7 @@ def test_with_a_fixed_residency_oracle_every_tracked_object_is_visited_within_ce
     visited: set[ObjectIdentity] = set()
     for _ in range(math.ceil(len(tracked) / batch_size)):
         batch = residency_batch(state, batch_size, True)
-        assert len(batch) == min(batch_size, tracked_count(state))
+        assert len(batch) == min(batch_size, len(state.objects))
         visited |= {identity for identity, _ in batch}
         state, _ = apply_residency(state, batch, [oracle[identity] for identity, _ in batch])
         check_structure(state)
@@ -348,4 +347,4 @@ def test_with_tier_media_stored_names_where_the_object_is_and_removed_the_last_t
     assert [type(event) for event in announced] == [BlockStoredEvent, BlockRemovedEvent]
     assert announced[0].medium == seen[0]
     assert announced[1].medium == seen[-1]
-    assert tracked_count(state) == 0
+    assert len(state.objects) == 0

@@ -50,7 +50,6 @@ __all__ = [
     "new_event_tracker",
     "residency_batch",
     "track_stored",
-    "tracked_count",
 ]
 
 DEFAULT_MAX_OBJECTS: Final = 65536
@@ -142,10 +141,6 @@ def new_event_tracker(max_objects: int = DEFAULT_MAX_OBJECTS) -> EventTracker:
 def has_pending(state: EventTracker) -> bool:
     """Whether some tracked object still awaits its first (or a repeated) check."""
     return len(state.pending_queue) > 0
-
-
-def tracked_count(state: EventTracker) -> int:
-    return len(state.objects)
 
 
 def clear(state: EventTracker) -> EventTracker:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from umbp.core import lookup as core_lookup
@@ -30,10 +30,11 @@ from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
 from umbp.shell import vllm_compat
 from umbp.shell.vllm_compat.versions import (
     coordinator_allows_partial_hash_hits,
+    coordinator_arguments,
     coordinator_lookahead,
 )
 
-__all__ = ["HybridLookup", "LocalBlockProbe", "coordinator_arguments"]
+__all__ = ["HybridLookup", "LocalBlockProbe"]
 
 LocalBlockProbe = Callable[[int, bytes], bool]
 """``(group_id, block_hash) -> bool``: does vLLM's device block pool hold this
@@ -101,23 +102,6 @@ class _LookupBlockPool:
         if block.is_null or block.block_hash is None:
             return None
         return bytes(self._hash_of_key(block.block_hash))
-
-
-def coordinator_arguments(
-    parameters: Mapping[str, object] | Sequence[str],
-    required: Mapping[str, object],
-    optional: Mapping[str, object],
-) -> dict[str, object]:
-    """Keyword arguments for ``get_kv_cache_coordinator``: every required one,
-    and the optional ones this vLLM version's signature names (0.32 and 0.33
-    differ, e.g. 0.33's ``num_hash_lookahead_tokens``)."""
-    missing = [name for name in required if name not in parameters]
-    if missing:
-        raise RuntimeError(
-            "this vLLM's get_kv_cache_coordinator lacks parameters umbp needs: "
-            f"{', '.join(missing)}; use vLLM 0.32 or 0.33"
-        )
-    return {**required, **{k: v for k, v in optional.items() if k in parameters}}
 
 
 class HybridLookup:

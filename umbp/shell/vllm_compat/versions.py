@@ -1,11 +1,13 @@
 """The differences between the supported vLLM versions (0.32, 0.33) that umbp
-meets, feature-detected: the cache coordinator's lookahead
-arguments and partial-hash-hit flag, the ``BlockStored`` event's fields, and
-where vLLM's engine builds its KV cache configs.
+meets, feature-detected: the cache coordinator's arguments (the lookahead ones,
+and the optional ones its signature names) and its partial-hash-hit flag, the
+``BlockStored`` event's fields, and where vLLM's engine builds its KV cache
+configs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -16,6 +18,23 @@ def coordinator_lookahead(vllm_config: Any) -> dict[str, int]:
     if hasattr(type(vllm_config), "num_hash_lookahead_tokens"):
         lookahead["num_hash_lookahead_tokens"] = int(vllm_config.num_hash_lookahead_tokens)
     return lookahead
+
+
+def coordinator_arguments(
+    parameters: Mapping[str, object] | Sequence[str],
+    required: Mapping[str, object],
+    optional: Mapping[str, object],
+) -> dict[str, object]:
+    """Keyword arguments for ``get_kv_cache_coordinator``: every required one,
+    and the optional ones this vLLM version's signature names (0.32 and 0.33
+    differ, e.g. 0.33's ``num_hash_lookahead_tokens``)."""
+    missing = [name for name in required if name not in parameters]
+    if missing:
+        raise RuntimeError(
+            "this vLLM's get_kv_cache_coordinator lacks parameters umbp needs: "
+            f"{', '.join(missing)}; use vLLM 0.32 or 0.33"
+        )
+    return {**required, **{k: v for k, v in optional.items() if k in parameters}}
 
 
 def coordinator_allows_partial_hash_hits(coordinator: Any) -> bool:
