@@ -1,5 +1,5 @@
 """Lookups of a pool in another process: the socket service, its client, and
-routing keys to the pool of the rank named in them."""
+routing core's keys to the pool of their rank by position."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
 from umbp.core.lookup import LookupGeometry, build_lookup_query
-from umbp.core.rank_keys import KeyLayout, RankedKeys, rank_tags
+from umbp.core.rank_keys import KeyLayout, RankedKeys, object_major_keys, rank_tags
 from umbp.runtime.contract import StoreUnavailable
 from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup, rank_tag
 from umbp.runtime.pool import SlabPool
@@ -135,7 +135,8 @@ def test_ranked_lookup_asks_each_key_of_the_pool_of_its_rank() -> None:
     store1 = _Known({keyspace.key(rank1, 0, h1)})
     ranked = RankedLookup({rank_tag(keyspace.key(rank0, 0, b"")): store0,
                            rank_tag(keyspace.key(rank1, 0, b"")): store1})
-    keys = [*keyspace.rank_keys(0, h1), *keyspace.rank_keys(0, h2)]
+    keys = object_major_keys(keyspace, [(0, h1), (0, h2)])
+    assert list(keys) == [*keyspace.rank_keys(0, h1), *keyspace.rank_keys(0, h2)]
     assert ranked.lookup(keys) == (True, True, True, False)
     assert all(":tp0:" in key for key in store0.asked)
     assert all(":tp1:" in key for key in store1.asked)
@@ -148,7 +149,19 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     other = _Known(set())
     ranked = RankedLookup({rank_tag(keyspace.key(RankCoord(0, 0, 0, 0), 0, b"")): store0,
                            "umbp:1:elsewhere:tp9:pcp0:dcp0:pp0": other})
-    assert ranked.lookup(keyspace.rank_keys(0, b"\x01")) == (True, False)
+    assert ranked.lookup(object_major_keys(keyspace, [(0, b"\x01")])) == (True, False)
+
+
+def test_plain_key_strings_over_several_ranks_are_refused() -> None:
+    """Keys are routed by position only: strings without core's layout would
+    have to be parsed to find their rank, so they are a caller's error."""
+    keyspace = KeySpace("ns1", RankTopology(tp_size=2))
+    ranked = RankedLookup({tag: _Known(set()) for tag in rank_tags(keyspace)})
+    with pytest.raises(TypeError, match="RankedKeys"):
+        ranked.lookup(list(keyspace.rank_keys(0, b"\x01")))
+    # One rank: nothing to route, the store answers plain keys as they are.
+    single = RankedLookup({"rank-0": _Known({"k"})})
+    assert single.lookup(["k", "other"]) == (True, False)
 
 
 def test_ranked_lookup_routes_core_keys_by_position_without_reading_them() -> None:
@@ -180,9 +193,7 @@ def test_a_lookup_query_routed_by_position_matches_routing_by_the_rank_in_each_k
     assert query.keys.rank_tags == tags == rank_tags(keyspace)
     held = {key for index, key in enumerate(query.keys) if index % 3 and index % 7}
     by_position = RankedLookup({tag: _Known(held) for tag in tags})
-    by_name = RankedLookup({tag: _Known(held) for tag in tags})
-    answer = by_position.lookup(query.keys)
-    assert answer == by_name.lookup(tuple(query.keys)) == tuple(k in held for k in query.keys)
+    assert by_position.lookup(query.keys) == tuple(k in held for k in query.keys)
     for tag, store in zip(tags, by_position._stores.values()):
         assert isinstance(store, _Known) and all(key.startswith(tag + ":") for key in store.asked)
 

@@ -155,11 +155,10 @@ class RankedLookup:
     of its rank, and a rank nobody serves holds nothing.
 
     Keys built by core (:class:`~umbp.core.rank_keys.RankedKeys`: a lookup query's,
-    an event check's) carry their layout, so each rank's keys are sliced out by
-    position and the answers put back the same way; no key is read. A plain
-    sequence of keys is routed by the rank named in each key
-    (``umbp:<fmt>:<ns>:tp..:pcp..:dcp..:pp..:g<group>:<hash>``), whatever order the
-    caller built it in: one string split per key.
+    a store pass's residency check, a KV-event check) carry their layout, so each
+    rank's keys are sliced out by position and the answers put back the same way;
+    no key is ever parsed to find its rank. With several ranks, plain key strings
+    are refused (a TypeError): every caller in umbp hands over core's keys.
     """
 
     def __init__(self, stores: Mapping[str, SchedulerStore]) -> None:
@@ -172,7 +171,11 @@ class RankedLookup:
             return self._lookup_by_position(keys)
         if len(self._stores) == 1:
             return next(iter(self._stores.values())).lookup(keys)
-        return self._lookup_by_name(keys)
+        raise TypeError(
+            f"RankedLookup over {len(self._stores)} ranks routes keys by position: pass "
+            "umbp.core.rank_keys.RankedKeys (a lookup query's or a residency check's "
+            "keys), not plain key strings"
+        )
 
     def _lookup_by_position(self, keys: RankedKeys) -> tuple[bool, ...]:
         stores = [self._stores.get(tag) for tag in keys.rank_tags]
@@ -182,19 +185,6 @@ class RankedLookup:
             None if store is None else store.lookup(keys.keys_of_rank(rank))
             for rank, store in enumerate(stores)
         ])
-
-    def _lookup_by_name(self, keys: Sequence[str]) -> tuple[bool, ...]:
-        positions: dict[str, list[int]] = {}
-        for position, key in enumerate(keys):
-            positions.setdefault(rank_tag(key), []).append(position)
-        merged = [False] * len(keys)
-        for tag, indices in positions.items():
-            store = self._stores.get(tag)
-            if store is None:
-                continue  # a rank nobody serves holds nothing
-            for index, hit in zip(indices, store.lookup([keys[i] for i in indices])):
-                merged[index] = hit
-        return tuple(merged)
 
     def clear(self) -> bool:
         return all([store.clear() for store in self._stores.values()])  # noqa: C419 (clear every store)
@@ -206,5 +196,6 @@ class RankedLookup:
 
 def rank_tag(key: str) -> str:
     """The part of an object key that names namespace and rank (what
-    :func:`umbp.core.rank_keys.rank_tags` gives per rank without reading a key)."""
+    :func:`umbp.core.rank_keys.rank_tags` gives per rank without reading a key):
+    the scheduler names each rank's store with it once, at start-up."""
     return key.rsplit(":", 2)[0]
