@@ -35,3 +35,18 @@ def test_model_support_matrix_names_only_tests_that_exist() -> None:
     for path, test in named:
         source = (REPO / path).read_text()
         assert f"def {test}(" in source, f"docs/models.md names a missing test {path}::{test}"
+
+
+def test_documents_cited_in_the_source_exist() -> None:
+    """A citation such as ``docs/backends.md`` in a module, test or benchmark
+    names a file of this repository (the source once cited a page it lacked)."""
+    import re
+
+    cited: dict[str, list[str]] = {}
+    for folder in ("umbp", "tests", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            for name in re.findall(r"\bdocs/[\w.-]+\.md\b", path.read_text()):
+                cited.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert "docs/backends.md" in cited, "the scan must see the source's citations"
+    missing = {name: paths for name, paths in cited.items() if not (REPO / name).is_file()}
+    assert not missing, f"cited documents that do not exist: {missing}"
