@@ -15,6 +15,7 @@ from umbp.core import (
     config,
     events,
     identity,
+    key_memo,
     load_outcomes,
     load_plans,
     lookup,
@@ -31,6 +32,7 @@ from umbp.core import (
 from umbp.core.config import *
 from umbp.core.events import *
 from umbp.core.identity import *
+from umbp.core.key_memo import *
 from umbp.core.load_outcomes import *
 from umbp.core.load_plans import *
 from umbp.core.lookup import *
@@ -48,6 +50,7 @@ __all__ = [
     "config",
     "events",
     "identity",
+    "key_memo",
     "load_outcomes",
     "load_plans",
     "lookup",
@@ -64,6 +67,7 @@ __all__ = [
 __all__ += config.__all__
 __all__ += events.__all__
 __all__ += identity.__all__
+__all__ += key_memo.__all__
 __all__ += load_outcomes.__all__
 __all__ += load_plans.__all__
 __all__ += lookup.__all__

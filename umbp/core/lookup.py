@@ -31,11 +31,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, count
+from itertools import chain, compress, count
 from operator import not_
 from typing import Final, TypeAlias
 
 from umbp.core.identity import KeySpace
+from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "load_spec_from_hits",
     "local_object_hashes",
     "lookup_limit",
+    "lookup_query",
     "lookup_skip_reason",
     "lookup_unit",
     "object_hash_at_token_end",
@@ -291,35 +293,56 @@ def build_lookup_query(
 
     Call only when :func:`lookup_skip_reason` is None.
     """
+    return lookup_query(geometry, keyspace, hashes, local_tokens, num_tokens, EMPTY_KEY_MEMO)[0]
+
+
+def lookup_query(
+    geometry: LookupGeometry,
+    keyspace: KeySpace,
+    hashes: Sequence[bytes],
+    local_tokens: int,
+    num_tokens: int,
+    memo: KeyMemo,
+) -> tuple[LookupQuery, KeyMemo]:
+    """:func:`build_lookup_query` with the request's :class:`~umbp.core.key_memo.KeyMemo`:
+    the query (equal to a fresh one) and the memo holding its keys. Keys the memo
+    already has are sliced out of it, not built again."""
     request_hashes = tuple(hashes)
     limit = lookup_limit(geometry, num_tokens, len(request_hashes))
-    keys: list[str] = []
+    hash_block_size = geometry.hash_block_size
+    runs: list[Sequence[str]] = []  # group-major, then rank: the query's key order
     objects: list[tuple[bytes, ...]] = []
     for group_id, unit in zip(geometry.group_ids, geometry.lookup_units):
-        group_objects = hashes_at_token_ends(
-            request_hashes, local_tokens + unit, limit, unit, geometry.hash_block_size
-        )
-        objects.append(group_objects)
-        # The key strings are the floor of a lookup's cost: a comprehension per rank
-        # glues them faster than map(prefix.__add__, ...), and with several ranks
-        # each hex digest is made once.
-        prefixes = rank_prefixes(keyspace, group_id)
-        if len(prefixes) == 1:
-            prefix = prefixes[0]
-            keys.extend([prefix + block_hash.hex() for block_hash in group_objects])
+        if local_tokens % unit:
+            # Only a coordinated group can start between its objects: no memo run.
+            group_objects = hashes_at_token_ends(
+                request_hashes, local_tokens + unit, limit, unit, hash_block_size
+            )
+            objects.append(group_objects)
+            digests = list(map(bytes.hex, group_objects))
+            runs.extend(
+                [prefix + digest for digest in digests]
+                for prefix in rank_prefixes(keyspace, group_id)
+            )
             continue
-        digests = list(map(bytes.hex, group_objects))
-        for prefix in prefixes:
-            keys.extend([prefix + digest for digest in digests])
+        first, stop = local_tokens // unit, max(local_tokens // unit, limit // unit)
+        entry, memo = group_keys(
+            memo, keyspace, group_id, unit, hash_block_size, request_hashes, first, stop
+        )
+        objects.append(entry.object_hashes(first, stop))
+        runs.extend(entry.rank_keys(rank, first, stop) for rank in range(len(entry.per_rank)))
     layout = KeyLayout.rank_major(tuple(map(len, objects)), keyspace.topology.rank_count)
-    return LookupQuery(
+    query = LookupQuery(
         local_tokens=local_tokens,
         num_tokens=num_tokens,
         request_hashes=request_hashes,
         units=geometry.lookup_units,
         object_hashes=tuple(objects),
-        keys=RankedKeys(keys, layout, rank_tags(keyspace)),
+        # One group on one rank (the common case) is one memo slice: copied once.
+        keys=RankedKeys(runs[0] if len(runs) == 1 else chain.from_iterable(runs), layout,
+                        rank_tags(keyspace)),
     )
+    return query, memo
 
 
 def fold_rank_hits(

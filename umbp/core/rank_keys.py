@@ -59,7 +59,7 @@ class KeyLayout:
 
     @classmethod
     def rank_major(cls, segment_sizes: Sequence[int], rank_count: int) -> KeyLayout:
-        return cls(rank_count, tuple(segment_sizes))
+        return _rank_major_layout(tuple(segment_sizes), rank_count)
 
     @classmethod
     def objects(cls, count: int, rank_count: int) -> KeyLayout:
@@ -99,6 +99,13 @@ class KeyLayout:
         raise ValueError(f"position {position} is outside {self.key_count} keys")
 
 
+@lru_cache(maxsize=1024)
+def _rank_major_layout(segment_sizes: tuple[int, ...], rank_count: int) -> KeyLayout:
+    # A memo of an immutable value: every lookup makes one, and a frozen
+    # dataclass's construction costs more than the rest of a repeated lookup's keys.
+    return KeyLayout(rank_count, segment_sizes)
+
+
 def fold_ranks(
     layout: KeyLayout,
     answers: Sequence[bool],
@@ -123,6 +130,10 @@ def fold_ranks(
             folded.append(part if isinstance(part, tuple) else tuple(part))
         elif not count:
             folded.append(())
+        elif every is all and all(answers[offset : offset + size]):
+            # Every rank holds every object (a whole-prompt hit): one C-level scan,
+            # not one all() per object.
+            folded.append((True,) * count)
         else:
             if layout.object_major:
                 per_rank = [answers[offset + rank : offset + size : ranks] for rank in range(ranks)]

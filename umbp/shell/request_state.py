@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo
 from umbp.core.lookup import LookupQuery
 from umbp.core.request_lifecycle import LookupProgress, RequestLifecycle
 from umbp.shell.vllm_compat.objects import RequestLike
@@ -34,11 +35,14 @@ class PendingLookup:
 class RequestState:
     """``request``: vLLM's request, from its first allocation (None before);
     ``lookup``: a running asynchronous lookup; ``life``: everything core decides
-    from."""
+    from; ``keys``: the request's object keys built so far (core's
+    :class:`~umbp.core.key_memo.KeyMemo`), so a repeated lookup of a waiting or
+    resumed request, and the store step's residency check, build no key twice."""
 
     request: RequestLike | None = None
     lookup: PendingLookup | None = None
     life: RequestLifecycle = field(default_factory=RequestLifecycle)
+    keys: KeyMemo = EMPTY_KEY_MEMO
 
     @property
     def lookup_progress(self) -> LookupProgress:
@@ -52,7 +56,12 @@ class RequestState:
     def with_life(self, life: RequestLifecycle) -> RequestState:
         if life is self.life:
             return self
-        return RequestState(self.request, self.lookup, life)  # hot: no dataclasses.replace
+        return RequestState(self.request, self.lookup, life, self.keys)  # hot: no dataclasses.replace
+
+    def with_keys(self, keys: KeyMemo) -> RequestState:
+        if keys is self.keys:
+            return self
+        return RequestState(self.request, self.lookup, self.life, keys)
 
     def without_lookup(self) -> RequestState:
         """The running lookup is dropped (its answer is not wanted any more)."""

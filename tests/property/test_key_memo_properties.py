@@ -1,0 +1,118 @@
+"""Properties of ``umbp.core.key_memo``: a memo never changes an answer, and a key
+is built once per request.
+
+A request's state carries its memo from lookup to lookup, as the scheduler keeps it
+in ``RequestState``: the prompt grows, vLLM's local prefix moves both ways, the id
+may come back as another request (other hashes) and the keyspace may change. Every
+query made through the memo must equal the query built from nothing, and every key
+the memo holds must be the one ``KeySpace.key`` builds.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.property.strategies import geometries, keyspaces, request_hashes
+from umbp.core.identity import KeySpace
+from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
+from umbp.core.lookup import LookupGeometry, build_lookup_query, lookup_query, lookup_skip_reason
+
+
+def memo_keys_are_keyspace_keys(memo: KeyMemo, keyspace: KeySpace, hashes: tuple[bytes, ...]) -> bool:
+    if memo.namespace != keyspace.namespace or memo.topology != keyspace.topology:
+        return True  # an other keyspace's memo is never read for this one
+    coords = keyspace.topology.coords()
+    for entry in memo.entries:
+        if len(entry.per_rank) != len(coords):
+            return False
+        for offset, block_hash in enumerate(entry.hashes):
+            for rank, keys in zip(coords, entry.per_rank):
+                if keys[offset] != keyspace.key(rank, entry.group_id, block_hash):
+                    return False
+    return True
+
+
+@st.composite
+def lookup_sequences(
+    draw: st.DrawFn,
+) -> tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]]:
+    """Lookups of one request id: a growing prompt with any local prefix, now and
+    then another request's hashes or another keyspace."""
+    geometry = draw(geometries())
+    base_keyspace = draw(keyspaces())
+    salt_hashes = draw(request_hashes(64))
+    other_hashes = draw(request_hashes(64))
+    steps: list[tuple[KeySpace, tuple[bytes, ...], int, int]] = []
+    num_tokens = draw(st.integers(geometry.block_size + 2, 4 * geometry.block_size))
+    for _ in range(draw(st.integers(1, 6))):
+        num_tokens += draw(st.integers(0, 2 * geometry.block_size))
+        num_tokens = min(num_tokens, 64 * geometry.hash_block_size)
+        local = draw(st.integers(0, max(0, (num_tokens - 2) // geometry.block_size)))
+        hashes = (other_hashes if draw(st.integers(0, 5)) == 0 else salt_hashes)[
+            : num_tokens // geometry.hash_block_size
+        ]
+        keyspace = draw(keyspaces()) if draw(st.integers(0, 5)) == 0 else base_keyspace
+        steps.append((keyspace, hashes, local * geometry.block_size, num_tokens))
+    return geometry, steps
+
+
+@given(lookup_sequences())
+def test_every_query_through_the_memo_is_the_query_built_from_nothing(
+    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+) -> None:
+    geometry, steps = case
+    memo = EMPTY_KEY_MEMO
+    for keyspace, hashes, local, num_tokens in steps:
+        if lookup_skip_reason(geometry, True, len(hashes), num_tokens, local) is not None:
+            continue
+        query, memo = lookup_query(geometry, keyspace, hashes, local, num_tokens, memo)
+        assert query == build_lookup_query(geometry, keyspace, hashes, local, num_tokens)
+        assert query.layout == build_lookup_query(
+            geometry, keyspace, hashes, local, num_tokens
+        ).layout
+        assert memo_keys_are_keyspace_keys(memo, keyspace, hashes)
+
+
+@given(lookup_sequences())
+def test_a_repeated_lookup_builds_no_key(
+    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+) -> None:
+    """The same request state asked again returns the very memo (no string is new)
+    and its query's keys are the first query's string objects."""
+    geometry, steps = case
+    keyspace, hashes, local, num_tokens = steps[-1]
+    if lookup_skip_reason(geometry, True, len(hashes), num_tokens, local) is not None:
+        return
+    first, memo = lookup_query(geometry, keyspace, hashes, local, num_tokens, EMPTY_KEY_MEMO)
+    again, memo_again = lookup_query(geometry, keyspace, list(hashes), local, num_tokens, memo)
+    if all(local % unit == 0 for unit in geometry.lookup_units):
+        assert memo_again is memo
+        assert all(a is b for a, b in zip(first.keys, again.keys, strict=True))
+    assert again == first
+
+
+@given(keyspaces(), request_hashes(48), st.data())
+def test_group_keys_cover_the_asked_run_with_the_keyspace_keys(
+    keyspace: KeySpace, hashes: tuple[bytes, ...], data: st.DataObject
+) -> None:
+    """Any runs asked in any order (disjoint, overlapping, nested): each answer
+    covers its run, and the memo only ever holds KeySpace's keys."""
+    hash_block_size = data.draw(st.sampled_from([1, 2, 4]))
+    unit = hash_block_size * data.draw(st.sampled_from([1, 2, 3]))
+    stride = unit // hash_block_size
+    objects = len(hashes) // stride
+    memo = EMPTY_KEY_MEMO
+    for _ in range(data.draw(st.integers(1, 5))):
+        first = data.draw(st.integers(0, objects))
+        stop = data.draw(st.integers(first, objects))
+        entry, memo = group_keys(memo, keyspace, 3, unit, hash_block_size, hashes, first, stop)
+        assert entry.start <= first and stop <= entry.stop or first == stop
+        assert entry.object_hashes(first, stop) == tuple(
+            hashes[(j + 1) * stride - 1] for j in range(first, stop)
+        )
+        for rank_index, rank in enumerate(keyspace.topology.coords()):
+            assert entry.rank_keys(rank_index, first, stop) == tuple(
+                keyspace.key(rank, 3, hashes[(j + 1) * stride - 1]) for j in range(first, stop)
+            )
+        assert memo_keys_are_keyspace_keys(memo, keyspace, hashes)

@@ -1,0 +1,178 @@
+"""A request's object key strings, built once and kept with the request.
+
+A key string costs more than anything else a lookup does (about 130 ns each on a
+slow machine: a hex digest and a ~110-character concatenation), and the same keys
+are asked for again: vLLM asks for a waiting request's external hits on every
+step until it is scheduled, a preempted request is looked up again on resume,
+and the store step's residency check asks the pool about blocks the lookup has
+already named. A :class:`KeyMemo` is an immutable value the shell keeps in the
+request's state; :func:`group_keys` answers from it and returns the memo with any
+keys it had to build added, so each key of a request is built once.
+
+Object ``j`` of a group probed every ``unit`` tokens ends at token ``(j + 1) * unit``
+and is identified by the hash ending there. A memo entry covers one run
+``start <= j < stop`` of one ``(group, unit)``; it is used only while every hash
+it was built from is still the request's hash at that position (a reused request
+id, or a different keyspace, rebuilds it), so an answer from the memo is always
+the key :class:`~umbp.core.identity.KeySpace` would build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from umbp.core.identity import KeySpace, RankTopology
+from umbp.core.rank_keys import rank_prefixes
+
+__all__ = ["EMPTY_KEY_MEMO", "GroupKeys", "KeyMemo", "group_keys"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKeys:
+    """Every rank's key of objects ``start <= j < stop`` of one group.
+
+    ``hashes[j - start]`` is object ``j``'s hash and ``per_rank[r][j - start]`` its
+    key on rank ``r`` (``topology.coords()`` order).
+    """
+
+    group_id: int
+    unit: int
+    start: int
+    hashes: tuple[bytes, ...]
+    per_rank: tuple[tuple[str, ...], ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.hashes)
+
+    def object_hashes(self, first: int, stop: int) -> tuple[bytes, ...]:
+        """Objects ``first <= j < stop`` (which this entry must cover)."""
+        return self.hashes[first - self.start : stop - self.start]
+
+    def rank_keys(self, rank: int, first: int, stop: int) -> tuple[str, ...]:
+        """Rank ``rank``'s keys of objects ``first <= j < stop``: a slice."""
+        return self.per_rank[rank][first - self.start : stop - self.start]
+
+    def object_keys(self, index: int) -> tuple[str, ...]:
+        """Every rank's key of object ``index`` (object-major order's unit)."""
+        offset = index - self.start
+        if not 0 <= offset < len(self.hashes):
+            raise IndexError(f"object {index} is outside {self.start}..{self.stop - 1}")
+        return tuple(keys[offset] for keys in self.per_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyMemo:
+    """One request's memoised keys: for the keyspace they were built in, one
+    :class:`GroupKeys` per ``(group, unit)`` (a model has a handful of groups)."""
+
+    namespace: str | None = None
+    topology: RankTopology | None = None
+    entries: tuple[GroupKeys, ...] = ()
+
+    def entry(self, keyspace: KeySpace, group_id: int, unit: int) -> GroupKeys | None:
+        if self.namespace != keyspace.namespace or self.topology != keyspace.topology:
+            return None
+        for entry in self.entries:
+            if entry.group_id == group_id and entry.unit == unit:
+                return entry
+        return None
+
+    def with_entry(self, keyspace: KeySpace, new: GroupKeys) -> KeyMemo:
+        kept = (
+            tuple(e for e in self.entries if (e.group_id, e.unit) != (new.group_id, new.unit))
+            if self.namespace == keyspace.namespace and self.topology == keyspace.topology
+            else ()
+        )
+        return KeyMemo(keyspace.namespace, keyspace.topology, (*kept, new))
+
+
+EMPTY_KEY_MEMO: Final = KeyMemo()
+"""A request whose keys were never built."""
+
+
+def group_keys(
+    memo: KeyMemo,
+    keyspace: KeySpace,
+    group_id: int,
+    unit: int,
+    hash_block_size: int,
+    request_hashes: tuple[bytes, ...],
+    first: int,
+    stop: int,
+) -> tuple[GroupKeys, KeyMemo]:
+    """Keys covering objects ``first <= j < stop`` of ``group_id`` probed every
+    ``unit`` tokens, and the memo with them: only objects the memo lacks (or all,
+    when its entry no longer matches ``request_hashes``) get new strings.
+
+    ``unit`` must be a multiple of ``hash_block_size`` and object ``stop - 1`` must
+    have a hash (``stop * unit <= len(request_hashes) * hash_block_size``).
+    """
+    if unit <= 0 or unit % hash_block_size:
+        raise ValueError(f"unit {unit} is not a multiple of hash_block_size {hash_block_size}")
+    stride = unit // hash_block_size
+    if first < 0 or stop * stride > len(request_hashes):
+        raise ValueError(
+            f"objects {first}..{stop - 1} every {unit} tokens need "
+            f"{stop * stride} hashes, the request has {len(request_hashes)}"
+        )
+    stop = max(first, stop)
+    entry = memo.entry(keyspace, group_id, unit)
+    if entry is not None and not _still_describes(entry, stride, request_hashes):
+        entry = None
+    if entry is not None and entry.start <= first and stop <= entry.stop:
+        return entry, memo
+    if entry is None or stop < entry.start or first > entry.stop:
+        # Nothing to keep (or a gap between): just this run.
+        fresh = _build(keyspace, group_id, unit, stride, request_hashes, first, stop)
+        return fresh, memo.with_entry(keyspace, fresh)
+    before = _build(keyspace, group_id, unit, stride, request_hashes, first, entry.start)
+    after = _build(keyspace, group_id, unit, stride, request_hashes, entry.stop, stop)
+    merged = GroupKeys(
+        group_id,
+        unit,
+        min(first, entry.start),
+        before.hashes + entry.hashes + after.hashes,
+        tuple(
+            head + keys + tail
+            for head, keys, tail in zip(before.per_rank, entry.per_rank, after.per_rank)
+        ),
+    )
+    return merged, memo.with_entry(keyspace, merged)
+
+
+def _still_describes(entry: GroupKeys, stride: int, request_hashes: tuple[bytes, ...]) -> bool:
+    """Every hash the entry was built from is still the request's (one C-level
+    tuple comparison: the same bytes objects compare by identity)."""
+    end = entry.stop * stride
+    if end > len(request_hashes):
+        return False
+    return request_hashes[entry.start * stride + stride - 1 : end : stride] == entry.hashes
+
+
+def _build(
+    keyspace: KeySpace,
+    group_id: int,
+    unit: int,
+    stride: int,
+    request_hashes: tuple[bytes, ...],
+    first: int,
+    stop: int,
+) -> GroupKeys:
+    prefixes = rank_prefixes(keyspace, group_id)
+    if stop <= first:
+        return GroupKeys(group_id, unit, first, (), tuple(() for _ in prefixes))
+    objects = request_hashes[first * stride + stride - 1 : stop * stride : stride]
+    # The key strings are the floor of a lookup's cost: a comprehension per rank
+    # glues them faster than map(prefix.__add__, ...), and with several ranks
+    # each hex digest is made once.
+    if len(prefixes) == 1:
+        prefix = prefixes[0]
+        per_rank: tuple[tuple[str, ...], ...] = (
+            tuple([prefix + block_hash.hex() for block_hash in objects]),
+        )
+    else:
+        digests = list(map(bytes.hex, objects))
+        per_rank = tuple(tuple([prefix + digest for digest in digests]) for prefix in prefixes)
+    return GroupKeys(group_id, unit, first, objects, per_rank)
