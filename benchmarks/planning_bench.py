@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -273,15 +274,24 @@ def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
 ReferencePlans = dict[str, tuple[tuple[int, ...], tuple[bytes, ...]]]
 
 
-def reference_store_step(
-    step: StoreStepInput,
-) -> tuple[Callable[[], Callable[[], object]], Callable[[object], ReferencePlans]] | str:
-    """The reference's store step on the same requests: vLLM 0.33's UMBP
-    connector scheduler (``UMBPStoreConnectorScheduler.build_connector_meta``)
-    with vLLM's own objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``),
-    from the vLLM 0.33 code ``make test`` extracts into ``.vllm-0.33.0``.
-    ``prepare()`` admits every request again (``update_state_after_alloc``,
-    untimed) and returns the timed call. A sentence instead when it cannot run."""
+@dataclass
+class VllmStep:
+    """One step's vLLM objects, built once and handed to both schedulers: the
+    configs, each request with the blocks vLLM allocated it (``Request`` hashed as
+    the step input says, ``KVCacheBlocks``), and the ``SchedulerOutput`` that
+    schedules every request new."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    admitted: list[tuple[Any, Any]]
+    output: Any
+    block_pool: Callable[[], Any]
+
+
+def vllm_step(step: StoreStepInput) -> VllmStep | str:
+    """The step's objects from vLLM 0.33 (the code ``make test`` extracts into
+    ``.vllm-0.33.0``; umbp's shell runs on it as on 0.32). A sentence instead when
+    it cannot be built."""
     if not VLLM033_DIR.is_dir():
         return f"no {VLLM033_DIR.name} (make test extracts vLLM 0.33's code there)"
     if "vllm" in sys.modules and not sys.modules["vllm"].__file__.startswith(str(VLLM033_DIR)):
@@ -289,18 +299,9 @@ def reference_store_step(
     sys.path.insert(0, str(VLLM033_DIR))
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
-        BlockIdentityCodec,
-        UMBPNamespace,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
-        RankTopology as ReferenceTopology,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.scheduler import (
-        UMBPStoreConnectorScheduler,
-    )
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -309,6 +310,7 @@ def reference_store_step(
 
     config = VllmConfig(
         cache_config=CacheConfig(block_size=step.block_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=step.tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="UMBPStoreConnector",
             kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.umbp",
@@ -321,11 +323,6 @@ def reference_store_step(
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
             block_size=step.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
         ))],
-    )
-    scheduler = UMBPStoreConnectorScheduler(
-        config, kv_cache_config, None,
-        BlockIdentityCodec(UMBPNamespace("bench-namespace-0123")),
-        ReferenceTopology(tp_size=step.tp),
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     admitted = []
@@ -352,10 +349,56 @@ def reference_store_step(
         free_encoder_mm_hashes=[],
     )
 
+    def block_pool() -> Any:
+        """vLLM's block pool with every request's blocks allocated (ref count 1):
+        each scheduler pins the event's blocks in its own."""
+        pool = BlockPool(step.blocks + 1, True, step.block_size)
+        pool.get_new_blocks(step.blocks)
+        return pool
+
+    return VllmStep(config, kv_cache_config, admitted, output, block_pool)
+
+
+def _release_pins(pool: Any) -> None:
+    """Untimed, between steps: every block back to its allocation's one reference
+    (what acknowledging the step's event does)."""
+    for block in pool.blocks[1:]:
+        block.ref_cnt = 1
+
+
+def reference_store_step(
+    step: StoreStepInput, objects: VllmStep
+) -> tuple[Callable[[], Callable[[], object]], Callable[[object], ReferencePlans]]:
+    """The reference's store step on the same requests: vLLM 0.33's UMBP
+    connector scheduler (``UMBPStoreConnectorScheduler.build_connector_meta``)
+    with vLLM's own objects, pinning in its own block pool. ``prepare()`` admits
+    every request again (``update_state_after_alloc``, untimed) and returns the
+    timed call."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+        BlockIdentityCodec,
+        UMBPNamespace,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+        RankTopology as ReferenceTopology,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.scheduler import (
+        UMBPStoreConnectorScheduler,
+    )
+
+    scheduler = UMBPStoreConnectorScheduler(
+        objects.vllm_config, objects.kv_cache_config, None,
+        BlockIdentityCodec(UMBPNamespace("bench-namespace-0123")),
+        ReferenceTopology(tp_size=step.tp),
+    )
+    pool = objects.block_pool()
+    scheduler.bind_gpu_block_pool(pool)
+    output = objects.output
+
     def prepare() -> Callable[[], object]:
         scheduler._request_trackers.clear()
         scheduler._store_events.clear()
-        for request, blocks in admitted:
+        _release_pins(pool)
+        for request, blocks in objects.admitted:
             scheduler.update_state_after_alloc(request, blocks, 0)
         return lambda: scheduler.build_connector_meta(output)
 
@@ -366,6 +409,37 @@ def reference_store_step(
         }
 
     return prepare, plans_of
+
+
+def shell_store_step(step: StoreStepInput, objects: VllmStep) -> Callable[[], Callable[[], object]]:
+    """umbp's whole scheduler hook on the same vLLM objects: ``UMBPScheduler``
+    bound to its workers (one embedded pool handshake per rank, so the key space is
+    real) and to its own vLLM block pool, ``build_connector_meta(output)`` timed.
+    ``prepare()`` forgets every request and event and admits every request again
+    (``update_state_after_alloc``, untimed), as the reference's does."""
+    from umbp.core.config import DEFAULT_CONFIG
+    from umbp.core.identity import RankTopology as Topology
+    from umbp.shell.metadata import UMBPHandshake
+    from umbp.shell.scheduler import UMBPScheduler
+
+    scheduler = UMBPScheduler(objects.vllm_config, objects.kv_cache_config, DEFAULT_CONFIG)
+    scheduler.bind_workers({
+        index: UMBPHandshake("bench-namespace-0123", rank, None)
+        for index, rank in enumerate(Topology(tp_size=step.tp).coords())
+    })
+    pool = objects.block_pool()
+    scheduler.bind_gpu_block_pool(pool)
+    output = objects.output
+
+    def prepare() -> Callable[[], object]:
+        scheduler._requests.clear()
+        scheduler._store_events.clear()
+        _release_pins(pool)
+        for request, blocks in objects.admitted:
+            scheduler.update_state_after_alloc(request, blocks, 0)
+        return lambda: scheduler.build_connector_meta(output)
+
+    return prepare
 
 
 @dataclass(frozen=True)
@@ -413,70 +487,111 @@ def cpu_times_per_step(
     return {name: CpuTimes(tuple(samples[name]), tuple(collections[name])) for name in names}
 
 
+def _figures(times: CpuTimes, blocks: int) -> dict[str, float]:
+    return {"median_us": times.median_ns / 1e3, "p90_us": times.p90_ns / 1e3,
+            "us_per_block": times.median_ns / 1e3 / blocks,
+            "collections_per_step": times.collections_per_step}
+
+
+STORE_ENTRIES = ("core", "hook", "reference")
+
+
+def store_step_times(
+    step: StoreStepInput, rounds: int
+) -> tuple[dict[str, CpuTimes], str | None]:
+    """One case, timed interleaved: umbp's core calls alone (``core``), umbp's whole
+    ``build_connector_meta`` on vLLM's objects (``hook``) and the reference's
+    (``reference``), after checking all three plan the same blocks and hashes for
+    every request. Without vLLM 0.33's code only ``core`` runs (and the reason)."""
+    prepares = {"core": umbp_store_step(step)}
+    objects = vllm_step(step)
+    if isinstance(objects, str):
+        return cpu_times_per_step(prepares, rounds), objects
+    prepare_reference, plans_of = reference_store_step(step, objects)
+    prepares["hook"] = shell_store_step(step, objects)
+    prepares["reference"] = prepare_reference
+    event = prepares["core"]()()
+    assert isinstance(event, StoreEvent)
+    core_plans = {b.request_id: (b.block_ids, b.block_hashes) for b in event.batches}
+    meta = prepares["hook"]()()
+    hook_plans = {b.request_id: (b.block_ids, b.block_hashes) for b in meta.stores}  # type: ignore[attr-defined]
+    reference_plans = plans_of(prepare_reference()())
+    assert core_plans == reference_plans, "umbp's core and the reference disagree"
+    assert hook_plans == reference_plans, "umbp's scheduler and the reference disagree"
+    return cpu_times_per_step(prepares, rounds), None
+
+
 def store_step_section(quick: bool) -> dict[str, object]:
     """The store step of 256 new 1,024-token requests (one full-attention group)
-    at block 16 and 32, TP1 and TP4, umbp vs the reference in one run, with the
-    plans checked identical; then umbp's growth with the step's blocks."""
+    at block 16 and 32, TP1 and TP4: umbp's core calls, umbp's whole scheduler hook
+    and the reference's hook in one run, their plans checked identical; then the
+    cost per block as the step grows from 16 to 1,024 requests."""
     rounds = 15 if quick else 200
     print(f"store step, {STORE_REQUESTS} new requests x {STORE_TOKENS:,} tokens, one "
           f"full-attention group: thread CPU time per step, GC on, {rounds} interleaved "
-          "steps each")
-    print(f"{'block':>5} {'ranks':>5} {'blocks':>6} | {'umbp p50':>9} {'p90':>7} {'us/blk':>6} "
-          f"{'gc':>4} | {'ref p50':>9} {'p90':>7} {'us/blk':>6} {'gc':>4} | {'umbp/ref':>8}")
-    rows: list[dict[str, object]] = []
-    unavailable = ""
+          f"steps each; load average {os.getloadavg()[0]:.1f}")
+    print("core: umbp.core's calls alone; hook: UMBPScheduler.build_connector_meta on "
+          "vLLM's objects (pins in vLLM's block pool included); reference: vLLM 0.33's "
+          "UMBP connector, the same hook on the same objects")
+    header = f"{'block':>5} {'ranks':>5} {'blocks':>6}"
+    for name in STORE_ENTRIES:
+        header += f" | {name + ' p50':>10} {'p90':>7} {'us/blk':>6} {'gc':>4}"
+    print(header + f" | {'core/ref':>8} {'hook/ref':>8}")
+    rows: list[dict[str, Any]] = []
+    unavailable: str | None = None
     for block_size in (16, 32):
         for tp in (1, 4):
             step = store_step_input(block_size, tp)
-            prepares = {"umbp": umbp_store_step(step)}
-            reference = reference_store_step(step) if not unavailable else unavailable
-            if isinstance(reference, str):
-                unavailable = reference
-            else:
-                prepare_reference, plans_of = reference
-                prepares["reference"] = prepare_reference
-                event = prepares["umbp"]()()
-                assert isinstance(event, StoreEvent)
-                ours = {b.request_id: (b.block_ids, b.block_hashes) for b in event.batches}
-                assert ours == plans_of(prepare_reference()()), "umbp and the reference disagree"
-            times = cpu_times_per_step(prepares, rounds)
-            row: dict[str, object] = {"block_size": block_size, "ranks": tp, "blocks": step.blocks}
+            times, unavailable = store_step_times(step, rounds)
+            row: dict[str, Any] = {"block_size": block_size, "ranks": tp, "blocks": step.blocks}
             line = f"{block_size:>5} {tp:>5} {step.blocks:>6}"
-            for name in ("umbp", "reference"):
+            for name in STORE_ENTRIES:
                 if name not in times:
-                    line += f" | {'-':>9} {'-':>7} {'-':>6} {'-':>4}"
+                    line += f" | {'-':>10} {'-':>7} {'-':>6} {'-':>4}"
                     continue
-                t = times[name]
-                row[name] = {"median_us": t.median_ns / 1e3, "p90_us": t.p90_ns / 1e3,
-                             "us_per_block": t.median_ns / 1e3 / step.blocks,
-                             "collections_per_step": t.collections_per_step}
-                line += (f" | {t.median_ns / 1e3:>7.0f}us {t.p90_ns / 1e3:>5.0f}us "
-                         f"{t.median_ns / 1e3 / step.blocks:>6.2f} {t.collections_per_step:>4.1f}")
+                row[name] = figures = _figures(times[name], step.blocks)
+                line += (f" | {figures['median_us']:>8.0f}us {figures['p90_us']:>5.0f}us "
+                         f"{figures['us_per_block']:>6.2f} {figures['collections_per_step']:>4.1f}")
             if "reference" in times:
-                ratio = times["umbp"].median_ns / times["reference"].median_ns
-                row["umbp_over_reference"] = ratio
-                line += f" | {ratio:>7.2f}x"
+                for name in ("core", "hook"):
+                    row[f"{name}_over_reference"] = (
+                        times[name].median_ns / times["reference"].median_ns
+                    )
+                line += (f" | {row['core_over_reference']:>7.2f}x "
+                         f"{row['hook_over_reference']:>7.2f}x")
             rows.append(row)
             print(line)
     if unavailable:
-        print(f"reference not measured: {unavailable}")
-    head = rows[0]["umbp"]
-    assert isinstance(head, dict)
-    per_block, spread = head["us_per_block"], head["p90_us"] / head["median_us"]
-    print(f"block 16, TP1: {per_block:.3f} us per block (target <= {STORE_TARGET_US_PER_BLOCK}: "
-          f"{'met' if per_block <= STORE_TARGET_US_PER_BLOCK else 'NOT met'}), p90 {spread:.2f}x "
-          f"the median (target <= {STORE_P90_TARGET}x: "
-          f"{'met' if spread <= STORE_P90_TARGET else 'NOT met'})")
-    growth = []
-    for requests in (64, 256, 1024):
+        print(f"hook and reference not measured: {unavailable}")
+    for name in ("core", "hook"):
+        head = rows[0].get(name)
+        if head is None:
+            continue
+        per_block, spread = head["us_per_block"], head["p90_us"] / head["median_us"]
+        print(f"{name}, block 16, TP1: {per_block:.3f} us per block (target <= "
+              f"{STORE_TARGET_US_PER_BLOCK}: {'met' if per_block <= STORE_TARGET_US_PER_BLOCK else 'NOT met'}"
+              f"), p90 {spread:.2f}x the median (target <= {STORE_P90_TARGET}x: "
+              f"{'met' if spread <= STORE_P90_TARGET else 'NOT met'})")
+    growth = store_step_growth(max(rounds // 5, 5))
+    return {"rounds": rounds, "load_average": os.getloadavg()[0], "rows": rows,
+            "growth": growth, "reference_unavailable": unavailable}
+
+
+def store_step_growth(rounds: int) -> list[dict[str, Any]]:
+    """Cost per block at block 16, TP1 as the step grows from 16 to 1,024 new
+    requests (1,024 to 65,536 blocks), each entry timed as in the table."""
+    print(f"growth at block 16, TP1 ({rounds} interleaved steps each), us per block:")
+    growth: list[dict[str, Any]] = []
+    for requests in (16, 64, 256, 1024):
         step = store_step_input(16, 1, requests=requests)
-        t = cpu_times_per_step({"umbp": umbp_store_step(step)}, rounds)["umbp"]
-        growth.append({"requests": requests, "blocks": step.blocks,
-                       "us_per_block": t.median_ns / 1e3 / step.blocks})
-    print("growth at block 16, TP1 (umbp): " + ", ".join(
-        f"{g['requests']} requests {g['us_per_block']:.3f} us/block" for g in growth))
-    return {"rounds": rounds, "rows": rows, "growth": growth,
-            "reference_unavailable": unavailable or None}
+        times, _ = store_step_times(step, rounds)
+        entry: dict[str, Any] = {"requests": requests, "blocks": step.blocks}
+        for name, t in times.items():
+            entry[name] = _figures(t, step.blocks)
+        growth.append(entry)
+        print(f"  {requests:>5} requests {step.blocks:>6} blocks: " + ", ".join(
+            f"{name} {entry[name]['us_per_block']:.3f}" for name in STORE_ENTRIES if name in entry))
+    return growth
 
 
 # ------------------------------------------------------ admission CPU time

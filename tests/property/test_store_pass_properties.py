@@ -20,6 +20,7 @@ from tests.property.strategies import (
 )
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
+from umbp.core.request_lifecycle import StoreWindow, store_candidates
 from umbp.core.store_pass import (
     StoreCandidates,
     plan_stores,
@@ -243,3 +244,26 @@ def test_a_pass_with_contiguous_runs_plans_exactly_as_the_block_by_block_scan(
     with mock.patch("umbp.core.store_plans._contiguous_group_stores", lambda *_: None):
         scanned = plan()
     assert fast == scanned
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 8), st.integers(0, 8)), max_size=3
+    ),
+    st.integers(0, 64),
+    request_hashes(6),
+)
+def test_a_window_without_masks_is_its_own_selection(
+    spans: list[tuple[int, int, int]], cached_tokens: int, hashes: tuple[bytes, ...]
+) -> None:
+    """The scheduler's store step builds a request's candidates straight from its
+    window when no group has a mask (umbp.shell.store_step): that is what the core
+    rule (request_lifecycle.store_candidates) gives for no masks."""
+    window = StoreWindow(
+        tuple((group, range(start, start + length)) for group, start, length in spans),
+        tuple(tuple(range(1, 9)) for _ in spans), cached_tokens,
+    )
+    direct = StoreCandidates(
+        "r", window.ranges, window.block_table, hashes, window.cached_tokens, (),
+    )
+    assert store_candidates("r", window, {}, hashes, ()).unwrap() == direct

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 from umbp.core.identity import Identity
 from umbp.core.store_plans import StoreBatch
@@ -49,10 +50,12 @@ def pinned_block_ids(event: StoreEvent | StoreBatch) -> tuple[int, ...]:
     acknowledged: each once, in first-seen order (unpin the same ids, in reverse
     to keep vLLM's eviction order)."""
     batches = (event,) if isinstance(event, StoreBatch) else event.batches
-    seen: dict[int, None] = {}
-    for batch in batches:
-        seen.update(dict.fromkeys(batch.block_ids))
-    return tuple(seen)
+    block_ids = tuple(chain.from_iterable(batch.block_ids for batch in batches))
+    # Usually every block appears once (the store pass plans an identity once):
+    # a set of ints tells so at a quarter of the cost of an ordered dict.
+    if len(set(block_ids)) == len(block_ids):
+        return block_ids
+    return tuple(dict.fromkeys(block_ids))
 
 
 def reserved_identities(events: Iterable[StoreEvent]) -> frozenset[Identity]:

@@ -178,30 +178,24 @@ class UMBPScheduler:
                 self._requests[request_id] = state
                 return None, False
             case LookupAction.SUBMIT:
-                query, state = self._query(keyspace, request, local_tokens, state)
+                query = self._query(keyspace, request, local_tokens)
                 answer = self._lookup_executor.submit(store.lookup, query.keys)
                 self._requests[request_id] = replace(
                     state, lookup=PendingLookup(request, query, answer)
                 )
                 return None, False
             case LookupAction.LOOKUP_NOW:
-                query, state = self._query(keyspace, request, local_tokens, state)
+                query = self._query(keyspace, request, local_tokens)
                 return self._match(request_id, state, query, self._lookup(store, query))
             case LookupAction.READ_ANSWER:
                 assert pending is not None
                 answers = self._answer_of(pending.answer)
                 return self._match(request_id, replace(state, lookup=None), pending.query, answers)
 
-    def _query(
-        self, keyspace: KeySpace, request: RequestLike, local_tokens: int, state: RequestState
-    ) -> tuple[LookupQuery, RequestState]:
-        """The lookup query, its keys taken from the request's memo where it has them
-        (vLLM asks again for a waiting request on later steps)."""
-        query, keys = core_lookup.lookup_query(
-            self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens,
-            state.keys,
+    def _query(self, keyspace: KeySpace, request: RequestLike, local_tokens: int) -> LookupQuery:
+        return core_lookup.build_lookup_query(
+            self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens
         )
-        return query, state.with_keys(keys)
 
     def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
         try:
@@ -315,13 +309,13 @@ class UMBPScheduler:
         each block once (:func:`pinned_block_ids`), as :meth:`_unpin` releases them."""
         pool = self._gpu_block_pool
         if pool is not None:
-            pool.touch([pool.blocks[b] for b in pinned_block_ids(source)])
+            pool.touch(list(map(pool.blocks.__getitem__, pinned_block_ids(source))))  # C loop
 
     def _unpin(self, source: StoreEvent | StoreBatch) -> None:
         """Release :meth:`_pin`'s pins, in reverse to keep vLLM's eviction order."""
         pool = self._gpu_block_pool
         if pool is not None:
-            pool.free_blocks(pool.blocks[b] for b in reversed(pinned_block_ids(source)))
+            pool.free_blocks(map(pool.blocks.__getitem__, reversed(pinned_block_ids(source))))
 
     def _open_store_event(self, stores: list[StoreBatch]) -> int:
         event_id = self._next_store_event

@@ -55,6 +55,12 @@ class StoreStep:
         self._events_enabled = events_enabled
         self._eagle_store_groups = eagle_store_groups
         self._boundary_groups = vllm_compat.align_mamba_group_ids(kv_cache_config)
+        # Groups whose blocks vLLM may drop (sliding windows, Mamba): only they are
+        # asked for masks; any other keeps every block, the mask is None.
+        self._masked_groups = frozenset(
+            group_id for group_id in geometry.group_ids
+            if not vllm_compat.keeps_every_block(kv_cache_config, group_id)
+        )
         self._dcp_size = dcp_size
         self._counters = counters
 
@@ -117,21 +123,31 @@ class StoreStep:
 
     def _masked(self, request: RequestLike, window: StoreWindow) -> list[StoreCandidates]:
         """The window's blocks vLLM's reachability masks keep (sliding windows)."""
-        geometry = self._geometry
-        boundaries = vllm_compat.reachable_boundaries(
-            request, geometry.block_size, geometry.use_eagle
-        )
-        masks = {
-            group_id: vllm_compat.reachable_block_mask(
-                self._kv_cache_config, group_id, indices, geometry.block_size,
-                group_id in self._eagle_store_groups, boundaries, self._dcp_size,
+        geometry, masked_groups = self._geometry, self._masked_groups
+        masks: dict[int, tuple[bool, ...] | None] = {}
+        if masked_groups:
+            boundaries = vllm_compat.reachable_boundaries(
+                request, geometry.block_size, geometry.use_eagle
             )
-            for group_id, indices in window.ranges
-        }
-        match lifecycle.store_candidates(
-            request.request_id, window, masks, tuple(request.block_hashes),
-            request.all_token_ids if self._events_enabled else (),
-        ):
+            masks = {
+                group_id: vllm_compat.reachable_block_mask(
+                    self._kv_cache_config, group_id, indices, geometry.block_size,
+                    group_id in self._eagle_store_groups, boundaries, self._dcp_size,
+                )
+                for group_id, indices in window.ranges
+                if group_id in masked_groups
+            }
+        hashes = tuple(request.block_hashes)
+        token_ids = request.all_token_ids if self._events_enabled else ()
+        if not masks:
+            # No mask keeps the window whole (apply_store_masks' rule; a property
+            # test holds the two equal): built directly, without two Result values
+            # per request (each costs about as much as storing 20 blocks here).
+            return [StoreCandidates(
+                request.request_id, window.ranges, window.block_table, hashes,
+                window.cached_tokens, token_ids,
+            )]
+        match lifecycle.store_candidates(request.request_id, window, masks, hashes, token_ids):
             case Success(candidates):
                 return [candidates]
             case Failure(reason):

@@ -320,6 +320,20 @@ def reachable_block_mask(
     return None if mask is None else tuple(bool(m) for m in mask)
 
 
+def keeps_every_block(kv_cache_config: Any, group_id: int) -> bool:
+    """Whether :func:`reachable_block_mask` is None for the group on every input:
+    its spec has no manager, or the manager keeps the base class's rule (every
+    block; full attention). Asked once per model, so a step asks vLLM for masks
+    (a few microseconds a request) only for groups that can drop blocks."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    spec = unwrap_spec(kv_cache_config.kv_cache_groups[group_id].kv_cache_spec)
+    manager = KVCacheSpecRegistry.get_manager_class(spec)
+    base_rule = SingleTypeKVCacheManager.reachable_block_mask.__func__
+    return manager is None or manager.reachable_block_mask.__func__ is base_rule
+
+
 def support_inputs(vllm_config: Any, kv_cache_config: Any) -> SupportInputs:
     """What :func:`umbp.core.support.check_support` decides from.
 
