@@ -178,24 +178,30 @@ class UMBPScheduler:
                 self._requests[request_id] = state
                 return None, False
             case LookupAction.SUBMIT:
-                query = self._query(keyspace, request, local_tokens)
+                query, state = self._query(keyspace, request, local_tokens, state)
                 answer = self._lookup_executor.submit(store.lookup, query.keys)
                 self._requests[request_id] = replace(
                     state, lookup=PendingLookup(request, query, answer)
                 )
                 return None, False
             case LookupAction.LOOKUP_NOW:
-                query = self._query(keyspace, request, local_tokens)
+                query, state = self._query(keyspace, request, local_tokens, state)
                 return self._match(request_id, state, query, self._lookup(store, query))
             case LookupAction.READ_ANSWER:
                 assert pending is not None
                 answers = self._answer_of(pending.answer)
                 return self._match(request_id, replace(state, lookup=None), pending.query, answers)
 
-    def _query(self, keyspace: KeySpace, request: RequestLike, local_tokens: int) -> LookupQuery:
-        return core_lookup.build_lookup_query(
-            self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens
+    def _query(
+        self, keyspace: KeySpace, request: RequestLike, local_tokens: int, state: RequestState
+    ) -> tuple[LookupQuery, RequestState]:
+        """The lookup query, its keys taken from the request's memo where it has them
+        (vLLM asks again for a waiting request on later steps)."""
+        query, keys = core_lookup.lookup_query(
+            self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens,
+            state.keys,
         )
+        return query, state.with_keys(keys)
 
     def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
         try:
