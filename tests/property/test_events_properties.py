@@ -25,11 +25,13 @@ from umbp.core.events import (
     StoredObject,
     apply_residency,
     clear,
+    fold_residency,
     has_pending,
     new_event_tracker,
     residency_batch,
     track_stored,
 )
+from umbp.core.rank_keys import KeyLayout
 
 GROUPS = (0, 1)
 HASHES = tuple(bytes([index]) * 8 for index in range(6))
@@ -348,3 +350,46 @@ def test_with_tier_media_stored_names_where_the_object_is_and_removed_the_last_t
     assert announced[0].medium == seen[0]
     assert announced[1].medium == seen[-1]
     assert len(state.objects) == 0
+
+
+# ------------------------------------------------------ folding a residency answer
+
+
+@st.composite
+def residency_answers(
+    draw: st.DrawFn,
+) -> tuple[int, int, list[bool | str | None]]:
+    """(objects, ranks, object-major per-key answers): all bools (a lookup) or all
+    media / None (a tiered store's ``where``)."""
+    objects, ranks = draw(st.integers(0, 6)), draw(st.integers(1, 4))
+    cell = st.booleans() if draw(st.booleans()) else st.sampled_from(["CPU", "DISK", None])
+    return objects, ranks, draw(st.lists(cell, min_size=objects * ranks, max_size=objects * ranks))
+
+
+@given(residency_answers())
+def test_an_object_is_resident_on_every_rank_and_on_disk_when_any_shard_is(
+    case: tuple[int, int, list[bool | str | None]],
+) -> None:
+    objects, ranks, per_key = case
+    folded = fold_residency(
+        KeyLayout.objects(objects, ranks), per_key, disk_medium="DISK", memory_medium="CPU"
+    )
+    assert folded is not None
+    resident, media = folded
+    shards = [per_key[i * ranks:(i + 1) * ranks] for i in range(objects)]
+    assert resident == [all(v is not None and v is not False for v in s) for s in shards]
+    if not any(isinstance(value, str) for value in per_key):
+        assert media is None
+    else:
+        assert media == ["DISK" if "DISK" in s else "CPU" for s in shards]
+
+
+@given(residency_answers(), st.integers(1, 3))
+def test_an_answer_that_does_not_fit_the_batch_knows_nothing(
+    case: tuple[int, int, list[bool | str | None]], missing: int,
+) -> None:
+    objects, ranks, per_key = case
+    layout = KeyLayout.objects(objects, ranks)
+    for wrong in (per_key[missing:], [*per_key, *[True] * missing]):
+        if len(wrong) != len(per_key):
+            assert fold_residency(layout, wrong, disk_medium="DISK", memory_medium="CPU") is None

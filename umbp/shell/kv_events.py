@@ -14,7 +14,7 @@ from typing import Any
 
 from umbp.core import events as core_events
 from umbp.core.identity import KeySpace
-from umbp.core.rank_keys import KeyLayout, fold_ranks, object_major_keys
+from umbp.core.rank_keys import KeyLayout, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
 from umbp.core.store_plans import StoreBatch
 from umbp.runtime.contract import Medium, SchedulerStore, TierAware
@@ -88,21 +88,17 @@ class KVEventPublisher:
 
 def _fold(
     answer: Future[_Answer], layout: KeyLayout
-) -> tuple[list[bool] | None, list[Medium] | None]:
-    """Per object: resident on every rank, and (from a tiered store) its medium: DISK
-    when any rank's shard is on disk. (None, None) when the check failed."""
+) -> tuple[list[bool] | None, list[str] | None]:
+    """The check's answer folded by core (:func:`umbp.core.events.fold_residency`);
+    (None, None) when the check failed or its answer does not fit."""
     try:
         per_key = answer.result()
     except Exception:  # noqa: BLE001 - a failed check publishes nothing this time
         return None, None
-    resident = fold_ranks(layout, [value is not None and value is not False for value in per_key])
-    if resident is None:
-        return None, None
-    if not any(isinstance(value, str) for value in per_key):
-        return list(resident[0]), None
-    on_disk = fold_ranks(layout, [value == Medium.DISK for value in per_key], any)
-    assert on_disk is not None  # the same length as the resident fold's
-    return list(resident[0]), [Medium.DISK if disk else Medium.CPU for disk in on_disk[0]]
+    folded = core_events.fold_residency(
+        layout, per_key, disk_medium=Medium.DISK, memory_medium=Medium.CPU
+    )
+    return (None, None) if folded is None else folded
 
 
 def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:
