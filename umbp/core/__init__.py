@@ -28,6 +28,7 @@ from umbp.core import (
     store_plans,
     support,
     transfer_plans,
+    value_checks,
 )
 from umbp.core.config import *
 from umbp.core.events import *
@@ -45,6 +46,7 @@ from umbp.core.store_pass import *
 from umbp.core.store_plans import *
 from umbp.core.support import *
 from umbp.core.transfer_plans import *
+from umbp.core.value_checks import *
 
 __all__ = [
     "config",
@@ -63,6 +65,7 @@ __all__ = [
     "store_plans",
     "support",
     "transfer_plans",
+    "value_checks",
 ]
 __all__ += config.__all__
 __all__ += events.__all__
@@ -80,3 +83,4 @@ __all__ += store_pass.__all__
 __all__ += store_plans.__all__
 __all__ += support.__all__
 __all__ += transfer_plans.__all__
+__all__ += value_checks.__all__

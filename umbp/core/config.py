@@ -4,14 +4,15 @@ Validation collects every problem at once: a user who mistyped two options and g
 a third the wrong type learns all three from one engine start. Types are strict
 because the values come from JSON or a Python dict written by hand: ``"true"`` is
 not a boolean, ``True`` is not an integer and ``2.0`` is not an integer count.
-Integers are accepted where a float is expected.
+Integers are accepted where a float is expected. The generic value checks are in
+:mod:`umbp.core.value_checks`; the options, their checks and the rules between
+options are here.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Final, cast
@@ -19,6 +20,18 @@ from typing import Any, Final, cast
 from returns.result import Failure, Result, Success
 
 from umbp.core.identity import check_namespace_override
+from umbp.core.value_checks import (
+    ValueCheck,
+    check_boolean,
+    check_choice,
+    check_integer,
+    check_number,
+    check_text,
+    describe_value,
+    is_host_port,
+    is_int,
+    show_value,
+)
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -142,102 +155,14 @@ class ConfigError:
 
 
 # ---------------------------------------------------------------------------
-# Value checks. Each returns an error message, or None when the value is fine.
-
-_Check = Callable[[object], "str | None"]
-
-
-def _show(value: object) -> str:
-    """A short repr; never raises (huge ints exceed the int-to-str digit limit)."""
-    try:
-        text = repr(value)
-    except ValueError:
-        return "(too long to print)"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _describe(value: object) -> str:
-    return f"{type(value).__name__} {_show(value)}"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _boolean(value: object) -> str | None:
-    if isinstance(value, bool):
-        return None
-    return f"expected a boolean (true/false), got {_describe(value)}"
-
-
-def _integer(low: int, high: int | None) -> _Check:
-    bounds = f"between {low} and {high}" if high is not None else f">= {low}"
-
-    def check(value: object) -> str | None:
-        if not _is_int(value):
-            return f"expected an integer {bounds}, got {_describe(value)}"
-        assert isinstance(value, int)
-        if value < low or (high is not None and value > high):
-            return f"must be {bounds}, got {_show(value)}"
-        return None
-
-    return check
-
-
-def _number(rule: str, accepts: Callable[[float], bool]) -> _Check:
-    def check(value: object) -> str | None:
-        if not _is_number(value):
-            return f"expected a number {rule}, got {_describe(value)}"
-        assert isinstance(value, (int, float))
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number) or not accepts(number):
-            return f"must be a finite number {rule}, got {_show(value)}"
-        return None
-
-    return check
-
-
-def _choice(valid: tuple[str, ...]) -> _Check:
-    def check(value: object) -> str | None:
-        if not isinstance(value, str):
-            return f"expected a string, one of {', '.join(valid)}; got {_describe(value)}"
-        if value in valid:
-            return None
-        return f"{_show(value)} is not valid; valid values: {', '.join(valid)}"
-
-    return check
-
-
-def _text(rule: str, accepts: Callable[[str], bool], *, nullable: bool) -> _Check:
-    def check(value: object) -> str | None:
-        if value is None and nullable:
-            return None
-        if not isinstance(value, str):
-            return f"expected {rule}, got {_describe(value)}"
-        if not accepts(value):
-            return f"must be {rule}, got {_show(value)}"
-        return None
-
-    return check
-
-
-def _host_port(value: str) -> bool:
-    host, _, port = value.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+# Option checks (umbp.core.value_checks): each returns an error message, or None.
 
 
 def _namespace(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        return f"expected a string or null, got {_describe(value)}"
+        return f"expected a string or null, got {describe_value(value)}"
     return check_namespace_override(value).swap().value_or(None)
 
 
@@ -245,46 +170,46 @@ def _page_bytes(value: object) -> str | None:
     rule = "a power of two between 4096 (4 KiB) and 67108864 (64 MiB)"
     if value is None:
         return None
-    if not _is_int(value):
-        return f"expected an integer, {rule}, got {_describe(value)}"
+    if not is_int(value):
+        return f"expected an integer, {rule}, got {describe_value(value)}"
     assert isinstance(value, int)
     if not MIN_PAGE_BYTES <= value <= MAX_PAGE_BYTES or value & (value - 1):
-        return f"must be {rule}, got {_show(value)}"
+        return f"must be {rule}, got {show_value(value)}"
     return None
 
 
-_CHECKS: Final[Mapping[str, _Check]] = MappingProxyType(
+_CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
     {
-        "mode": _choice(MODES),
-        "load_async": _boolean,
-        "enable_lookup": _boolean,
-        "lookup_async": _boolean,
-        "save_decode_cache": _boolean,
-        "enable_partial_hash_hits": _boolean,
-        "lookup_workers": _integer(1, MAX_LOOKUP_WORKERS),
-        "kv_event_max_objects": _integer(1, None),
+        "mode": check_choice(MODES),
+        "load_async": check_boolean,
+        "enable_lookup": check_boolean,
+        "lookup_async": check_boolean,
+        "save_decode_cache": check_boolean,
+        "enable_partial_hash_hits": check_boolean,
+        "lookup_workers": check_integer(1, MAX_LOOKUP_WORKERS),
+        "kv_event_max_objects": check_integer(1, None),
         "namespace": _namespace,
         # At least one smallest page; compared with page_bytes below.
-        "capacity_bytes": _integer(MIN_PAGE_BYTES, None),
+        "capacity_bytes": check_integer(MIN_PAGE_BYTES, None),
         "page_bytes": _page_bytes,
-        "high_watermark": _number("in (0, 1]", lambda x: 0.0 < x <= 1.0),
-        "low_watermark": _number("in (0, 1)", lambda x: 0.0 < x < 1.0),
-        "lookup_timeout_s": _number("> 0", lambda x: x > 0.0),
-        "endpoint": _text("a non-empty socket path", bool, nullable=True),
-        "auto_start": _boolean,
-        "ssd_dir": _text("a non-empty directory path", bool, nullable=True),
-        "ssd_capacity_bytes": _integer(0, None),
-        "io_timeout_s": _number("> 0", lambda x: x > 0.0),
-        "reconnect_interval_s": _number("> 0", lambda x: x > 0.0),
-        "mooncake_master": _text("'host:port'", _host_port, nullable=True),
-        "mooncake_protocol": _choice(MOONCAKE_PROTOCOLS),
-        "mooncake_device": _text("a string", lambda _: True, nullable=False),
-        "mooncake_local_hostname": _text("a non-empty host name or address", bool,
+        "high_watermark": check_number("in (0, 1]", lambda x: 0.0 < x <= 1.0),
+        "low_watermark": check_number("in (0, 1)", lambda x: 0.0 < x < 1.0),
+        "lookup_timeout_s": check_number("> 0", lambda x: x > 0.0),
+        "endpoint": check_text("a non-empty socket path", bool, nullable=True),
+        "auto_start": check_boolean,
+        "ssd_dir": check_text("a non-empty directory path", bool, nullable=True),
+        "ssd_capacity_bytes": check_integer(0, None),
+        "io_timeout_s": check_number("> 0", lambda x: x > 0.0),
+        "reconnect_interval_s": check_number("> 0", lambda x: x > 0.0),
+        "mooncake_master": check_text("'host:port'", is_host_port, nullable=True),
+        "mooncake_protocol": check_choice(MOONCAKE_PROTOCOLS),
+        "mooncake_device": check_text("a string", lambda _: True, nullable=False),
+        "mooncake_local_hostname": check_text("a non-empty host name or address", bool,
                                          nullable=True),
-        "mooncake_metadata_server": _text("a non-empty string", bool, nullable=False),
-        "mooncake_buffer_bytes": _integer(1 << 20, None),
-        "mori_deployment": _choice(MORI_DEPLOYMENTS),
-        "mori_address": _text("a non-empty address", bool, nullable=True),
+        "mooncake_metadata_server": check_text("a non-empty string", bool, nullable=False),
+        "mooncake_buffer_bytes": check_integer(1 << 20, None),
+        "mori_deployment": check_choice(MORI_DEPLOYMENTS),
+        "mori_address": check_text("a non-empty address", bool, nullable=True),
     }
 )
 # Options that mean something only for some modes; given with another mode they are an
@@ -311,12 +236,12 @@ _FLOAT_OPTIONS: Final = frozenset(
 
 
 def _unknown_option(key: object) -> ConfigError:
-    name = key if isinstance(key, str) else _show(key)
+    name = key if isinstance(key, str) else show_value(key)
     close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
     if close:
-        return ConfigError(name, f"unknown option {_show(name)} (did you mean {close[0]!r}?)")
+        return ConfigError(name, f"unknown option {show_value(name)} (did you mean {close[0]!r}?)")
     return ConfigError(
-        name, f"unknown option {_show(name)}; valid options: {', '.join(OPTION_NAMES)}"
+        name, f"unknown option {show_value(name)}; valid options: {', '.join(OPTION_NAMES)}"
     )
 
 
