@@ -230,12 +230,17 @@ def test_a_store_reports_failed_exactly_what_it_did_not_write(
 def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
     outcomes: list[RequestLoadOutcome], data: st.DataObject
 ) -> None:
-    """Exactly the requests whose synchronous load failed are left out (an
-    asynchronous load's request is not computed in its step); every row of theirs
-    is reported not stored, every other batch goes out untouched, in order."""
-    over_failures = computed_over_failed_loads(outcomes)
-    assert over_failures == {o.request_id for o in outcomes if o.failed and not o.is_async}
-    request_ids = [o.request_id for o in outcomes] + ["no-load"]
+    """Exactly the requests whose synchronous load failed, and those that read
+    blocks such a load filled, are left out (an asynchronous load's request is not
+    computed in its step); every row of theirs is reported not stored, every other
+    batch goes out untouched, in order."""
+    failed_sync = computed_over_failed_loads(outcomes)
+    assert failed_sync == {o.request_id for o in outcomes if o.failed and not o.is_async}
+    request_ids = [o.request_id for o in outcomes] + ["no-load", "follower"]
+    read_over = data.draw(st.dictionaries(
+        st.sampled_from(request_ids), st.frozensets(st.sampled_from(request_ids), max_size=3),
+        max_size=4,
+    ))
     stores = []
     for request_id in data.draw(st.lists(st.sampled_from(request_ids), max_size=6)):
         rows = data.draw(st.lists(st.tuples(st.integers(0, 2), st.binary(min_size=1, max_size=2)),
@@ -245,10 +250,14 @@ def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
             request_id, group_ids, tuple(range(1, len(rows) + 1)), hashes,
             (None,) * len(rows), ((),) * len(rows), (16,) * len(rows),
         ))
-    kept, not_stored = stores_past_failed_loads(stores, over_failures)
-    assert list(kept) == [b for b in stores if b.request_id not in over_failures]
+    kept, not_stored = stores_past_failed_loads(stores, read_over, failed_sync)
+
+    def computed_over_failure(request_id: str) -> bool:
+        return request_id in failed_sync or bool(read_over.get(request_id, set()) & failed_sync)
+
+    assert list(kept) == [b for b in stores if not computed_over_failure(b.request_id)]
     assert not_stored == {
-        (g, h) for b in stores if b.request_id in over_failures
+        (g, h) for b in stores if computed_over_failure(b.request_id)
         for g, h in zip(b.group_ids, b.block_hashes)
     }
 

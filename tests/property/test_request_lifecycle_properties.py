@@ -217,6 +217,33 @@ def test_only_a_request_vllm_failed_moves_its_watermark_and_only_back(
     assert lifecycle.after_failed_load(untracked, failed, True, num_computed, hash_block_size) is untracked
 
 
+@given(st.data())
+def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_holds(
+    data: st.DataObject,
+) -> None:
+    ids = ["r0", "r1", "r2", "r3"]
+    blocks = st.lists(st.integers(1, 30), max_size=5, unique=True)
+    loads = [
+        BlockLoadBatch(r, (0,) * len(b), tuple(b), tuple(bytes([i]) for i in range(len(b))))
+        for r, b in data.draw(st.dictionaries(st.sampled_from(ids), blocks, max_size=3)).items()
+    ]
+    unplanned = {r: tuple(b) for r, b in
+                 data.draw(st.dictionaries(st.sampled_from(ids), blocks, max_size=2)).items()
+                 if r not in {load.request_id for load in loads}}
+    async_loads = data.draw(st.frozensets(st.sampled_from(ids)))
+    storing = {r: (tuple(t),) for r, t in
+               data.draw(st.dictionaries(st.sampled_from(ids + ["s"]), blocks)).items()}
+    got = lifecycle.stores_over_sync_loads(loads, async_loads, unplanned, storing)
+    sync_blocks = [(load.request_id, set(load.block_ids)) for load in loads
+                   if load.request_id not in async_loads]
+    sync_blocks += [(r, set(b)) for r, b in unplanned.items() if r not in async_loads]
+    expected = {
+        r: frozenset(loader for loader, filled in sync_blocks if filled & set(table[0]))
+        for r, table in storing.items()
+    }
+    assert got == {r: deps for r, deps in expected.items() if deps}
+
+
 @st.composite
 def failed_sync_loads(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, int, list[int]]:
     """A prompt with a hit window of ``external`` tokens loaded synchronously in

@@ -196,6 +196,36 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again_by_the_request(
     assert driver.cached_tokens("c") == 6 * BLOCK
 
 
+def test_a_request_that_hit_a_failed_sync_loads_blocks_stores_none_of_that_step(
+    make_driver: Any,
+) -> None:
+    # b loads blocks 0-3 synchronously (block 2 fails); b2, a longer prompt admitted
+    # in the same step, hits all of b's blocks in vLLM's prefix cache (cached at
+    # allocation) and computes its block 6 over the failed block.
+    driver = make_driver(extra={"load_async": False})
+    tokens = prompt(7)
+    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
+
+    b = driver.add("b", tokens[: 6 * BLOCK + 5], max_tokens=2)
+    b2 = driver.add("b2", tokens, max_tokens=2)
+    first = driver.step()
+    assert scheduled_from(first, "b") == 4 * BLOCK and scheduled_from(first, "b2") == 6 * BLOCK
+    assert first.kv_output.invalid_block_ids == {driver.block_ids("b")[0][2]}
+    assert driver.block_ids("b2")[0][:6] == driver.block_ids("b")[0][:6]
+    # Nothing either computed that step is stored.
+    assert [stored_copies(driver, h) for h in b2.block_hashes] == [1, 1, 0, 1, 0, 0, 0]
+    driver.run(["b", "b2"])
+    driver.drain()
+    assert [stored_copies(driver, h) for h in b2.block_hashes] == [1] * 7
+    assert len(b.block_hashes) == 6
+
+    assert driver.scheduler.reset_prefix_cache()
+    driver.add("c", tokens, max_tokens=2)
+    assert scheduled_from(driver.step(), "c") == 7 * BLOCK
+    assert driver.assert_blocks_hold("c", tokens, range(7)) == 7 * 2
+
+
 @pytest.mark.parametrize("load_async", [False, True])
 def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
     make_driver: Any, server: Any, load_async: bool

@@ -281,20 +281,28 @@ def computed_over_failed_loads(outcomes: Sequence[RequestLoadOutcome]) -> frozen
 
 
 def stores_past_failed_loads(
-    stores: Sequence[StoreBatch], computed_over_failures: AbstractSet[str]
+    stores: Sequence[StoreBatch],
+    read_over: Mapping[str, AbstractSet[str]],
+    failed_sync_loads: AbstractSet[str],
 ) -> tuple[tuple[StoreBatch, ...], frozenset[Identity]]:
-    """The step's store batches without those of :func:`computed_over_failed_loads`'
-    requests, and the identities left out. A put of a resident key writes nothing,
-    so a wrong object stored once would be served until evicted; vLLM recomputes
-    those blocks and the scheduler plans them again
-    (:func:`umbp.core.request_lifecycle.after_failed_load`). The identities count as
-    not stored: no KV event announces them."""
-    if not computed_over_failures:
+    """The step's store batches without those of requests that computed over a
+    failed synchronous load (:func:`computed_over_failed_loads`): their own, or
+    one whose blocks they share this step (``read_over``, the scheduler's
+    ``stores_over_sync_loads``), and the identities left out. A put of a resident
+    key writes nothing, so a wrong object stored once would be served until
+    evicted; vLLM recomputes those blocks and the scheduler plans them again
+    (:func:`umbp.core.request_lifecycle.after_failed_load`). The identities count
+    as not stored: no KV event announces them."""
+    if not failed_sync_loads:
         return tuple(stores), frozenset()
-    kept = tuple(b for b in stores if b.request_id not in computed_over_failures)
+    dropped_requests = set(failed_sync_loads).union(
+        request_id for request_id, loads in read_over.items()
+        if not failed_sync_loads.isdisjoint(loads)
+    )
+    kept = tuple(b for b in stores if b.request_id not in dropped_requests)
     dropped = frozenset(
         identity
-        for batch in stores if batch.request_id in computed_over_failures
+        for batch in stores if batch.request_id in dropped_requests
         for identity in zip(batch.group_ids, batch.block_hashes)
     )
     return kept, dropped

@@ -60,6 +60,7 @@ __all__ = [
     "registers_finished_tail",
     "rewound_watermark",
     "store_candidates",
+    "stores_over_sync_loads",
     "take_step_loads",
 ]
 
@@ -235,6 +236,39 @@ def take_step_loads(states: Mapping[str, RequestLifecycle]) -> StepLoads:
             state, load=None, unplanned_load=None, load_spec=None, load_async=False
         )
     return StepLoads(tuple(loads), unplanned, frozenset(async_loads), changed)
+
+
+def stores_over_sync_loads(
+    loads: Sequence[BlockLoadBatch],
+    async_loads: AbstractSet[str],
+    unplanned: Mapping[str, tuple[int, ...]],
+    storing: Mapping[str, BlockTable],
+) -> dict[str, frozenset[str]]:
+    """For each request storing this step whose table holds a block a synchronous
+    load fills this step, the requests loading those blocks (itself included).
+
+    A synchronous load lands before the step's forward pass, and vLLM lets other
+    requests of the same step hit its blocks (they are cached at allocation): if
+    the load fails, every such request computes over stale blocks, and the worker
+    must not store what it computed (``umbp.core.load_outcomes.stores_past_failed_loads``).
+    Block ids are compared across groups: synchronous loads exist only for one-group
+    models (``effective_load_async``), and a false match only drops a store."""
+    sync = [(b.request_id, b.block_ids) for b in loads if b.request_id not in async_loads]
+    sync += [(r, ids) for r, ids in unplanned.items() if r not in async_loads]
+    filled: dict[int, set[str]] = {}
+    for request_id, block_ids in sync:
+        for block in block_ids:
+            filled.setdefault(block, set()).add(request_id)
+    if not filled:
+        return {}
+    blocks = filled.keys()
+    dependencies: dict[str, frozenset[str]] = {}
+    for request_id, table in storing.items():
+        shared = [block for group in table if not blocks.isdisjoint(group)
+                  for block in group if block in filled]
+        if shared:
+            dependencies[request_id] = frozenset().union(*(filled[b] for b in shared))
+    return dependencies
 
 
 def after_preemption(state: RequestLifecycle) -> RequestLifecycle:

@@ -31,6 +31,9 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     # Loads that could not be planned: their blocks are reported failed at once.
     unplanned_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stores: list[StoreBatch] = field(default_factory=list)
+    # Per storing request, the requests whose synchronous load this step fills
+    # blocks it reads: if one fails, the worker stores nothing of the request.
+    stores_over_loads: dict[str, frozenset[str]] = field(default_factory=dict)
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()
 

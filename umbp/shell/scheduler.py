@@ -291,6 +291,10 @@ class UMBPScheduler:
         meta.loads = list(loads.loads)
         meta.unplanned_loads = dict(loads.unplanned)
         meta.async_loads = loads.async_loads
+        if stores and (loads.loads or loads.unplanned):
+            meta.stores_over_loads = lifecycle.stores_over_sync_loads(
+                loads.loads, loads.async_loads, loads.unplanned, self._tables_of(stores)
+            )
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
@@ -303,6 +307,15 @@ class UMBPScheduler:
         for batch in finished_tails.values():
             self._unpin(batch)
         return meta
+
+    def _tables_of(self, stores: list[StoreBatch]) -> dict[str, BlockTable]:
+        """The block tables the storing requests read from this step."""
+        tables: dict[str, BlockTable] = {}
+        for batch in stores:
+            tracker = self._requests.get(batch.request_id, UNKNOWN).life.tracker
+            if tracker is not None:
+                tables[batch.request_id] = tracker.block_table
+        return tables
 
     def _apply(self, lives: Mapping[str, RequestLifecycle]) -> None:
         for request_id, life in lives.items():

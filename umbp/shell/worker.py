@@ -275,7 +275,9 @@ class UMBPWorker:
         if meta.store_event is None:
             return
         started = time.perf_counter()
-        stores, not_stored = stores_past_failed_loads(meta.stores, computed_over_failures)
+        stores, not_stored = stores_past_failed_loads(
+            meta.stores, meta.stores_over_loads, computed_over_failures
+        )
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; vLLM recomputes them and they are stored then",
