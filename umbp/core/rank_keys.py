@@ -130,7 +130,9 @@ def fold_ranks(
             folded.append(part if isinstance(part, tuple) else tuple(part))
         elif not count:
             folded.append(())
-        elif every is all and all(answers[offset : offset + size]):
+        elif every is all and all(
+            answers if size == len(answers) else answers[offset : offset + size]
+        ):
             # Every rank holds every object (a whole-prompt hit): one C-level scan,
             # not one all() per object.
             folded.append((True,) * count)
