@@ -5,7 +5,9 @@
 ``git archive REV umbp/core`` is unpacked into a temporary directory as the package
 ``umbp_before.core`` (core is pure, so it needs nothing else), and both versions'
 admission (lookup keys, per-rank fold, hit window, load plan for a prompt whose
-every object hits) and lookup part (keys and fold) are timed call by call,
+every object hits) and lookup part (keys and fold) are timed call by call (and, for a core with
+``core.key_memo``, a repeated admission of the same request, its keys from the
+request's memo; against a core without it, "before" is its first admission),
 interleaved in rotating order, in this one process: CPU time of this thread per call
 (``time.thread_time_ns``), GC on, median of ``--rounds`` calls. Prints the medians
 and each case's after/before ratio.
@@ -78,7 +80,21 @@ def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> 
         spec = lookup.single_group_load_spec(geometry, query, folded)
         return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
-    return {"admission": admission, "lookup": lookup_part}
+    calls = {"admission": admission, "lookup": lookup_part}
+    if importlib.util.find_spec(f"{package}.core.key_memo"):
+        # A later admission of the same request: its keys from the request's memo.
+        _, memo = lookup.lookup_query(geometry, keyspace, hashes, 0, num_tokens,
+                                      importlib.import_module(f"{package}.core.key_memo").EMPTY_KEY_MEMO)
+
+        def repeat() -> object:
+            query, _ = lookup.lookup_query(geometry, keyspace, hashes, 0, num_tokens, memo)
+            folded = lookup.fold_rank_hits(query, answers)
+            spec = lookup.single_group_load_spec(geometry, query, folded)
+            return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
+
+        assert repeat() == admission()
+        calls["repeat"] = repeat
+    return calls
 
 
 
@@ -100,8 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             calls = {(package, part): call for package in ("umbp_before", "umbp")
                      for part, call in admission_calls(package, *case).items()}
             medians = interleaved_cpu_median_ns(calls, args.rounds)
-            for part in ("admission", "lookup"):
-                before, after = medians[("umbp_before", part)] / 1e3, medians[("umbp", part)] / 1e3
+            for part in ("admission", "lookup", "repeat"):
+                if ("umbp", part) not in medians:
+                    continue
+                # A core without the key memo has no repeated admission: its first.
+                before = medians.get(("umbp_before", part), medians[("umbp_before", "admission")]) / 1e3
+                after = medians[("umbp", part)] / 1e3
                 rows.append({"tokens": case[0], "block_size": case[1], "ranks": case[2], "part": part,
                              "before_us": before, "after_us": after})
                 print(f"{case[0]:>7} {case[1]:>5} {case[2]:>5} {part:>9} {before:>7.0f}us "
