@@ -837,7 +837,11 @@ def test_reserved_identities_are_every_identity_of_every_in_flight_event(
     for e in (event, *others):
         for batch in e.batches:
             assert set(identities_of(batch)) <= reserved
+    every = {identity for e in (event, *others) for identity in e.identities()}
+    assert set(reserved) == every and bool(reserved) == bool(every)
+    assert (9, b"never planned") not in reserved
     assert len(event.identities()) == len(set(event.identities()))
+    assert event.hashes_by_group() is event.hashes_by_group()  # built once per event
 
 
 @given(

@@ -27,7 +27,7 @@ from umbp.core.store_pass import (
     residency_check,
     resident_blocks_from_hits,
 )
-from umbp.core.store_plans import StoreBatch
+from umbp.core.store_plans import Reservations, StoreBatch, _contiguous_group_stores
 
 
 def identities_of(batch: StoreBatch) -> list[Identity]:
@@ -267,3 +267,43 @@ def test_a_window_without_masks_is_its_own_selection(
         "r", window.ranges, window.block_table, hashes, window.cached_tokens, (),
     )
     assert store_candidates("r", window, {}, hashes, ()).unwrap() == direct
+
+
+def as_reservations(identities: frozenset[Identity], events: int) -> Reservations:
+    """The same identities as in-flight events hold them: spread over ``events``
+    events, per group a frozenset of hashes each."""
+    held: list[dict[int, set[bytes]]] = [{} for _ in range(events)]
+    for number, (group_id, block_hash) in enumerate(sorted(identities)):
+        held[number % events].setdefault(group_id, set()).add(block_hash)
+    return Reservations(tuple(
+        {group_id: frozenset(hashes) for group_id, hashes in event.items()}
+        for event in held if event
+    ))
+
+
+@given(store_steps(), st.integers(1, 3), st.booleans(), st.booleans())
+def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
+    step: StoreStep, events: int, whole_ranges: bool, scanned: bool
+) -> None:
+    """What the scheduler passes (in-flight events' hashes per group,
+    core.store_events.reserved_identities) plans the same batches, skips and
+    residency keys as the plain set of the same identities, on the contiguous
+    path and on the block-by-block scan."""
+    if whole_ranges:
+        step = as_ranges(step)
+    reservations = as_reservations(step.reserved, events)
+    assert set(reservations) == step.reserved and len(reservations) == len(step.reserved)
+    assert bool(reservations) == bool(step.reserved)
+
+    def plan(reserved: frozenset[Identity] | Reservations) -> tuple[object, ...]:
+        check = residency_check(step.geometry, step.keyspace, step.candidates, reserved)
+        planned = plan_stores(
+            step.geometry, step.candidates, check, step.pool.answers(check.keys), reserved
+        )
+        return tuple(check.keys), check.identities, planned.batches, planned.skipped_resident
+
+    with mock.patch(
+        "umbp.core.store_plans._contiguous_group_stores",
+        (lambda *_: None) if scanned else _contiguous_group_stores,
+    ):
+        assert plan(reservations) == plan(step.reserved)

@@ -8,12 +8,12 @@ is in flight its identities are *reserved*: a later step must not plan them agai
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from itertools import chain
 
 from umbp.core.identity import Identity
-from umbp.core.store_plans import StoreBatch
+from umbp.core.store_plans import Reservations, StoreBatch
 
 __all__ = [
     "StoreEvent",
@@ -29,13 +29,27 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
     """The stores of one scheduler step: one batch per request and kind (new
-    blocks, boundary states, finished partial tails)."""
+    blocks, boundary states, finished partial tails).
+
+    ``_reserved`` caches :meth:`hashes_by_group` (a function of ``batches``, so
+    the value stays immutable to its users): a later step asks for it while the
+    event is in flight, and it is built once per event, not once per step."""
 
     event_id: int
     batches: tuple[StoreBatch, ...] = ()
+    _reserved: dict[int, frozenset[bytes]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __bool__(self) -> bool:
         return any(self.batches)
+
+    def hashes_by_group(self) -> Mapping[int, frozenset[bytes]]:
+        """The block hashes the event writes, per group id."""
+        if self._reserved is None:
+            object.__setattr__(self, "_reserved", _hashes_by_group(self.batches))
+        assert self._reserved is not None
+        return self._reserved
 
     def identities(self) -> tuple[Identity, ...]:
         """Every identity the event writes, unique, in first-seen order."""
@@ -58,9 +72,25 @@ def pinned_block_ids(event: StoreEvent | StoreBatch) -> tuple[int, ...]:
     return tuple(dict.fromkeys(block_ids))
 
 
-def reserved_identities(events: Iterable[StoreEvent]) -> frozenset[Identity]:
-    """Identities written by in-flight events: not to be planned again."""
-    return frozenset(identity for event in events for identity in event.identities())
+def reserved_identities(events: Iterable[StoreEvent]) -> Reservations:
+    """Identities written by in-flight events: not to be planned again (each
+    event's hashes per group, built once per event)."""
+    return Reservations(tuple(held for event in events if (held := event.hashes_by_group())))
+
+
+def _hashes_by_group(batches: Iterable[StoreBatch]) -> dict[int, frozenset[bytes]]:
+    groups: dict[int, set[bytes]] = {}
+    for batch in batches:
+        group_ids = batch.group_ids
+        if not group_ids:
+            continue
+        first = group_ids[0]
+        if group_ids.count(first) == len(group_ids):  # one group (the usual batch): in C
+            groups.setdefault(first, set()).update(batch.block_hashes)
+            continue
+        for group_id, block_hash in zip(group_ids, batch.block_hashes):
+            groups.setdefault(group_id, set()).add(block_hash)
+    return {group_id: frozenset(hashes) for group_id, hashes in groups.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ Store-event bookkeeping (pins and acknowledgements) lives in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +24,8 @@ from umbp.core.identity import Identity
 from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
 
 __all__ = [
+    "NO_RESERVATIONS",
+    "Reservations",
     "StoreBatch",
     "StoreSelection",
     "StoreTracker",
@@ -222,6 +224,55 @@ def apply_store_masks(
     return Success(tuple(selected))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Reservations(AbstractSet[Identity]):
+    """The identities in-flight store events write, as a set of identities: per
+    event, per group id, a frozenset of block hashes (built once per event,
+    :func:`umbp.core.store_events.reserved_identities`), so a step neither rebuilds
+    one set of every in-flight identity nor makes a tuple per block. A run of one
+    group's hashes is checked against each event's set in C (:meth:`holds_none`)."""
+
+    by_event: tuple[Mapping[int, frozenset[bytes]], ...] = ()
+
+    def holds_none(self, group_id: int, hashes: Iterable[bytes]) -> bool:
+        """No hash of ``hashes`` is reserved in group ``group_id``."""
+        sets = [held for event in self.by_event if (held := event.get(group_id))]
+        if len(sets) > 1:
+            hashes = tuple(hashes)  # walked once per event's set
+        return all(held.isdisjoint(hashes) for held in sets)
+
+    def __contains__(self, identity: object) -> bool:
+        if not isinstance(identity, tuple) or len(identity) != 2:
+            return False
+        group_id, block_hash = identity
+        return any(block_hash in event.get(group_id, ()) for event in self.by_event)
+
+    def __iter__(self) -> Iterator[Identity]:
+        seen: dict[Identity, None] = {}
+        for event in self.by_event:
+            for group_id, hashes in event.items():
+                seen.update(dict.fromkeys(zip(repeat(group_id), hashes)))
+        return iter(seen)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return any(any(event.values()) for event in self.by_event)
+
+
+NO_RESERVATIONS = Reservations()
+
+
+def _holds_none(excluded: AbstractSet[Identity], group_id: int, hashes: Sequence[bytes]) -> bool:
+    """No ``(group_id, hash)`` of ``hashes`` is in ``excluded``, checked in C:
+    against each event's hashes for :class:`Reservations`, else through a zip
+    (which reuses its pair, so nothing per block stays)."""
+    if isinstance(excluded, Reservations):
+        return excluded.holds_none(group_id, hashes)
+    return excluded.isdisjoint(zip(repeat(group_id), hashes))
+
+
 @dataclass(frozen=True, slots=True)
 class StoreBatch:
     """Blocks of one request to copy into the pool; columns align.
@@ -329,9 +380,8 @@ def _contiguous_group_stores(
     if not all(block_ids):  # the null block is id 0: a truth test, no comparison
         return None
     hashes = request_hashes[start * per_block + per_block - 1 : stop * per_block : per_block]
-    # isdisjoint walks the zip in C; zip reuses its pair, so nothing per block stays.
     for excluded in (resident, reserved):
-        if excluded and not excluded.isdisjoint(zip(repeat(group_id), hashes)):
+        if excluded and not _holds_none(excluded, group_id, hashes):
             return None
     if planned and not planned.isdisjoint(hashes):
         return None
