@@ -55,7 +55,6 @@ from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identi
 from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
 from umbp.core.store_plans import (
     StoreTracker,
-    apply_store_masks,
     save_watermark,
     storable_tokens,
     store_candidate_ranges,
@@ -225,12 +224,13 @@ def store_step_input(
 
 
 def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
-    """umbp's store step for new requests as the shell runs it (``build_connector_meta``
-    -> ``_new_request_candidates`` -> ``_store_pass`` -> the event's pins): the
+    """umbp.core's part of the store step for new requests (the ``core`` figure):
+    the calls ``build_connector_meta`` makes through ``shell.store_step`` (the
     in-flight reservations, per request the table and hashes copied out of vLLM's
-    objects, the tracker, watermark, candidates and masks (full attention: vLLM's
-    mask is None), one residency check, the batches, the event and its pins.
-    ``prepare()`` resets the trackers (untimed) and returns the timed call."""
+    lists, the tracker, watermark and candidates — full attention has no mask —
+    one residency check, the batches, the event and its pins), without vLLM's
+    objects, the per-request states or vLLM's block pool (the ``hook`` figure has
+    them). ``prepare()`` resets the trackers (untimed) and returns the timed call."""
     geometry = geometry_for(step.block_size)
     keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=step.tp))
     block_size = geometry.hash_block_size
@@ -256,10 +256,10 @@ def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
                     geometry, tracker.saved_tokens, save_to, table, frozenset()
                 )
                 trackers[request_id] = tracker.with_saved_tokens(save_to)
-                masks = {group_id: None for group_id, _ in ranges}
-                selected = apply_store_masks(ranges, masks).unwrap()
+                # Full attention has no mask: the window is the selection, as the
+                # shell builds it (store_step._masked).
                 candidates.append(
-                    StoreCandidates(request_id, selected, table, hashes, tracker.cached_tokens)
+                    StoreCandidates(request_id, ranges, table, hashes, tracker.cached_tokens)
                 )
             check = residency_check(geometry, keyspace, candidates, reserved)
             answers = (True,) * len(check.keys) if check.keys else None

@@ -234,6 +234,13 @@ class Reservations(AbstractSet[Identity]):
 
     by_event: tuple[Mapping[int, frozenset[bytes]], ...] = ()
 
+    def __post_init__(self) -> None:
+        # Only events that hold something, so truth is one tuple test: every
+        # request of a step asks it.
+        if not all(any(event.values()) for event in self.by_event):
+            held = tuple(event for event in self.by_event if any(event.values()))
+            object.__setattr__(self, "by_event", held)
+
     def holds_none(self, group_id: int, hashes: Iterable[bytes]) -> bool:
         """No hash of ``hashes`` is reserved in group ``group_id``."""
         sets = [held for event in self.by_event if (held := event.get(group_id))]
@@ -258,7 +265,7 @@ class Reservations(AbstractSet[Identity]):
         return sum(1 for _ in self)
 
     def __bool__(self) -> bool:
-        return any(any(event.values()) for event in self.by_event)
+        return bool(self.by_event)
 
 
 NO_RESERVATIONS = Reservations()
