@@ -6,8 +6,8 @@
 ``umbp_before.core`` (core is pure, so it needs nothing else), and both versions'
 admission (lookup keys, per-rank fold, hit window, load plan for a prompt whose
 every object hits) and lookup part (keys and fold) are timed call by call (and, for a core with
-``core.key_memo``, a repeated admission of the same request, its keys from the
-request's memo; against a core without it, "before" is its first admission),
+``request_lookup_query``, a repeated admission of the same request, its query from
+the request's memo; against a core without it, "before" is its first admission),
 interleaved in rotating order, in this one process: CPU time of this thread per call
 (``time.thread_time_ns``), GC on, median of ``--rounds`` calls. Prints the medians
 and each case's after/before ratio.
@@ -81,13 +81,13 @@ def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> 
         return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
     calls = {"admission": admission, "lookup": lookup_part}
-    if importlib.util.find_spec(f"{package}.core.key_memo"):
-        # A later admission of the same request: its keys from the request's memo.
-        _, memo = lookup.lookup_query(geometry, keyspace, hashes, 0, num_tokens,
-                                      importlib.import_module(f"{package}.core.key_memo").EMPTY_KEY_MEMO)
+    if hasattr(lookup, "request_lookup_query"):
+        # A later admission of the same request: its query from the request's memo.
+        _, memo = lookup.request_lookup_query(geometry, keyspace, hashes, 0, num_tokens,
+                                              lookup.EMPTY_LOOKUP_MEMO)
 
         def repeat() -> object:
-            query, _ = lookup.lookup_query(geometry, keyspace, hashes, 0, num_tokens, memo)
+            query, _ = lookup.request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, memo)
             folded = lookup.fold_rank_hits(query, answers)
             spec = lookup.single_group_load_spec(geometry, query, folded)
             return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()

@@ -42,13 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo
 from umbp.core.load_plans import BlockLoadBatch, load_batch, plan_allocated_load
 from umbp.core.lookup import (
+    EMPTY_LOOKUP_MEMO,
     LookupGeometry,
+    LookupMemo,
     build_lookup_query,
     fold_rank_hits,
-    lookup_query,
+    request_lookup_query,
     single_group_load_spec,
 )
 from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
@@ -611,15 +612,17 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
     and its load plan in ``update_state_after_alloc`` (``plan_allocated_load``),
     from vLLM's list of block hashes. ``admission``: the request's first lookup
     builds its keys; ``repeat``: a later lookup of the same request (vLLM asks for
-    a waiting request on every step until it is scheduled), its keys taken from the
-    request's memo. Also the first lookup alone (keys and fold), the
-    reference-shaped baseline, and the floor no first lookup goes below: each key
-    string alone (prefix + hex digest)."""
+    a waiting request on every step until it is scheduled), its query taken from the
+    request's memo (``request_lookup_query``, as the scheduler calls it). Also the
+    first lookup alone (keys and fold), the reference-shaped baseline, and the floor
+    no first lookup goes below: each key string alone (prefix + hex digest)."""
     geometry = geometry_for(block_size)
     keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=tp))
     hashes = list(block_hashes(num_tokens // block_size))  # vLLM's Request.block_hashes
     table = (tuple(range(1, -(-num_tokens // block_size) + 1)),)
-    first_query, memo = lookup_query(geometry, keyspace, hashes, 0, num_tokens, EMPTY_KEY_MEMO)
+    first_query, memo = request_lookup_query(
+        geometry, keyspace, hashes, 0, num_tokens, EMPTY_LOOKUP_MEMO
+    )
     answers = (True,) * len(first_query.keys)
     objects = hashes[: num_tokens // block_size - 1]
     prefixes = [keyspace.key(rank, 0, b"") for rank in keyspace.topology.coords()]
@@ -628,11 +631,13 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
         return [[prefix + block_hash.hex() for block_hash in objects] for prefix in prefixes]
 
     def lookup() -> object:
-        query, _ = lookup_query(geometry, keyspace, hashes, 0, num_tokens, EMPTY_KEY_MEMO)
+        query, _ = request_lookup_query(
+            geometry, keyspace, hashes, 0, num_tokens, EMPTY_LOOKUP_MEMO
+        )
         return query, fold_rank_hits(query, answers)
 
-    def admit(keys: KeyMemo) -> BlockLoadBatch:
-        query, _ = lookup_query(geometry, keyspace, hashes, 0, num_tokens, keys)
+    def admit(lookups: LookupMemo) -> BlockLoadBatch:
+        query, _ = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
         folded = fold_rank_hits(query, answers)
         assert folded is not None
         spec = single_group_load_spec(geometry, query, folded)
@@ -646,8 +651,8 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
             geometry, keyspace, hashes, num_tokens, lambda n: (True,) * n, table[0]
         )
 
-    assert admit(EMPTY_KEY_MEMO) == admit(memo) == baseline(), "baseline and core disagree"
-    return {"admission": lambda: admit(EMPTY_KEY_MEMO), "repeat": lambda: admit(memo),
+    assert admit(EMPTY_LOOKUP_MEMO) == admit(memo) == baseline(), "baseline and core disagree"
+    return {"admission": lambda: admit(EMPTY_LOOKUP_MEMO), "repeat": lambda: admit(memo),
             "lookup": lookup, "baseline": baseline, "key_strings": key_strings}
 
 

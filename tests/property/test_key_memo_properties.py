@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from tests.property.strategies import geometries, keyspaces, request_hashes
 from umbp.core.identity import KeySpace
 from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
-from umbp.core.lookup import LookupGeometry, build_lookup_query, lookup_query, lookup_skip_reason
+from umbp.core.lookup import (
+    EMPTY_LOOKUP_MEMO,
+    LookupGeometry,
+    build_lookup_query,
+    lookup_query,
+    lookup_skip_reason,
+    request_lookup_query,
+)
 
 
 def memo_keys_are_keyspace_keys(memo: KeyMemo, keyspace: KeySpace, hashes: tuple[bytes, ...]) -> bool:
@@ -116,3 +123,25 @@ def test_group_keys_cover_the_asked_run_with_the_keyspace_keys(
                 keyspace.key(rank, 3, hashes[(j + 1) * stride - 1]) for j in range(first, stop)
             )
         assert memo_keys_are_keyspace_keys(memo, keyspace, hashes)
+
+
+@given(lookup_sequences(), geometries())
+def test_every_request_lookup_through_its_memo_is_the_query_built_from_nothing(
+    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+    other_geometry: LookupGeometry,
+) -> None:
+    """The scheduler's call: the last query is reused only for the same request
+    state, geometry and keyspace; every answer equals a fresh query."""
+    geometry, steps = case
+    memo = EMPTY_LOOKUP_MEMO
+    for keyspace, hashes, local, num_tokens in steps + steps[-1:]:
+        for shape in (geometry, other_geometry):
+            if lookup_skip_reason(shape, True, len(hashes), num_tokens, local) is not None:
+                continue
+            before = memo
+            query, memo = request_lookup_query(shape, keyspace, list(hashes), local, num_tokens, memo)
+            assert query == build_lookup_query(shape, keyspace, hashes, local, num_tokens)
+            assert query.layout == build_lookup_query(shape, keyspace, hashes, local, num_tokens).layout
+            if before.last is not None and before.geometry == shape and before.keyspace == keyspace \
+                    and before.last.describes(local, num_tokens, hashes):
+                assert query is before.last and memo is before

@@ -112,12 +112,13 @@ def group_keys(
     if unit <= 0 or unit % hash_block_size:
         raise ValueError(f"unit {unit} is not a multiple of hash_block_size {hash_block_size}")
     stride = unit // hash_block_size
+    if stop <= first:  # nothing asked (e.g. the local tokens reach past the hashes)
+        return _build(keyspace, group_id, unit, stride, request_hashes, first, first), memo
     if first < 0 or stop * stride > len(request_hashes):
         raise ValueError(
             f"objects {first}..{stop - 1} every {unit} tokens need "
             f"{stop * stride} hashes, the request has {len(request_hashes)}"
         )
-    stop = max(first, stop)
     entry = memo.entry(keyspace, group_id, unit)
     if entry is not None and not _still_describes(entry, stride, request_hashes):
         entry = None

@@ -40,10 +40,12 @@ from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
+    "EMPTY_LOOKUP_MEMO",
     "NULL_BLOCK_ID",
     "BlockTable",
     "LoadSpec",
     "LookupGeometry",
+    "LookupMemo",
     "LookupQuery",
     "LookupSkip",
     "build_lookup_query",
@@ -59,6 +61,7 @@ __all__ = [
     "lookup_skip_reason",
     "lookup_unit",
     "object_hash_at_token_end",
+    "request_lookup_query",
     "single_group_hit_tokens",
     "single_group_load_spec",
 ]
@@ -341,6 +344,45 @@ def lookup_query(
         keys=RankedKeys(_concatenated(runs), layout, rank_tags(keyspace)),
     )
     return query, memo
+
+
+@dataclass(frozen=True, slots=True)
+class LookupMemo:
+    """What one request's lookups keep between calls: its key strings (``keys``)
+    and its last query, which a lookup of the same request state (vLLM asking again
+    for a waiting request) reuses whole, for the same geometry and keyspace."""
+
+    keys: KeyMemo = EMPTY_KEY_MEMO
+    last: LookupQuery | None = None
+    geometry: LookupGeometry | None = None
+    keyspace: KeySpace | None = None
+
+
+EMPTY_LOOKUP_MEMO: Final = LookupMemo()
+"""A request never looked up."""
+
+
+def request_lookup_query(
+    geometry: LookupGeometry,
+    keyspace: KeySpace,
+    hashes: Sequence[bytes],
+    local_tokens: int,
+    num_tokens: int,
+    memo: LookupMemo,
+) -> tuple[LookupQuery, LookupMemo]:
+    """The request's lookup query (equal to :func:`build_lookup_query`'s) and its new
+    memo: the last query while it still describes the request, else one built with
+    the memo's keys (:func:`lookup_query`)."""
+    last = memo.last
+    if (
+        last is not None
+        and memo.geometry == geometry
+        and memo.keyspace == keyspace
+        and last.describes(local_tokens, num_tokens, hashes)
+    ):
+        return last, memo
+    query, keys = lookup_query(geometry, keyspace, hashes, local_tokens, num_tokens, memo.keys)
+    return query, LookupMemo(keys, query, geometry, keyspace)
 
 
 def _concatenated(runs: Sequence[Sequence[str]]) -> Sequence[str]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo
-from umbp.core.lookup import LookupQuery
+from umbp.core.lookup import EMPTY_LOOKUP_MEMO, LookupMemo, LookupQuery
 from umbp.core.request_lifecycle import LookupProgress, RequestLifecycle
 from umbp.shell.vllm_compat.objects import RequestLike
 
@@ -35,14 +34,15 @@ class PendingLookup:
 class RequestState:
     """``request``: vLLM's request, from its first allocation (None before);
     ``lookup``: a running asynchronous lookup; ``life``: everything core decides
-    from; ``keys``: the request's object keys built so far (core's
-    :class:`~umbp.core.key_memo.KeyMemo`), so a repeated lookup of a waiting or
-    resumed request, and the store step's residency check, build no key twice."""
+    from; ``lookups``: core's :class:`~umbp.core.lookup.LookupMemo`, the request's
+    object keys built so far and its last query, so a repeated lookup of a waiting
+    or resumed request (and the store step's residency check, through
+    ``lookups.keys``) builds no key twice."""
 
     request: RequestLike | None = None
     lookup: PendingLookup | None = None
     life: RequestLifecycle = field(default_factory=RequestLifecycle)
-    keys: KeyMemo = EMPTY_KEY_MEMO
+    lookups: LookupMemo = EMPTY_LOOKUP_MEMO
 
     @property
     def lookup_progress(self) -> LookupProgress:
@@ -56,12 +56,12 @@ class RequestState:
     def with_life(self, life: RequestLifecycle) -> RequestState:
         if life is self.life:
             return self
-        return RequestState(self.request, self.lookup, life, self.keys)  # hot: no dataclasses.replace
+        return RequestState(self.request, self.lookup, life, self.lookups)  # hot: no replace
 
-    def with_keys(self, keys: KeyMemo) -> RequestState:
-        if keys is self.keys:
+    def with_lookups(self, lookups: LookupMemo) -> RequestState:
+        if lookups is self.lookups:
             return self
-        return RequestState(self.request, self.lookup, self.life, keys)
+        return RequestState(self.request, self.lookup, self.life, lookups)
 
     def without_lookup(self) -> RequestState:
         """The running lookup is dropped (its answer is not wanted any more)."""

@@ -195,13 +195,13 @@ class UMBPScheduler:
     def _query(
         self, keyspace: KeySpace, request: RequestLike, local_tokens: int, state: RequestState
     ) -> tuple[LookupQuery, RequestState]:
-        """The lookup query, its keys taken from the request's memo where it has them
+        """The lookup query, from the request's memo where it has it or its keys
         (vLLM asks again for a waiting request on later steps)."""
-        query, keys = core_lookup.lookup_query(
+        query, lookups = core_lookup.request_lookup_query(
             self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens,
-            state.keys,
+            state.lookups,
         )
-        return query, state.with_keys(keys)
+        return query, state.with_lookups(lookups)
 
     def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
         try:
