@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.vllm_driver import Driver, StepRecord
+from tests.unit.vllm_driver import Driver, StepRecord, step_starts
 
 pytestmark = pytest.mark.vllm_versions
 
@@ -224,6 +224,36 @@ def test_a_request_that_hit_a_failed_sync_loads_blocks_stores_none_of_that_step(
     driver.add("c", tokens, max_tokens=2)
     assert scheduled_from(driver.step(), "c") == 7 * BLOCK
     assert driver.assert_blocks_hold("c", tokens, range(7)) == 7 * 2
+
+
+def test_a_step_planned_before_a_failed_load_is_known_stores_nothing_over_it(
+    make_driver: Any,
+) -> None:
+    # vLLM's async scheduling plans step N+1 before step N's output: b's second
+    # prefill chunk is computed over the block whose load failed in step N.
+    driver = make_driver(extra={"load_async": False})
+    tokens = prompt(24)
+    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
+
+    b = driver.add("b", tokens, max_tokens=2)
+    step_n = driver.schedule()
+    kv_n, loads_n = driver.execute(step_n)
+    step_next = driver.schedule()  # planned before step N's failure is known
+    assert step_n.num_scheduled_tokens["b"] == 16 * BLOCK
+    assert step_starts(step_next)["b"] == 20 * BLOCK
+    driver.steps.append(StepRecord(step_n, driver.finish(step_n, kv_n), kv_n, loads_n))
+    assert kv_n.invalid_block_ids == {driver.block_ids("b")[0][2]}
+    kv_next, loads_next = driver.execute(step_next)
+    driver.steps.append(
+        StepRecord(step_next, driver.finish(step_next, kv_next), kv_next, loads_next)
+    )
+    # Neither step stored what it computed over the failed block.
+    assert [stored_copies(driver, h) for h in b.block_hashes] == [1, 1, 0, 1] + [0] * 20
+    driver.run(["b"])
+    driver.drain()
+    # The steps planned after vLLM cut b back to block 2 store its recompute.
+    assert [stored_copies(driver, h) for h in b.block_hashes] == [1] * 24
 
 
 @pytest.mark.parametrize("load_async", [False, True])

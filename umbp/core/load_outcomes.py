@@ -42,6 +42,7 @@ __all__ = [
     "pool_page_bytes",
     "report_load",
     "rows_by_group",
+    "still_computing_over_failures",
     "stores_past_failed_loads",
     "unplanned_load_outcome",
 ]
@@ -280,29 +281,40 @@ def computed_over_failed_loads(outcomes: Sequence[RequestLoadOutcome]) -> frozen
     return frozenset(o.request_id for o in outcomes if o.failed and not o.is_async)
 
 
-def stores_past_failed_loads(
-    stores: Sequence[StoreBatch],
-    read_over: Mapping[str, AbstractSet[str]],
+def still_computing_over_failures(
+    previous: AbstractSet[str],
+    settled: AbstractSet[str],
     failed_sync_loads: AbstractSet[str],
+    read_over: Mapping[str, AbstractSet[str]],
+) -> frozenset[str]:
+    """The requests whose stores the worker leaves out this step: those whose own
+    synchronous load failed this step (:func:`computed_over_failed_loads`), those
+    that read blocks such a load filled (``read_over``, the scheduler's
+    ``stores_over_sync_loads``), and those of earlier steps the scheduler has not
+    yet ``settled``. vLLM plans a step before the previous step's failure is known
+    (async scheduling): such a step still computes over the stale blocks. Settled
+    (the scheduler saw vLLM cut their computed tokens before planning this step, or
+    they finished or were preempted): what they compute from now on is the
+    recompute."""
+    followers = {r for r, loads in read_over.items() if not failed_sync_loads.isdisjoint(loads)}
+    return frozenset((set(previous) - set(settled)) | failed_sync_loads | followers)
+
+
+def stores_past_failed_loads(
+    stores: Sequence[StoreBatch], computed_over_failures: AbstractSet[str]
 ) -> tuple[tuple[StoreBatch, ...], frozenset[Identity]]:
-    """The step's store batches without those of requests that computed over a
-    failed synchronous load (:func:`computed_over_failed_loads`): their own, or
-    one whose blocks they share this step (``read_over``, the scheduler's
-    ``stores_over_sync_loads``), and the identities left out. A put of a resident
-    key writes nothing, so a wrong object stored once would be served until
-    evicted; vLLM recomputes those blocks and the scheduler plans them again
-    (:func:`umbp.core.request_lifecycle.after_failed_load`). The identities count
-    as not stored: no KV event announces them."""
-    if not failed_sync_loads:
+    """The step's store batches without those of the requests
+    :func:`still_computing_over_failures` names, and the identities left out. A
+    put of a resident key writes nothing, so a wrong object stored once would be
+    served until evicted; vLLM recomputes those blocks and the scheduler plans
+    them again (:func:`umbp.core.request_lifecycle.after_failed_load`). The
+    identities count as not stored: no KV event announces them."""
+    if not computed_over_failures:
         return tuple(stores), frozenset()
-    dropped_requests = set(failed_sync_loads).union(
-        request_id for request_id, loads in read_over.items()
-        if not failed_sync_loads.isdisjoint(loads)
-    )
-    kept = tuple(b for b in stores if b.request_id not in dropped_requests)
+    kept = tuple(b for b in stores if b.request_id not in computed_over_failures)
     dropped = frozenset(
         identity
-        for batch in stores if batch.request_id in dropped_requests
+        for batch in stores if batch.request_id in computed_over_failures
         for identity in zip(batch.group_ids, batch.block_hashes)
     )
     return kept, dropped

@@ -53,6 +53,7 @@ __all__ = [
     "cache_reset_allowed",
     "cached_request_store_window",
     "cached_request_stores",
+    "hit_by_failed_load",
     "lookup_still_current",
     "needs_coordinator",
     "new_request_store_window",
@@ -285,6 +286,18 @@ def rewound_watermark(saved_tokens: int, num_computed_tokens: int, hash_block_si
     return min(saved_tokens, num_computed_tokens - num_computed_tokens % hash_block_size)
 
 
+def hit_by_failed_load(
+    state: RequestLifecycle, failed_block_ids: AbstractSet[int], request_failed: bool
+) -> bool:
+    """Whether vLLM's report of failed loads concerns the request: it failed
+    itself, or its table holds a failed block (its own load's, or one it shares:
+    vLLM then reschedules it too)."""
+    tracker = state.tracker
+    return request_failed or (tracker is not None and not failed_block_ids.isdisjoint(
+        block for group in tracker.block_table for block in group
+    ))
+
+
 def after_failed_load(
     state: RequestLifecycle,
     failed_block_ids: AbstractSet[int],
@@ -300,11 +313,7 @@ def after_failed_load(
     (:func:`rewound_watermark`). A request holding no failed block, and not failed
     itself, is unchanged; so is one not tracked for storing."""
     tracker = state.tracker
-    if tracker is None:
-        return state
-    if not request_failed and failed_block_ids.isdisjoint(
-        block for group in tracker.block_table for block in group
-    ):
+    if tracker is None or not hit_by_failed_load(state, failed_block_ids, request_failed):
         return state
     saved = rewound_watermark(tracker.saved_tokens, num_computed_tokens, hash_block_size)
     if saved == tracker.saved_tokens:

@@ -34,6 +34,9 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     # Per storing request, the requests whose synchronous load this step fills
     # blocks it reads: if one fails, the worker stores nothing of the request.
     stores_over_loads: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Requests whose failed load the scheduler has acted on (or finished, or
+    # preempted) before this step: the worker may store for them again.
+    settled_load_failures: frozenset[str] = frozenset()
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()
 

@@ -116,6 +116,8 @@ class UMBPScheduler:
         self._next_store_event = 0
         # Finished requests' last boundary pages, pinned until the next step's event.
         self._finished_tails: dict[str, StoreBatch] = {}
+        # Requests whose failed load was acted on since the last step's metadata.
+        self._settled_load_failures: set[str] = set()
         self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
         self._kv_events = (
             KVEventPublisher(config.kv_event_max_objects, self._lookup_executor)
@@ -298,6 +300,11 @@ class UMBPScheduler:
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
+        # The worker stores for these again (core.load_outcomes.still_computing_over_failures).
+        meta.settled_load_failures = frozenset(self._settled_load_failures).union(
+            scheduler_output.finished_req_ids, preempted
+        )
+        self._settled_load_failures.clear()
         finished_tails, self._finished_tails = self._finished_tails, {}
         stores.extend(finished_tails.values())
         if stores:
@@ -363,12 +370,15 @@ class UMBPScheduler:
         watermarks follow, so what vLLM recomputes is stored again."""
         hash_block_size = self._geometry.hash_block_size
         for request_id, state in list(self._requests.items()):
-            request = state.request
-            if request is not None:
-                self._requests[request_id] = state.with_life(lifecycle.after_failed_load(
-                    state.life, failed_blocks, request_id in failed_requests,
-                    request.num_computed_tokens, hash_block_size,
-                ))
+            request, failed = state.request, request_id in failed_requests
+            if request is None or not lifecycle.hit_by_failed_load(
+                state.life, failed_blocks, failed
+            ):
+                continue
+            self._requests[request_id] = state.with_life(lifecycle.after_failed_load(
+                state.life, failed_blocks, failed, request.num_computed_tokens, hash_block_size,
+            ))
+            self._settled_load_failures.add(request_id)
 
     # -- request lifecycle --------------------------------------------------------
 

@@ -36,6 +36,7 @@ from umbp.core.load_outcomes import (
     pool_page_bytes,
     report_load,
     rows_by_group,
+    still_computing_over_failures,
     stores_past_failed_loads,
     unplanned_load_outcome,
 )
@@ -79,7 +80,8 @@ class UMBPWorker:
         self._staging = StagingRows(self._register, self._unregister)
         self._backend: WorkerBackend | None = None
         self._report = LoadReport()
-        # This step's requests computed over a failed load: save() stores none of it.
+        # Requests computing over a failed synchronous load (this step's or one the
+        # scheduler has not settled yet): save() stores none of theirs.
         self._computed_over_failures: frozenset[str] = frozenset()
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
@@ -191,7 +193,12 @@ class UMBPWorker:
             self.counters.load_seconds += time.perf_counter() - started
         for outcome in outcomes:
             self._report_load(outcome)
-        self._computed_over_failures = computed_over_failed_loads(outcomes)
+        # Here, not in save(): vLLM calls start_load_kv on every step, even without
+        # a forward pass (where wait_for_save is not called).
+        self._computed_over_failures = still_computing_over_failures(
+            self._computed_over_failures, meta.settled_load_failures,
+            computed_over_failed_loads(outcomes), meta.stores_over_loads,
+        )
 
     def _load(self, batch: BlockLoadBatch, is_async: bool) -> RequestLoadOutcome:
         statuses = {
@@ -269,15 +276,10 @@ class UMBPWorker:
     # -- stores ---------------------------------------------------------------------
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
-        computed_over_failures, self._computed_over_failures = (
-            self._computed_over_failures, frozenset()
-        )
         if meta.store_event is None:
             return
         started = time.perf_counter()
-        stores, not_stored = stores_past_failed_loads(
-            meta.stores, meta.stores_over_loads, computed_over_failures
-        )
+        stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; vLLM recomputes them and they are stored then",
