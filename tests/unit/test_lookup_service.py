@@ -16,7 +16,7 @@ from umbp.core.identity import KeySpace, RankCoord, RankTopology
 from umbp.core.lookup import LookupGeometry, build_lookup_query
 from umbp.core.rank_keys import KeyLayout, RankedKeys, object_major_keys, rank_tags
 from umbp.runtime.contract import StoreUnavailable
-from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup, rank_tag
+from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup
 from umbp.runtime.pool import SlabPool
 
 
@@ -133,8 +133,7 @@ def test_ranked_lookup_asks_each_key_of_the_pool_of_its_rank() -> None:
     h1, h2 = b"\x01" * 8, b"\x02" * 8
     store0 = _Known({keyspace.key(rank0, 0, h1), keyspace.key(rank0, 0, h2)})
     store1 = _Known({keyspace.key(rank1, 0, h1)})
-    ranked = RankedLookup({rank_tag(keyspace.key(rank0, 0, b"")): store0,
-                           rank_tag(keyspace.key(rank1, 0, b"")): store1})
+    ranked = RankedLookup(dict(zip(rank_tags(keyspace), (store0, store1), strict=True)))
     keys = object_major_keys(keyspace, [(0, h1), (0, h2)])
     assert list(keys) == [*keyspace.rank_keys(0, h1), *keyspace.rank_keys(0, h2)]
     assert ranked.lookup(keys) == (True, True, True, False)
@@ -147,7 +146,7 @@ def test_a_key_of_a_rank_nobody_serves_is_a_miss() -> None:
     keyspace = KeySpace("ns1", RankTopology(tp_size=2))
     store0 = _Known({keyspace.key(RankCoord(0, 0, 0, 0), 0, b"\x01")})
     other = _Known(set())
-    ranked = RankedLookup({rank_tag(keyspace.key(RankCoord(0, 0, 0, 0), 0, b"")): store0,
+    ranked = RankedLookup({rank_tags(keyspace)[0]: store0,
                            "umbp:1:elsewhere:tp9:pcp0:dcp0:pp0": other})
     assert ranked.lookup(object_major_keys(keyspace, [(0, b"\x01")])) == (True, False)
 
@@ -187,9 +186,9 @@ def test_a_lookup_query_routed_by_position_matches_routing_by_the_rank_in_each_k
     hashes = [bytes([index]) * 32 for index in range(12)]
     query = build_lookup_query(geometry, keyspace, hashes, 32, 12 * 16)
     coords = keyspace.topology.coords()
-    # The scheduler names each rank's store with rank_tag of one of its keys; core's
-    # tags are the same strings.
-    tags = tuple(rank_tag(keyspace.key(rank, 0, b"")) for rank in coords)
+    # The scheduler names each rank's store with core's tag of that rank: the
+    # part of each of the rank's keys before the group.
+    tags = tuple(keyspace.key(rank, 0, b"").rsplit(":", 2)[0] for rank in coords)
     assert query.keys.rank_tags == tags == rank_tags(keyspace)
     held = {key for index, key in enumerate(query.keys) if index % 3 and index % 7}
     by_position = RankedLookup({tag: _Known(held) for tag in tags})

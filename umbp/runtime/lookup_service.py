@@ -192,10 +192,3 @@ class RankedLookup:
     def close(self) -> None:
         for store in self._stores.values():
             store.close()
-
-
-def rank_tag(key: str) -> str:
-    """The part of an object key that names namespace and rank (what
-    :func:`umbp.core.rank_keys.rank_tags` gives per rank without reading a key):
-    the scheduler names each rank's store with it once, at start-up."""
-    return key.rsplit(":", 2)[0]

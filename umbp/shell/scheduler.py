@@ -24,6 +24,7 @@ from umbp.core import store_plans, transfer_plans
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
+from umbp.core.rank_keys import rank_tags
 from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
 from umbp.core.store_events import (
     StoreEvent,
@@ -34,7 +35,6 @@ from umbp.core.store_events import (
 from umbp.core.store_plans import StoreBatch
 from umbp.runtime.backends import open_scheduler_store
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
-from umbp.runtime.lookup_service import rank_tag
 from umbp.shell import vllm_compat
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.kv_events import KVEventPublisher
@@ -148,8 +148,8 @@ class UMBPScheduler:
             raise RuntimeError(f"umbp: no worker reported for ranks {missing}")
         keyspace = KeySpace(namespaces.pop(), self._topology)
         self._store = open_scheduler_store(self._config, {
-            rank_tag(keyspace.key(rank, 0, b"")): address
-            for rank in self._topology.coords()
+            tag: address  # each rank's store named as core's keys name that rank
+            for tag, rank in zip(rank_tags(keyspace), self._topology.coords(), strict=True)
             if (address := by_rank[rank].pool) is not None
         })
         self._keyspace = keyspace
