@@ -19,6 +19,7 @@ from umbp.core import (
     load_outcomes,
     load_plans,
     lookup,
+    lookup_geometry,
     page_identity,
     rank_keys,
     request_lifecycle,
@@ -37,6 +38,7 @@ from umbp.core.key_memo import *
 from umbp.core.load_outcomes import *
 from umbp.core.load_plans import *
 from umbp.core.lookup import *
+from umbp.core.lookup_geometry import *
 from umbp.core.page_identity import *
 from umbp.core.rank_keys import *
 from umbp.core.request_lifecycle import *
@@ -56,6 +58,7 @@ __all__ = [
     "load_outcomes",
     "load_plans",
     "lookup",
+    "lookup_geometry",
     "page_identity",
     "rank_keys",
     "request_lifecycle",
@@ -74,6 +77,7 @@ __all__ += key_memo.__all__
 __all__ += load_outcomes.__all__
 __all__ += load_plans.__all__
 __all__ += lookup.__all__
+__all__ += lookup_geometry.__all__
 __all__ += page_identity.__all__
 __all__ += rank_keys.__all__
 __all__ += request_lifecycle.__all__

@@ -24,19 +24,32 @@ plain full attention, need vLLM's own KV cache coordinator (sliding windows, Mam
 states, common prefix of all groups); for those this module supplies the hit sets
 (:func:`coordinator_hit_sets`) and turns the coordinator's answer into a
 :class:`LoadSpec` (:func:`load_spec_from_hits`).
+
+The geometry, the lookup guards and the hash helpers live in
+:mod:`umbp.core.lookup_geometry` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, count
 from operator import not_
-from typing import Final, TypeAlias
+from typing import Final
 
 from umbp.core.identity import KeySpace
 from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
+from umbp.core.lookup_geometry import (
+    NULL_BLOCK_ID,
+    BlockTable,
+    LookupGeometry,
+    LookupSkip,
+    hashes_at_token_ends,
+    lookup_limit,
+    lookup_skip_reason,
+    lookup_unit,
+    object_hash_at_token_end,
+)
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
 
 __all__ = [
@@ -65,179 +78,6 @@ __all__ = [
     "single_group_hit_tokens",
     "single_group_load_spec",
 ]
-
-NULL_BLOCK_ID: Final = 0
-"""vLLM's null block: a placeholder in a block table that holds no KV."""
-
-BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
-"""Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
-
-
-@dataclass(frozen=True, slots=True)
-class LookupGeometry:
-    """The shape of the cache as lookups and plans see it; fixed for an engine.
-
-    ``group_ids`` are the prefix-cacheable KV cache groups in vLLM's order;
-    ``group_block_sizes`` (tokens per block, DCP-resolved) and ``lookup_units``
-    (tokens between two probed objects, see :func:`lookup_unit`) align with them.
-    ``block_size`` is the scheduler block size (the LCM of the group block sizes),
-    ``hash_block_size`` the granularity of ``Request.block_hashes``.
-    ``coordinated`` is true when vLLM's KV cache coordinator must decide the
-    multi-group hit window (several groups, or one group that is not plain full
-    attention).
-    """
-
-    group_ids: tuple[int, ...]
-    group_block_sizes: tuple[int, ...]
-    lookup_units: tuple[int, ...]
-    block_size: int
-    hash_block_size: int
-    partial_hash_hits: bool = False
-    use_eagle: bool = False
-    coordinated: bool = False
-
-    def __post_init__(self) -> None:
-        count = len(self.group_ids)
-        if len(self.group_block_sizes) != count or len(self.lookup_units) != count:
-            raise ValueError(
-                "group_ids, group_block_sizes and lookup_units must align: "
-                f"{count}, {len(self.group_block_sizes)}, {len(self.lookup_units)} entries"
-            )
-        if len(set(self.group_ids)) != count:
-            raise ValueError(f"group ids repeat: {self.group_ids}")
-        if self.block_size <= 0 or self.hash_block_size <= 0:
-            raise ValueError("block_size and hash_block_size must be positive")
-        if self.block_size % self.hash_block_size:
-            raise ValueError(
-                f"hash_block_size {self.hash_block_size} must divide block_size {self.block_size}"
-            )
-        for group_id, size, unit in zip(self.group_ids, self.group_block_sizes, self.lookup_units):
-            if unit <= 0 or unit % self.hash_block_size or size % unit:
-                raise ValueError(
-                    f"group {group_id}: lookup unit {unit} must be a multiple of "
-                    f"hash_block_size {self.hash_block_size} and divide block size {size}"
-                )
-            if not self.coordinated and self.block_size % size:
-                raise ValueError(
-                    f"group {group_id}: block size {size} must divide the scheduler "
-                    f"block size {self.block_size}"
-                )
-
-    @property
-    def lookup_alignment(self) -> int:
-        """A prompt shorter than this has no object worth looking up."""
-        return self.hash_block_size if self.partial_hash_hits else self.block_size
-
-    def position(self, group_id: int) -> int:
-        """Index of ``group_id`` in ``group_ids`` (block tables align with it)."""
-        return self.group_ids.index(group_id)
-
-
-def lookup_unit(
-    group_block_size: int,
-    hash_block_size: int,
-    partial_hash_hits: bool,
-    coordinator_allows_partial: bool,
-) -> int:
-    """Tokens between two probed objects of one group.
-
-    With partial hash hits (and a coordinator that can use them, or none), every
-    hash boundary is probed so a saved partial tail can be found; otherwise only
-    the group's own block ends.
-    """
-    if partial_hash_hits and coordinator_allows_partial:
-        return hash_block_size
-    return group_block_size
-
-
-class LookupSkip(enum.Enum):
-    """Why a request is not looked up at all (each answers ``0, False``)."""
-
-    DISABLED = "lookup disabled"
-    NO_HASHES = "request has no block hashes"
-    PROMPT_SHORTER_THAN_ALIGNMENT = "request is shorter than one lookup alignment"
-    LOCAL_NOT_BLOCK_ALIGNED = "locally computed tokens are not block aligned"
-    NO_CACHEABLE_GROUPS = "no prefix-cacheable KV cache group"
-    NO_TOKEN_LEFT_TO_LOAD = "every token but the last is already local"
-
-
-def lookup_skip_reason(
-    geometry: LookupGeometry,
-    enabled: bool,
-    num_hashes: int,
-    num_tokens: int,
-    local_tokens: int,
-) -> LookupSkip | None:
-    """The first guard that rules out a lookup, in the reference's order, or None.
-
-    ``enabled`` folds together the user's switch and the runtime being bound.
-    On any skip the caller also forgets an earlier load spec of the request: the
-    answer is then 0 tokens, so an older window no longer describes what vLLM
-    allocates (the reference forgets it only on ``NO_TOKEN_LEFT_TO_LOAD``).
-    """
-    if not enabled:
-        return LookupSkip.DISABLED
-    if num_hashes <= 0:
-        return LookupSkip.NO_HASHES
-    if num_tokens < geometry.lookup_alignment:
-        return LookupSkip.PROMPT_SHORTER_THAN_ALIGNMENT
-    if local_tokens % geometry.block_size:
-        return LookupSkip.LOCAL_NOT_BLOCK_ALIGNED
-    if not geometry.group_ids:
-        return LookupSkip.NO_CACHEABLE_GROUPS
-    # vLLM must execute at least the final prompt token.
-    if num_tokens - 1 <= local_tokens:
-        return LookupSkip.NO_TOKEN_LEFT_TO_LOAD
-    return None
-
-
-def lookup_limit(geometry: LookupGeometry, num_tokens: int, num_hashes: int) -> int:
-    """The last token end worth probing.
-
-    ``num_tokens - 1`` (the last token is always computed), except that with EAGLE
-    the coordinator must see the block that ends at the prompt's end: it matches it
-    and then drops back a block itself. Never past the hashes' coverage, since an
-    object without a hash has no identity.
-    """
-    covered = num_hashes * geometry.hash_block_size
-    if geometry.use_eagle and geometry.coordinated:
-        return min(num_tokens, covered)
-    return min(num_tokens - 1, covered)
-
-
-def object_hash_at_token_end(
-    hashes: Sequence[bytes], token_end: int, hash_block_size: int
-) -> bytes:
-    """The hash that identifies the prefix ``[0, token_end)``."""
-    index = token_end // hash_block_size - 1
-    if index < 0 or index >= len(hashes):
-        raise ValueError(f"request has {len(hashes)} hashes, needs index {index}")
-    return hashes[index]
-
-
-def hashes_at_token_ends(
-    hashes: Sequence[bytes], first_end: int, last_end: int, step: int, hash_block_size: int
-) -> tuple[bytes, ...]:
-    """Hashes ending at ``first_end, first_end + step, ...`` up to ``last_end``.
-
-    One strided slice (no per-object Python work) when the ends are hash aligned,
-    which they are for every caller that respects the lookup guards.
-    """
-    if first_end > last_end:
-        return ()
-    if first_end % hash_block_size or step % hash_block_size:
-        raise ValueError(
-            f"token ends {first_end} + k*{step} are not aligned to hash_block_size "
-            f"{hash_block_size}"
-        )
-    count = (last_end - first_end) // step + 1
-    start = first_end // hash_block_size - 1
-    stride = step // hash_block_size
-    stop = start + (count - 1) * stride + 1
-    if start < 0 or stop > len(hashes):
-        raise ValueError(f"request has {len(hashes)} hashes, needs indices {start}..{stop - 1}")
-    return tuple(hashes[start:stop:stride])
-
 
 @dataclass(frozen=True, slots=True)
 class LookupQuery:
