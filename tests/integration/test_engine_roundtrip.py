@@ -97,6 +97,34 @@ def test_corrupted_pool_bytes_are_detected_and_recomputed(llama_fp32: str) -> No
     assert stats["pools"][0]["corrupt_loads"] > 0
 
 
+def test_a_failed_sync_load_leaves_no_wrong_object_and_the_recompute_is_stored(
+    llama_fp32: str,
+) -> None:
+    # Every stored object corrupt; the long prompts then load their 6-block prefix
+    # synchronously, every block fails, and vLLM's step computes blocks 6-14 over the
+    # stale prefix. Those must not be stored (before: stored, and served once the
+    # short prompts re-stored the prefix: different tokens), and what vLLM then
+    # recomputes must be (before: the prefix was not stored again).
+    short = unique_prompts(2, 200, seed=3)
+    long = [s + e for s, e in zip(short, unique_prompts(2, 300, seed=9))]
+    steps = ["generate", "reset", "corrupt", "generate_long", "reset", "generate", "reset",
+             "generate_long", "stats"]
+    report = run_scenario({
+        "model_dir": llama_fp32, "engine": {"block_size": 32, "dtype": "float32"},
+        "prompts": short, "prompts_long": long, "max_tokens": 12,
+        "engines": [{"connector": None, "steps": ["generate", "generate_long"]},
+                    {"connector": {**EMBEDDED, "load_async": False}, "steps": steps}],
+    })
+    (base_short, base_long), engine = report["engines"]
+    _short, _reset, corrupt, failed, _, again_short, _, again_long, stats = engine
+    assert corrupt["flipped"] > 0 and stats["worker"]["load_failures"]["corrupt"] > 0
+    assert failed["tokens"] == base_long["tokens"]
+    assert again_short["cached"] == [192, 192]  # the long requests re-stored the prefix
+    assert again_short["tokens"] == base_short["tokens"]
+    assert again_long["cached"] == [480, 480]
+    assert again_long["tokens"] == base_long["tokens"], "an object computed over a failed load was served"
+
+
 def test_pool_smaller_than_working_set_stays_within_capacity(llama_fp32: str) -> None:
     # One object (2 layers x 16 KiB) per page: 8 pages hold 8 of the ~40 blocks.
     small = {"mode": "embedded", "capacity_bytes": 8 * 32 * 1024}
