@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from umbp.runtime import SlabPool
+from umbp.testing.faults import flip_pool_objects
 
 MIB = 1 << 20
 POOL_BYTES = 64 * MIB
@@ -66,10 +67,7 @@ def _embedded(request: pytest.FixtureRequest) -> Backend:
     pool = SlabPool(POOL_BYTES, page_bytes=64 << 10)
 
     def corrupt(key: str) -> None:
-        offset, _ = pool.object_regions(key)[0]
-        view = pool.slab_view()
-        view[offset] ^= 0xFF
-        view.release()
+        flip_pool_objects(pool, [key])
 
     return Backend(
         "embedded", pool, lambda: _Unclosable(pool), corrupt, POOL_BYTES + 1, [pool.close]

@@ -8,8 +8,10 @@ done here, so no production module carries a test-only code path.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
+from umbp.runtime.pool import SlabPool
 from umbp.runtime.ssd_format import (
     RECORD_MAGIC,
     SLOT_FILE_NAME,
@@ -18,7 +20,23 @@ from umbp.runtime.ssd_format import (
     read_geometry,
 )
 
-__all__ = ["flip_stored_bytes"]
+__all__ = ["flip_pool_objects", "flip_stored_bytes"]
+
+
+def flip_pool_objects(pool: SlabPool, keys: Iterable[str]) -> int:
+    """Flip the first byte of each object under ``keys`` in the embedded pool's slab,
+    so that its checksum no longer matches and the next load answers CORRUPT.
+    Returns how many objects were damaged (every key must be resident)."""
+    view = pool.slab_view()
+    try:
+        flipped = 0
+        for key in keys:
+            offset, _length = pool.object_regions(key)[0]
+            view[offset] ^= 0xFF
+            flipped += 1
+        return flipped
+    finally:
+        view.release()  # an exported view would keep the pool's slab from closing
 
 
 def flip_stored_bytes(directory: str | os.PathLike[str]) -> int:

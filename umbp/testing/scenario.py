@@ -45,15 +45,9 @@ from typing import Any
 
 def _corrupt_local_pools() -> int:
     from umbp.runtime.embedded import local_pools
+    from umbp.testing.faults import flip_pool_objects
 
-    flipped = 0
-    for pool in local_pools():
-        view = pool.slab_view()
-        for key in pool.stored_keys():
-            offset, _length = pool.object_regions(key)[0]
-            view[offset] ^= 0xFF
-            flipped += 1
-    return flipped
+    return sum(flip_pool_objects(pool, pool.stored_keys()) for pool in local_pools())
 
 
 def _clear_pools_of_tp_rank(worker: Any, rank: int) -> int:
