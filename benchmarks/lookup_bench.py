@@ -21,8 +21,8 @@ answer from one in-process ``SlabPool`` per rank through ``RankedLookup``, and
 ``fold_rank_hits``; three quarters of the objects are held by every rank. CPU time
 of the calling thread per call (``time.thread_time_ns``, GC on), median of the
 rounds, interleaved: ``by position`` routes the query's keys by their layout,
-``by key name`` is the routing every key took before (the rank read from each key
-string), measured in the same run.
+``by key name`` is the baseline routing (umbp's before, and the reference's: the
+rank read from each key string, in this script), measured in the same run.
 """
 
 from __future__ import annotations
@@ -201,6 +201,20 @@ class RankRow:
 
 
 
+def lookup_by_key_name(stores: dict[str, SlabPool], keys: Sequence[str]) -> tuple[bool, ...]:
+    """The baseline routing (umbp's before keys carried their layout, and the
+    reference's): each key's rank read from its string, one split per key, the
+    answers put back by position."""
+    positions: dict[str, list[int]] = {}
+    for position, key in enumerate(keys):
+        positions.setdefault(key.rsplit(":", 2)[0], []).append(position)
+    merged = [False] * len(keys)
+    for tag, indices in positions.items():
+        for index, hit in zip(indices, stores[tag].lookup([keys[i] for i in indices])):
+            merged[index] = hit
+    return tuple(merged)
+
+
 def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[], object]], list[SlabPool]]:
     """(keys asked, the lookup routed by key name and by position, the pools to close)."""
     geometry = LookupGeometry(
@@ -224,10 +238,11 @@ def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[],
         built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
         return fold_rank_hits(built, router.lookup(built.keys))
 
+    stores = dict(zip(rank_tags(space), pools))
+
     def by_name() -> object:
         built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
-        # A plain tuple carries no layout: each key's rank is read from its string.
-        return fold_rank_hits(built, router.lookup(tuple(built.keys)))
+        return fold_rank_hits(built, lookup_by_key_name(stores, built.keys))
 
     expected = by_position()
     if by_name() != expected or expected != ((True,) * held + (False,) * (len(hashes) - 1 - held),):
