@@ -54,13 +54,6 @@ class GroupKeys:
         """Rank ``rank``'s keys of objects ``first <= j < stop``: a slice."""
         return self.per_rank[rank][first - self.start : stop - self.start]
 
-    def object_keys(self, index: int) -> tuple[str, ...]:
-        """Every rank's key of object ``index`` (object-major order's unit)."""
-        offset = index - self.start
-        if not 0 <= offset < len(self.hashes):
-            raise IndexError(f"object {index} is outside {self.start}..{self.stop - 1}")
-        return tuple(keys[offset] for keys in self.per_rank)
-
 
 @dataclass(frozen=True, slots=True)
 class KeyMemo:

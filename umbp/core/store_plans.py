@@ -24,7 +24,6 @@ from umbp.core.identity import Identity
 from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
 
 __all__ = [
-    "NO_RESERVATIONS",
     "Reservations",
     "StoreBatch",
     "StoreSelection",
@@ -266,9 +265,6 @@ class Reservations(AbstractSet[Identity]):
 
     def __bool__(self) -> bool:
         return bool(self.by_event)
-
-
-NO_RESERVATIONS = Reservations()
 
 
 def _holds_none(excluded: AbstractSet[Identity], group_id: int, hashes: Sequence[bytes]) -> bool:
