@@ -256,11 +256,12 @@ def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
     excluded = still_computing_over_failures(previous, settled, failed_sync, read_over)
     kept, not_stored = stores_past_failed_loads(stores, excluded)
 
+    # Failed this step, or earlier and not settled by the scheduler (a step planned
+    # before the failure was known); or it read blocks one of those loads filled.
+    unsettled = set(failed_sync) | (set(previous) - set(settled))
+
     def computed_over_failure(request_id: str) -> bool:
-        # Its own or a read-over sync load failed this step, or an earlier one the
-        # scheduler has not settled (a step planned before the failure was known).
-        return (request_id in failed_sync or bool(read_over.get(request_id, set()) & failed_sync)
-                or (request_id in previous and request_id not in settled))
+        return request_id in unsettled or bool(read_over.get(request_id, set()) & unsettled)
 
     assert excluded == {r for r in request_ids if computed_over_failure(r)}
     assert list(kept) == [b for b in stores if not computed_over_failure(b.request_id)]

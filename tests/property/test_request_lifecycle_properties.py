@@ -242,6 +242,12 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
         for r, table in storing.items()
     }
     assert got == {r: deps for r, deps in expected.items() if deps}
+    # What the scheduler keeps for the next step: the synchronous loads only.
+    kept = lifecycle.sync_loads_of(lifecycle.StepLoads(tuple(loads), unplanned, async_loads, {}))
+    assert [load.request_id for load in kept.loads] == [
+        load.request_id for load in loads if load.request_id not in async_loads]
+    assert kept.unplanned == {r: b for r, b in unplanned.items() if r not in async_loads}
+    assert lifecycle.stores_over_sync_loads(kept.loads, frozenset(), kept.unplanned, storing) == got
 
 
 @st.composite

@@ -239,9 +239,13 @@ def test_a_step_planned_before_a_failed_load_is_known_stores_nothing_over_it(
     b = driver.add("b", tokens, max_tokens=2)
     step_n = driver.schedule()
     kv_n, loads_n = driver.execute(step_n)
+    # c, admitted into that step, hits b's first 8 blocks in vLLM's prefix cache
+    # (block 2 among them) and computes 2 blocks of its own over it.
+    c_tokens = tokens[: 8 * BLOCK] + prompt(2, seed=7)
+    c = driver.add("c", c_tokens, max_tokens=2)
     step_next = driver.schedule()  # planned before step N's failure is known
     assert step_n.num_scheduled_tokens["b"] == 16 * BLOCK
-    assert step_starts(step_next)["b"] == 20 * BLOCK
+    assert step_starts(step_next) == {"b": 20 * BLOCK, "c": 8 * BLOCK}
     driver.steps.append(StepRecord(step_n, driver.finish(step_n, kv_n), kv_n, loads_n))
     assert kv_n.invalid_block_ids == {driver.block_ids("b")[0][2]}
     kv_next, loads_next = driver.execute(step_next)
@@ -250,10 +254,16 @@ def test_a_step_planned_before_a_failed_load_is_known_stores_nothing_over_it(
     )
     # Neither step stored what it computed over the failed block.
     assert [stored_copies(driver, h) for h in b.block_hashes] == [1, 1, 0, 1] + [0] * 20
-    driver.run(["b"])
+    assert [stored_copies(driver, h) for h in c.block_hashes[8:]] == [0, 0]
+    driver.run(["b", "c"])
     driver.drain()
     # The steps planned after vLLM cut b back to block 2 store its recompute.
     assert [stored_copies(driver, h) for h in b.block_hashes] == [1] * 24
+    # vLLM does not recompute c: a failed block shared in the batch is recomputed
+    # by the first request holding it (b), the others keep their computed tokens,
+    # c's included. So c's blocks 8-9, computed over the stale block, are never
+    # stored; its blocks 0-7 are b's.
+    assert [stored_copies(driver, h) for h in c.block_hashes] == [1] * 8 + [0, 0]
 
 
 @pytest.mark.parametrize("load_async", [False, True])

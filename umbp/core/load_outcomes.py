@@ -289,15 +289,16 @@ def still_computing_over_failures(
 ) -> frozenset[str]:
     """The requests whose stores the worker leaves out this step: those whose own
     synchronous load failed this step (:func:`computed_over_failed_loads`), those
-    that read blocks such a load filled (``read_over``, the scheduler's
-    ``stores_over_sync_loads``), and those of earlier steps the scheduler has not
-    yet ``settled``. vLLM plans a step before the previous step's failure is known
+    of earlier steps the scheduler has not yet ``settled``, and those that read
+    blocks one of these loads filled (``read_over``, the scheduler's
+    ``stores_over_sync_loads``, over this step's and the last step's loads). vLLM plans a step before the previous step's failure is known
     (async scheduling): such a step still computes over the stale blocks. Settled
     (the scheduler saw vLLM cut their computed tokens before planning this step, or
     they finished or were preempted): what they compute from now on is the
     recompute."""
-    followers = {r for r, loads in read_over.items() if not failed_sync_loads.isdisjoint(loads)}
-    return frozenset((set(previous) - set(settled)) | failed_sync_loads | followers)
+    unsettled = (set(previous) - set(settled)) | failed_sync_loads
+    followers = {r for r, loads in read_over.items() if not unsettled.isdisjoint(loads)}
+    return frozenset(unsettled | followers)
 
 
 def stores_past_failed_loads(

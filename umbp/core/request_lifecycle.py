@@ -62,6 +62,7 @@ __all__ = [
     "rewound_watermark",
     "store_candidates",
     "stores_over_sync_loads",
+    "sync_loads_of",
     "take_step_loads",
 ]
 
@@ -237,6 +238,18 @@ def take_step_loads(states: Mapping[str, RequestLifecycle]) -> StepLoads:
             state, load=None, unplanned_load=None, load_spec=None, load_async=False
         )
     return StepLoads(tuple(loads), unplanned, frozenset(async_loads), changed)
+
+
+def sync_loads_of(step: StepLoads) -> StepLoads:
+    """The step's synchronous loads only (planned and unplanned), kept by the
+    scheduler for one more step: vLLM's async scheduling plans the next step
+    before this one's failures are known, and a request it admits may hit these
+    blocks (:func:`stores_over_sync_loads` then counts them too)."""
+    return StepLoads(
+        tuple(b for b in step.loads if b.request_id not in step.async_loads),
+        {r: ids for r, ids in step.unplanned.items() if r not in step.async_loads},
+        frozenset(), {},
+    )
 
 
 def stores_over_sync_loads(

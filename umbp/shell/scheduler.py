@@ -118,6 +118,8 @@ class UMBPScheduler:
         self._finished_tails: dict[str, StoreBatch] = {}
         # Requests whose failed load was acted on since the last step's metadata.
         self._settled_load_failures: set[str] = set()
+        # The last step's synchronous loads (its failures may not be known yet).
+        self._previous_sync_loads = lifecycle.StepLoads((), {}, frozenset(), {})
         self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
         self._kv_events = (
             KVEventPublisher(config.kv_event_max_objects, self._lookup_executor)
@@ -293,10 +295,13 @@ class UMBPScheduler:
         meta.loads = list(loads.loads)
         meta.unplanned_loads = dict(loads.unplanned)
         meta.async_loads = loads.async_loads
-        if stores and (loads.loads or loads.unplanned):
+        previous = self._previous_sync_loads
+        if stores and (loads.loads or loads.unplanned or previous.loads or previous.unplanned):
             meta.stores_over_loads = lifecycle.stores_over_sync_loads(
-                loads.loads, loads.async_loads, loads.unplanned, self._tables_of(stores)
+                (*previous.loads, *loads.loads), loads.async_loads,
+                {**previous.unplanned, **loads.unplanned}, self._tables_of(stores),
             )
+        self._previous_sync_loads = lifecycle.sync_loads_of(loads)
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
