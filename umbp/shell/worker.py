@@ -282,7 +282,7 @@ class UMBPWorker:
         stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
-                           "stored; vLLM recomputes them and they are stored then",
+                           "stored; what vLLM recomputes is stored when computed",
                            len(not_stored))
         failed = not_stored.union(*(self._store_objects(batch) for batch in stores))
         self.counters.store_seconds += time.perf_counter() - started
