@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tests.unit.test_scheduler_lifecycle import BLOCK, fill_pool, prompt
+from tests.unit.test_scheduler_lifecycle import BLOCK, prompt
 from umbp.core.identity import KeySpace
 
 
@@ -30,7 +30,7 @@ class RecordingStore:
 def test_a_repeated_lookup_of_a_waiting_request_builds_no_key_again(make_driver: Any) -> None:
     driver = make_driver()
     tokens = prompt(6)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     scheduler = driver.connector._scheduler
     recording = RecordingStore(scheduler._store)
     scheduler._store = recording

@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 
-from tests.unit.vllm_driver import Driver
-
 pytestmark = pytest.mark.vllm_versions
 
 BLOCK = 32
@@ -26,27 +24,6 @@ BLOCK = 32
 
 def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:
     return [(seed * 131 + i * 7) % 500 + 1 for i in range(blocks * BLOCK + tail)]
-
-
-def connector_stats(driver: Driver) -> dict[str, float]:
-    """Every step's connector stats as vLLM's scheduler reported them, summed."""
-    total: dict[str, float] = {}
-    for record in driver.steps:
-        for outputs in record.engine_outputs.values():
-            stats = outputs.scheduler_stats
-            data = None if stats is None else stats.kv_connector_stats
-            for name, value in (data or {}).items():
-                total[name] = total.get(name, 0) + value
-    return total
-
-
-def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
-    """Compute ``tokens`` once, let every store be acknowledged, then empty
-    vLLM's own prefix cache: the next identical prefix can only come from umbp."""
-    driver.add(request_id, tokens)
-    driver.run([request_id])
-    driver.drain()
-    assert driver.scheduler.reset_prefix_cache()
 
 
 def test_runs_on_the_vllm_version_asked_for() -> None:
@@ -66,7 +43,7 @@ def test_runs_on_the_vllm_version_asked_for() -> None:
 def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> None:
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
 
     driver.add("b", tokens + [9, 9], max_tokens=4)
     first = driver.step()
@@ -84,7 +61,7 @@ def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> N
         assert first.output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_loaded_blocks"] == 4
     assert stats["scheduler_hit_tokens"] == 4 * BLOCK
 
@@ -92,7 +69,7 @@ def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> N
 def test_local_and_external_hits_load_only_the_missing_blocks(make_driver: Any) -> None:
     driver = make_driver()
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     # vLLM's own cache gets the first two blocks back.
     driver.add("local", tokens[: 2 * BLOCK] + [3] * 10)
     driver.run(["local"])
@@ -121,7 +98,7 @@ def test_chunked_prefill_stores_every_full_block_once(make_driver: Any) -> None:
     assert sorted(map(str, stored)) == sorted(
         str(maybe_convert_block_hash(h)) for h in request_hashes
     )
-    assert connector_stats(driver)["worker_stored_blocks"] == 6
+    assert driver.connector_stats()["worker_stored_blocks"] == 6
 
     assert driver.scheduler.reset_prefix_cache()
     driver.add("b", tokens, max_tokens=4)
@@ -169,7 +146,7 @@ def test_preempted_request_resumes_and_its_blocks_stay_right(make_driver: Any) -
             break
     assert preempted, "the set-up must force a preemption"
     driver.drain()
-    assert connector_stats(driver).get("worker_store_failures", 0) == 0
+    assert driver.connector_stats().get("worker_store_failures", 0) == 0
     # Both prompts are in the pool intact: a fresh engine-side cache restores them.
     assert driver.scheduler.reset_prefix_cache()
     for name, tokens in (("a2", a), ("b2", b)):
@@ -187,7 +164,7 @@ def test_abort_during_an_async_load_frees_every_block(make_driver: Any) -> None:
     driver = make_driver(extra={"load_async": True})
     free_at_start = driver.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     driver.add("b", tokens + [5])
     output = driver.schedule()
     assert driver.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -233,12 +210,12 @@ def test_finished_request_with_pending_store_keeps_its_blocks_until_stored(
 def test_reset_cache_empties_the_pool(make_driver: Any) -> None:
     driver = make_driver()
     tokens = prompt(3)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     assert driver.scheduler.reset_prefix_cache(reset_connector=True)
     driver.add("b", tokens)
     driver.run(["b"])
     assert driver.cached_tokens("b") == 0
-    assert connector_stats(driver).get("worker_loaded_blocks", 0) == 0
+    assert driver.connector_stats().get("worker_loaded_blocks", 0) == 0
 
 
 def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: Any) -> None:
@@ -250,7 +227,7 @@ def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: 
                    if getattr(group.kv_cache_spec, "sliding_window", None))
     full = 1 - sliding
     tokens = prompt(6, tail=0)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     driver.add("b", tokens, max_tokens=4)
     first = driver.step()
     scheduled = first if "b" in first.output.num_scheduled_tokens else driver.step()
@@ -274,7 +251,7 @@ def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: 
 def test_an_async_lookup_is_answered_on_a_later_step(make_driver: Any) -> None:
     driver = make_driver(extra={"lookup_async": True})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     driver.add("b", tokens + [9], max_tokens=4)
     first = driver.step()
     # The lookup runs off the scheduler thread: vLLM is told "not yet" and waits.
@@ -299,10 +276,10 @@ def test_a_consumer_never_stores(make_driver: Any) -> None:
     driver.run(["a"])
     driver.drain()
     assert driver.stored_events() == []
-    assert connector_stats(driver).get("worker_stored_blocks", 0) == 0
+    assert driver.connector_stats().get("worker_stored_blocks", 0) == 0
     assert driver.scheduler.reset_prefix_cache()
     # Nothing reached the pool, so the same prompt is computed again.
     driver.add("b", tokens)
     driver.run(["b"])
     assert driver.cached_tokens("b") == 0
-    assert connector_stats(driver)["scheduler_lookups"] >= 1
+    assert driver.connector_stats()["scheduler_lookups"] >= 1

@@ -19,25 +19,6 @@ def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:
     return [(seed * 131 + i * 7) % 500 + 1 for i in range(blocks * BLOCK + tail)]
 
 
-def connector_stats(driver: Driver) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for record in driver.steps:
-        for outputs in record.engine_outputs.values():
-            stats = outputs.scheduler_stats
-            data = None if stats is None else stats.kv_connector_stats
-            for name, value in (data or {}).items():
-                total[name] = total.get(name, 0) + value
-    return total
-
-
-def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
-    """Compute ``tokens``, let the stores be acknowledged, empty vLLM's own cache."""
-    driver.add(request_id, tokens)
-    driver.run([request_id])
-    driver.drain()
-    assert driver.scheduler.reset_prefix_cache()
-
-
 def stored_hashes(driver: Driver, since: int) -> list[str]:
     """Block hashes of the BlockStored events published after the first ``since``."""
     from vllm.distributed.kv_events import BlockStored
@@ -45,16 +26,6 @@ def stored_hashes(driver: Driver, since: int) -> list[str]:
     events = [e for e in driver.publisher.events[since:]
               if isinstance(e, BlockStored) and e.medium == "CPU"]
     return [str(h) for event in events for h in event.block_hashes]
-
-
-def prefilled(driver: Driver, request_id: str, max_steps: int = 50) -> None:
-    """Step until the request's whole prompt is computed (it is still running)."""
-    request = driver.requests[request_id]
-    for _ in range(max_steps):
-        if request.num_computed_tokens >= request.num_prompt_tokens:
-            return
-        driver.step()
-    raise AssertionError(f"{request_id} did not finish its prefill")
 
 
 def test_a_loaded_prefix_then_chunked_prefill_stores_only_the_computed_blocks_once(
@@ -67,8 +38,8 @@ def test_a_loaded_prefix_then_chunked_prefill_stores_only_the_computed_blocks_on
 
     driver = make_driver(max_num_batched_tokens=2 * BLOCK, extra={"load_async": False})
     tokens = prompt(8)
-    fill_pool(driver, "a", tokens[: 4 * BLOCK])
-    stored_before = connector_stats(driver)["worker_stored_blocks"]
+    driver.fill_pool("a", tokens[: 4 * BLOCK])
+    stored_before = driver.connector_stats()["worker_stored_blocks"]
     events_before = len(driver.publisher.events)
 
     driver.add("b", tokens, max_tokens=2)
@@ -79,7 +50,7 @@ def test_a_loaded_prefix_then_chunked_prefill_stores_only_the_computed_blocks_on
     driver.drain()
     chunks = [r for r in [first, *records] if "b" in r.output.num_scheduled_tokens]
     assert len(chunks) >= 3, "the rest of the prompt must be prefilled in chunks"
-    assert connector_stats(driver)["worker_stored_blocks"] - stored_before == 4
+    assert driver.connector_stats()["worker_stored_blocks"] - stored_before == 4
     hashes = [maybe_convert_block_hash(bytes(h)) for h in driver.requests["b"].block_hashes]
     assert sorted(stored_hashes(driver, events_before)) == sorted(map(str, hashes[4:8]))
 
@@ -103,9 +74,9 @@ def test_a_loaded_request_preempted_and_resumed_stores_exact_blocks(make_driver:
     pool = driver.scheduler.kv_cache_manager.block_pool
     free_at_start = pool.get_num_free_blocks()
     a, b = prompt(5, tail=0, seed=1), prompt(5, tail=0, seed=2)
-    fill_pool(driver, "fill-a", a)
-    fill_pool(driver, "fill-b", b)
-    loaded_before = connector_stats(driver).get("worker_loaded_blocks", 0)
+    driver.fill_pool("fill-a", a)
+    driver.fill_pool("fill-b", b)
+    loaded_before = driver.connector_stats().get("worker_loaded_blocks", 0)
 
     driver.add("a", a, max_tokens=150)
     driver.add("b", b, max_tokens=150)
@@ -129,11 +100,11 @@ def test_a_loaded_request_preempted_and_resumed_stores_exact_blocks(make_driver:
             break
     assert preempted, "the set-up must force a preemption"
     assert resumed_checked == preempted
-    loaded = connector_stats(driver).get("worker_loaded_blocks", 0) - loaded_before
+    loaded = driver.connector_stats().get("worker_loaded_blocks", 0) - loaded_before
     # Each prompt but its last block (the last token is always computed).
     assert loaded >= 2 * 4, "both prompts were loaded from the pool at admission"
     driver.drain()
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats.get("worker_store_failures", 0) == 0
     assert not any(name.startswith("worker_load_failures") for name in stats)
     assert driver.scheduler.reset_prefix_cache()
@@ -146,7 +117,7 @@ def test_a_loaded_request_preempted_and_resumed_stores_exact_blocks(make_driver:
         full = (len(sequence) - 1) // BLOCK  # the last token is always computed
         again = f"{name}-again"
         driver.add(again, sequence, max_tokens=4)
-        prefilled(driver, again)
+        driver.prefill(again)
         assert driver.assert_blocks_hold(again, sequence, range(full)) == 2 * full
         driver.run([again])
         assert driver.cached_tokens(again) == full * BLOCK

@@ -34,13 +34,6 @@ def prompt(blocks: int, seed: int = 3) -> list[int]:
     return [(seed * 17 + i * 11) % 500 + 1 for i in range(blocks * BLOCK + 3)]
 
 
-def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
-    driver.add(request_id, tokens)
-    driver.run([request_id])
-    driver.drain()
-    assert driver.scheduler.reset_prefix_cache()
-
-
 def worker_counters(driver: Driver) -> Any:
     return driver.worker.worker.counters
 
@@ -53,7 +46,7 @@ def test_umbp_declares_sleep_mode_support() -> None:
 
 def test_restore_with_new_tensors_loads_into_them(driver: Driver) -> None:
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     old = dict(driver.kv)
     old_bytes = {name: tensor.clone() for name, tensor in old.items()}
 
@@ -77,7 +70,7 @@ def test_restore_with_new_tensors_loads_into_them(driver: Driver) -> None:
 
 def test_nothing_moves_while_asleep_and_the_pool_survives(driver: Driver) -> None:
     tokens = prompt(3)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     stored_before = worker_counters(driver).stored_blocks
     driver.worker.unregister_kv_caches()
 

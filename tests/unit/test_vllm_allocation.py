@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_scheduler_lifecycle import BLOCK, connector_stats, fill_pool, prompt
+from tests.unit.test_scheduler_lifecycle import BLOCK, prompt
 from tests.unit.vllm_driver import Driver
 
 pytestmark = pytest.mark.vllm_versions
@@ -37,35 +37,25 @@ def vllm_allocates(driver: Driver, change: Callable[[int], int], times: int = 1 
     driver.connector.get_num_new_matched_tokens = answer
 
 
-def prefilled(driver: Driver, request_id: str, max_steps: int = 50) -> None:
-    """Step until the request's whole prompt is computed (it is still running)."""
-    request = driver.requests[request_id]
-    for _ in range(max_steps):
-        if request.num_computed_tokens >= request.num_prompt_tokens:
-            return
-        driver.step()
-    raise AssertionError(f"{request_id} did not finish its prefill")
-
-
 @pytest.mark.parametrize("load_async", [True, False])
 def test_a_lowered_external_count_loads_what_vllm_allocated(
     make_driver: Any, load_async: bool
 ) -> None:
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     vllm_allocates(driver, lambda external: external - BLOCK)  # 4 blocks matched, 3 taken
 
     driver.add("b", tokens + [9, 9], max_tokens=4)
     first = driver.step()
     table = driver.block_ids("b")[0]
     assert sorted(first.loads["b"]) == sorted((0, b) for b in table[:3])
-    prefilled(driver, "b")
+    driver.prefill("b")
     # Three blocks restored, the fourth computed by the forward pass: all exact.
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     driver.run(["b"])
     assert driver.cached_tokens("b") == 3 * BLOCK
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_loaded_blocks"] == 3
     assert stats["scheduler_planned_load_blocks"] == 3
     assert not any(name.startswith("worker_load_failures") for name in stats)
@@ -77,17 +67,17 @@ def test_more_external_tokens_than_umbp_matched_are_recomputed(
 ) -> None:
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(6)
-    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])  # the pool holds 4 blocks
+    driver.fill_pool("a", tokens[: 4 * BLOCK + 5])  # the pool holds 4 blocks
     # vLLM takes 5 once (asking again after the failed load, it takes umbp's 4).
     vllm_allocates(driver, lambda external: external + BLOCK, times=1)
 
     driver.add("b", tokens, max_tokens=4)
-    prefilled(driver, "b")
+    driver.prefill("b")
     # The misallocated window was handed back and recomputed (a synchronous load
     # as failed blocks, an asynchronous one as a failed receive, then loaded
     # again for umbp's own count): every block holds what the forward pass writes.
     assert driver.assert_blocks_hold("b", tokens, range(6)) == 6 * 2
-    loaded = connector_stats(driver).get("worker_loaded_blocks", 0)
+    loaded = driver.connector_stats().get("worker_loaded_blocks", 0)
     assert loaded == (4 if load_async else 0)
     driver.run(["b"])
     driver.drain()

@@ -295,6 +295,23 @@ class Driver:
             time.sleep(0.01)
         raise AssertionError("the connector kept pending push work")
 
+    def fill_pool(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Compute ``tokens`` once, let every store be acknowledged, then empty
+        vLLM's own prefix cache: the next identical prefix can only come from umbp."""
+        self.add(request_id, tokens)
+        self.run([request_id])
+        self.drain()
+        assert self.scheduler.reset_prefix_cache()
+
+    def prefill(self, request_id: str, max_steps: int = 50) -> None:
+        """Step until the request's whole prompt is computed (it is still running)."""
+        request = self.requests[request_id]
+        for _ in range(max_steps):
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                return
+            self.step()
+        raise AssertionError(f"{request_id} did not finish its prefill")
+
     # -- what a step did -------------------------------------------------------
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -388,6 +405,16 @@ class Driver:
                     if out.request_id == request_id and stats is not None:
                         return int(stats.num_cached_tokens)
         raise AssertionError(f"no output for request {request_id}")
+
+    def connector_stats(self) -> dict[str, float]:
+        """Every step's connector stats as vLLM's scheduler reported them, summed."""
+        total: dict[str, float] = {}
+        for record in self.steps:
+            for outputs in record.engine_outputs.values():
+                stats = outputs.scheduler_stats
+                for name, value in ((stats and stats.kv_connector_stats) or {}).items():
+                    total[name] = total.get(name, 0) + value
+        return total
 
     def stored_events(self) -> list[Any]:
         from vllm.distributed.kv_events import BlockStored
