@@ -54,7 +54,7 @@ from umbp.core.lookup import (
 )
 from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
 from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
-from umbp.core.store_plans import (
+from umbp.core.store_tracking import (
     StoreTracker,
     save_watermark,
     storable_tokens,

@@ -48,15 +48,13 @@ from umbp.core.store_pass import (
     residency_check,
     resident_blocks_from_hits,
 )
-from umbp.core.store_plans import (
-    StoreBatch,
+from umbp.core.store_plans import StoreBatch, apply_store_masks, store_batch
+from umbp.core.store_tracking import (
     StoreTracker,
-    apply_store_masks,
     eagle_store_groups,
     is_prefill,
     save_watermark,
     storable_tokens,
-    store_batch,
     store_candidate_ranges,
     store_token_limit,
     stores_this_step,

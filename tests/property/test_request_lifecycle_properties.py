@@ -26,7 +26,7 @@ from umbp.core.request_lifecycle import (
     RequestLifecycle,
 )
 from umbp.core.store_events import StoreEvent, StoreEventResult
-from umbp.core.store_plans import StoreTracker
+from umbp.core.store_tracking import StoreTracker
 
 # ----------------------------------------------------------------- lookup steps
 

@@ -27,7 +27,8 @@ from umbp.core.store_pass import (
     residency_check,
     resident_blocks_from_hits,
 )
-from umbp.core.store_plans import Reservations, StoreBatch, _contiguous_group_stores
+from umbp.core.store_plans import StoreBatch, _contiguous_group_stores
+from umbp.core.store_reservations import Reservations
 
 
 def identities_of(batch: StoreBatch) -> list[Identity]:

@@ -27,6 +27,8 @@ from umbp.core import (
     store_events,
     store_pass,
     store_plans,
+    store_reservations,
+    store_tracking,
     support,
     transfer_plans,
     value_checks,
@@ -46,6 +48,8 @@ from umbp.core.stack_config import *
 from umbp.core.store_events import *
 from umbp.core.store_pass import *
 from umbp.core.store_plans import *
+from umbp.core.store_reservations import *
+from umbp.core.store_tracking import *
 from umbp.core.support import *
 from umbp.core.transfer_plans import *
 from umbp.core.value_checks import *
@@ -66,6 +70,8 @@ __all__ = [
     "store_events",
     "store_pass",
     "store_plans",
+    "store_reservations",
+    "store_tracking",
     "support",
     "transfer_plans",
     "value_checks",
@@ -85,6 +91,8 @@ __all__ += stack_config.__all__
 __all__ += store_events.__all__
 __all__ += store_pass.__all__
 __all__ += store_plans.__all__
+__all__ += store_reservations.__all__
+__all__ += store_tracking.__all__
 __all__ += support.__all__
 __all__ += transfer_plans.__all__
 __all__ += value_checks.__all__

@@ -5,7 +5,7 @@ The scheduler shell keeps one :class:`RequestLifecycle` per request (inside its
 -> apply the result": which lookup step comes next, what an allocation plans, which
 loads a step forwards, what a preemption or a cache reset forgets, and which block
 table and token window a step stores from. The plans themselves come from
-:mod:`umbp.core.load_plans`, :mod:`umbp.core.store_plans` and :mod:`umbp.core.lookup`; this module only sequences them.
+:mod:`umbp.core.load_plans`, :mod:`umbp.core.store_tracking`, :mod:`umbp.core.store_plans` and :mod:`umbp.core.lookup`; this module only sequences them.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from umbp.core.store_events import (
     merge_store_results,
 )
 from umbp.core.store_pass import StoreCandidates
-from umbp.core.store_plans import (
+from umbp.core.store_plans import apply_store_masks
+from umbp.core.store_tracking import (
     StoreTracker,
-    apply_store_masks,
     save_watermark,
     storable_tokens,
     store_candidate_ranges,

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from umbp.core.identity import Identity
-from umbp.core.store_plans import Reservations, StoreBatch
+from umbp.core.store_plans import StoreBatch
+from umbp.core.store_reservations import Reservations
 
 __all__ = [
     "StoreEvent",

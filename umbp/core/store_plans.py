@@ -1,17 +1,18 @@
-"""Store plans: which device blocks to copy into the pool, and what the
-scheduler remembers of each request for storing (:class:`StoreTracker`).
+"""Store plans: which device blocks to copy into the pool.
 
 Store plans are computed in steps, so the shell can put vLLM's reachability masks
-and one residency lookup per step between them: :func:`store_candidate_ranges`,
-:func:`apply_store_masks`, then :mod:`umbp.core.store_pass` (the residency check
-of every request of the step and the batches, built with :func:`store_batch`).
-Store-event bookkeeping (pins and acknowledgements) lives in
-:mod:`umbp.core.store_events`.
+and one residency lookup per step between them:
+:func:`umbp.core.store_tracking.store_candidate_ranges` (the blocks new since the
+watermark), :func:`apply_store_masks`, then :mod:`umbp.core.store_pass` (the
+residency check of every request of the step and the batches, built with
+:func:`store_batch`). Store-event bookkeeping (pins and acknowledgements) lives in
+:mod:`umbp.core.store_events`; what in-flight events write, in
+:mod:`umbp.core.store_reservations`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,171 +23,18 @@ from returns.result import Failure, Result, Success
 
 from umbp.core.identity import Identity
 from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
+from umbp.core.store_reservations import Reservations
 
 __all__ = [
-    "Reservations",
     "StoreBatch",
     "StoreSelection",
-    "StoreTracker",
     "apply_store_masks",
-    "eagle_store_groups",
-    "is_prefill",
-    "save_watermark",
-    "storable_tokens",
     "store_batch",
-    "store_candidate_ranges",
-    "store_token_limit",
-    "stores_this_step",
-    "stores_under_role",
 ]
 
 StoreSelection: TypeAlias = tuple[tuple[int, Sequence[int]], ...]
 """Per group id, the block indices chosen for storing (a ``range`` when the
 group's candidates are kept whole)."""
-
-
-# ------------------------------------------------------------------- store tracking
-
-
-@dataclass(frozen=True, slots=True)
-class StoreTracker:
-    """What the scheduler remembers about one request for storing.
-
-    ``saved_tokens`` is the hash-aligned watermark below which every block was
-    already planned; ``block_table`` is the request's table as last reported;
-    ``cached_tokens`` the tokens it had when scheduled without computing them
-    (vLLM's prefix-cache hits and umbp's restored window): their blocks may
-    already be in the pool.
-    """
-
-    saved_tokens: int = 0
-    block_table: BlockTable = ()
-    cached_tokens: int = 0
-
-    def with_blocks_replaced(self, block_table: Sequence[Sequence[int]]) -> StoreTracker:
-        """vLLM passed the whole table (admission, resumption)."""
-        return StoreTracker(
-            self.saved_tokens, tuple(tuple(group) for group in block_table), self.cached_tokens
-        )
-
-    def with_blocks_appended(self, new_blocks: Sequence[Sequence[int]]) -> StoreTracker:
-        """vLLM passed the blocks allocated this step, per group."""
-        if not self.block_table:
-            return self.with_blocks_replaced(new_blocks)
-        if len(new_blocks) != len(self.block_table):
-            raise ValueError(
-                f"appending {len(new_blocks)} groups to a table of {len(self.block_table)}"
-            )
-        return StoreTracker(
-            self.saved_tokens,
-            tuple(group + tuple(added) for group, added in zip(self.block_table, new_blocks)),
-            self.cached_tokens,
-        )
-
-    def with_step_blocks(
-        self,
-        new_blocks: Sequence[Sequence[int]] | None,
-        resumed: bool,
-        current_table: Sequence[Sequence[int]] | None,
-    ) -> StoreTracker:
-        """The table after one step's report: a resumed request's new blocks are
-        its whole table, any other request's are appended; a current table vLLM
-        reports (``kv_connector_block_state``, tables that are not append-only)
-        wins over both."""
-        tracker = self
-        if new_blocks:
-            tracker = (
-                tracker.with_blocks_replaced(new_blocks) if resumed
-                else tracker.with_blocks_appended(new_blocks)
-            )
-        if current_table is not None:
-            tracker = tracker.with_blocks_replaced(current_table)
-        return tracker
-
-    # An unchanged field returns the tracker itself (a value: sharing is safe),
-    # so a step builds no tracker it does not need.
-
-    def with_saved_tokens(self, saved_tokens: int) -> StoreTracker:
-        if saved_tokens <= self.saved_tokens:
-            return self
-        return StoreTracker(saved_tokens, self.block_table, self.cached_tokens)
-
-    def with_cached_tokens(self, cached_tokens: int) -> StoreTracker:
-        if cached_tokens == self.cached_tokens:
-            return self
-        return StoreTracker(self.saved_tokens, self.block_table, cached_tokens)
-
-    def reset(self) -> StoreTracker:
-        """After preemption: the blocks are gone and the request starts over."""
-        return StoreTracker()
-
-
-def save_watermark(previous: int, token_count: int, hash_block_size: int) -> int:
-    """The new save watermark: hash aligned (a group with smaller blocks than the
-    largest must not wait for that group's block to fill), and it only grows."""
-    return max(previous, token_count - token_count % hash_block_size)
-
-
-def storable_tokens(token_count: int, num_hashes: int, hash_block_size: int) -> int:
-    """Scheduled speculative tokens are unverified and have no hash yet; a block
-    is storable only once its hash exists."""
-    return min(token_count, num_hashes * hash_block_size)
-
-
-def store_token_limit(total_tokens: int, num_prompt_tokens: int, save_decode_cache: bool) -> int:
-    """Without ``save_decode_cache`` only the prompt is stored."""
-    return total_tokens if save_decode_cache else min(total_tokens, num_prompt_tokens)
-
-
-def is_prefill(num_computed_tokens: int, num_prompt_tokens: int) -> bool:
-    """``num_tokens`` counts sampled tokens, so only the prompt bounds the prefill."""
-    return num_computed_tokens < num_prompt_tokens
-
-
-def stores_under_role(active: bool, kv_role: str | None) -> bool:
-    """A consumer (``kv_role="kv_consumer"``) only loads; an inactive umbp does
-    neither."""
-    return active and kv_role != "kv_consumer"
-
-
-def eagle_store_groups(
-    explicit: AbstractSet[int], group_ids: Sequence[int], use_eagle: bool
-) -> frozenset[int]:
-    """The groups whose last block the EAGLE drafter recomputes (their store masks
-    drop it): those vLLM marks as EAGLE groups, else every prefix-cacheable group
-    when EAGLE drops a block."""
-    if explicit:
-        return frozenset(explicit)
-    return frozenset(group_ids) if use_eagle else frozenset()
-
-
-def stores_this_step(
-    num_computed_tokens: int, num_prompt_tokens: int, save_decode_cache: bool
-) -> bool:
-    """Whether a running request's step can produce anything to store."""
-    return save_decode_cache or is_prefill(num_computed_tokens, num_prompt_tokens)
-
-
-# ----------------------------------------------------------------- store planning
-
-
-def store_candidate_ranges(
-    geometry: LookupGeometry,
-    previous_saved: int,
-    save_to: int,
-    block_table: BlockTable,
-    boundary_groups: AbstractSet[int],
-) -> tuple[tuple[int, range], ...]:
-    """Per positionally stored group, the blocks that became full since the last
-    watermark. Boundary-handoff groups (Mamba "align") are absent: their tables are
-    not append-only, so they are stored only from handed-off boundaries."""
-    return tuple([
-        (group_id, range(previous_saved // block_size, min(save_to // block_size, len(table))))
-        for group_id, block_size, table in zip(
-            geometry.group_ids, geometry.group_block_sizes, block_table
-        )
-        if group_id not in boundary_groups
-    ])
 
 
 def apply_store_masks(
@@ -221,50 +69,6 @@ def apply_store_masks(
     if not dropped and isinstance(ranges, tuple):
         return Success(ranges)  # every candidate kept: the ranges themselves
     return Success(tuple(selected))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Reservations(AbstractSet[Identity]):
-    """The identities in-flight store events write, as a set of identities: per
-    event, per group id, a frozenset of block hashes (built once per event,
-    :func:`umbp.core.store_events.reserved_identities`), so a step neither rebuilds
-    one set of every in-flight identity nor makes a tuple per block. A run of one
-    group's hashes is checked against each event's set in C (:meth:`holds_none`)."""
-
-    by_event: tuple[Mapping[int, frozenset[bytes]], ...] = ()
-
-    def __post_init__(self) -> None:
-        # Only events that hold something, so truth is one tuple test: every
-        # request of a step asks it.
-        if not all(any(event.values()) for event in self.by_event):
-            held = tuple(event for event in self.by_event if any(event.values()))
-            object.__setattr__(self, "by_event", held)
-
-    def holds_none(self, group_id: int, hashes: Iterable[bytes]) -> bool:
-        """No hash of ``hashes`` is reserved in group ``group_id``."""
-        sets = [held for event in self.by_event if (held := event.get(group_id))]
-        if len(sets) > 1:
-            hashes = tuple(hashes)  # walked once per event's set
-        return all(held.isdisjoint(hashes) for held in sets)
-
-    def __contains__(self, identity: object) -> bool:
-        if not isinstance(identity, tuple) or len(identity) != 2:
-            return False
-        group_id, block_hash = identity
-        return any(block_hash in event.get(group_id, ()) for event in self.by_event)
-
-    def __iter__(self) -> Iterator[Identity]:
-        seen: dict[Identity, None] = {}
-        for event in self.by_event:
-            for group_id, hashes in event.items():
-                seen.update(dict.fromkeys(zip(repeat(group_id), hashes)))
-        return iter(seen)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __bool__(self) -> bool:
-        return bool(self.by_event)
 
 
 def _holds_none(excluded: AbstractSet[Identity], group_id: int, hashes: Sequence[bytes]) -> bool:

@@ -20,7 +20,7 @@ from returns.result import Failure, Success
 
 from umbp.core import lookup as core_lookup
 from umbp.core import request_lifecycle as lifecycle
-from umbp.core import store_plans, transfer_plans
+from umbp.core import store_tracking, transfer_plans
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
@@ -90,7 +90,7 @@ class UMBPScheduler:
             self._single_group_window if self._hybrid is None else self._coordinated_window
         )
         # The drafter recomputes the last block of its groups: their masks drop it.
-        self._eagle_store_groups = store_plans.eagle_store_groups(
+        self._eagle_store_groups = store_tracking.eagle_store_groups(
             vllm_compat.eagle_group_ids(kv_cache_config),
             self._geometry.group_ids, self._geometry.use_eagle,
         )
@@ -102,7 +102,7 @@ class UMBPScheduler:
         )
         if warning is not None:
             logger.warning("umbp: %s", warning)
-        self._store_enabled = store_plans.stores_under_role(active, vllm_compat.kv_role(vllm_config))
+        self._store_enabled = store_tracking.stores_under_role(active, vllm_compat.kv_role(vllm_config))
         self._num_workers = vllm_compat.world_size(vllm_config)
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -286,7 +286,7 @@ class UMBPScheduler:
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
-        # A consumer stores nothing (core.store_plans.stores_under_role).
+        # A consumer stores nothing (core.store_tracking.stores_under_role).
         stores = self._store_step.plan(
             scheduler_output, self._requests, reserved, preempted, self._store, self._keyspace
         ) if self._store_enabled else []
