@@ -23,6 +23,7 @@ from umbp.core.identity import (
     NamespaceInputs,
     RankCoord,
     RankTopology,
+    bound_keyspace,
     check_namespace_override,
     make_topology,
     namespace_fingerprint,
@@ -172,6 +173,58 @@ def test_rank_keys_gives_rank_count_distinct_keys_one_per_rank_in_coords_order(
     assert len(keys) == topology.rank_count == len(set(keys))
     assert [parse_key(key).unwrap().rank for key in keys] == list(topology.coords())
     assert all(coord.dcp == coord.tp % topology.dcp_size for coord in topology.coords())
+
+
+# ------------------------------------------------------------------ binding workers
+
+
+@given(topologies(), st.data())
+def test_workers_bind_exactly_when_every_rank_reported_one_namespace(
+    topology: RankTopology, data: st.DataObject
+) -> None:
+    """Any subset of the ranks reports, under any of a few namespaces: a key space
+    comes back exactly when every rank reported and all agree, and it is the
+    one namespace over the whole topology; otherwise the error names the problem."""
+    coords = topology.coords()
+    reported = data.draw(
+        st.dictionaries(st.sampled_from(coords), st.sampled_from(["ns-a", "ns-b"]))
+    )
+    result = bound_keyspace(topology, reported)
+    agreed = set(reported.values())
+    missing = [rank for rank in coords if rank not in reported]
+    if len(agreed) > 1:
+        assert result == Failure(
+            f"umbp workers disagree on the namespace: {sorted(agreed)}"
+        )
+    elif missing:
+        assert result == Failure(f"umbp: no worker reported for ranks {missing}")
+    else:
+        assert result == Success(KeySpace(agreed.pop(), topology))
+
+
+def test_binding_errors_name_the_namespaces_or_the_missing_ranks() -> None:
+    topology = make_topology(2, 1, 1, 1).unwrap()
+    rank0, rank1 = topology.coords()
+    assert bound_keyspace(topology, {rank0: "b", rank1: "a"}) == Failure(
+        "umbp workers disagree on the namespace: ['a', 'b']"
+    )
+    # A disagreement is reported even while ranks are missing: it is the worse problem.
+    three = make_topology(3, 1, 1, 1).unwrap()
+    assert bound_keyspace(three, dict(zip(three.coords(), "ab"))) == Failure(
+        "umbp workers disagree on the namespace: ['a', 'b']"
+    )
+    assert bound_keyspace(topology, {rank1: "a"}) == Failure(
+        f"umbp: no worker reported for ranks {[rank0]}"
+    )
+    # No report at all is missing ranks, not a disagreement among nobody.
+    assert bound_keyspace(topology, {}) == Failure(
+        f"umbp: no worker reported for ranks {[rank0, rank1]}"
+    )
+    # A report from outside the topology takes part in the agreement only.
+    stray = RankCoord(tp=7)
+    assert bound_keyspace(topology, {rank0: "a", rank1: "a", stray: "a"}) == Success(
+        KeySpace("a", topology)
+    )
 
 
 # ------------------------------------------------------------------ namespace

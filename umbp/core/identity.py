@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
@@ -29,6 +30,7 @@ __all__ = [
     "RESERVED_NAMESPACE_PREFIXES",
     "RankCoord",
     "RankTopology",
+    "bound_keyspace",
     "check_namespace_override",
     "key_prefix",
     "make_topology",
@@ -234,3 +236,23 @@ class KeySpace:
             prefix = key_prefix(self.namespace, rank, group_id)
             self._prefixes[(rank, group_id)] = prefix
         return prefix
+
+
+def bound_keyspace(
+    topology: RankTopology, reported: Mapping[RankCoord, str]
+) -> Result[KeySpace, str]:
+    """The key space the scheduler looks up in, once the workers have reported.
+
+    ``reported`` maps each reporting worker's rank to the namespace it stores
+    under. Every reporter must agree on one namespace (keys under two namespaces
+    could never be found together) and every rank of ``topology`` must have
+    reported (a block is resident only when every rank holds its shard). No
+    report at all is the missing-ranks error, not a disagreement.
+    """
+    namespaces = sorted(set(reported.values()))
+    if len(namespaces) > 1:
+        return Failure(f"umbp workers disagree on the namespace: {namespaces}")
+    missing = [rank for rank in topology.coords() if rank not in reported]
+    if missing:
+        return Failure(f"umbp: no worker reported for ranks {missing}")
+    return Success(KeySpace(namespaces[0], topology))

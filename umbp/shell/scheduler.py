@@ -18,17 +18,18 @@ from typing import Any
 
 from returns.result import Failure, Success
 
+from umbp.core import failed_loads, store_tracking, transfer_plans
 from umbp.core import lookup as core_lookup
 from umbp.core import request_lifecycle as lifecycle
-from umbp.core import store_tracking, transfer_plans
 from umbp.core.config import ConnectorConfig, effective_load_async
-from umbp.core.identity import KeySpace
+from umbp.core.identity import KeySpace, bound_keyspace
 from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
 from umbp.core.rank_keys import rank_tags
 from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
 from umbp.core.store_events import (
     StoreEvent,
     StoreEventResult,
+    acknowledge_reports,
     pinned_block_ids,
     reserved_identities,
 )
@@ -142,13 +143,12 @@ class UMBPScheduler:
         if not self._active:
             return
         by_rank = {meta.rank: meta for meta in handshakes.values()}
-        namespaces = {meta.namespace for meta in by_rank.values()}
-        if len(namespaces) != 1:
-            raise RuntimeError(f"umbp workers disagree on the namespace: {sorted(namespaces)}")
-        missing = [rank for rank in self._topology.coords() if rank not in by_rank]
-        if missing:
-            raise RuntimeError(f"umbp: no worker reported for ranks {missing}")
-        keyspace = KeySpace(namespaces.pop(), self._topology)
+        bound = bound_keyspace(
+            self._topology, {rank: meta.namespace for rank, meta in by_rank.items()}
+        )
+        if isinstance(bound, Failure):  # a start-up error: these workers cannot serve
+            raise RuntimeError(bound.failure())  # noqa: TRY004 - a Result
+        keyspace: KeySpace = bound.unwrap()
         self._store = open_scheduler_store(self._config, {
             tag: address  # each rank's store named as core's keys name that rank
             for tag, rank in zip(rank_tags(keyspace), self._topology.coords(), strict=True)
@@ -297,11 +297,11 @@ class UMBPScheduler:
         meta.async_loads = loads.async_loads
         previous = self._previous_sync_loads
         if stores and (loads.loads or loads.unplanned or previous.loads or previous.unplanned):
-            meta.stores_over_loads = lifecycle.stores_over_sync_loads(
+            meta.stores_over_loads = failed_loads.stores_over_sync_loads(
                 (*previous.loads, *loads.loads), loads.async_loads,
                 {**previous.unplanned, **loads.unplanned}, self._tables_of(stores),
             )
-        self._previous_sync_loads = lifecycle.sync_loads_of(loads)
+        self._previous_sync_loads = failed_loads.sync_loads_of(loads)
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
@@ -362,7 +362,7 @@ class UMBPScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, UMBPWorkerMetadata):  # another connector's, or none
             return
-        self._store_events, acknowledged = lifecycle.acknowledge_reports(
+        self._store_events, acknowledged = acknowledge_reports(
             self._store_events, meta.store_results, self._num_workers
         )
         for event, result in acknowledged:
@@ -376,11 +376,11 @@ class UMBPScheduler:
         hash_block_size = self._geometry.hash_block_size
         for request_id, state in list(self._requests.items()):
             request, failed = state.request, request_id in failed_requests
-            if request is None or not lifecycle.hit_by_failed_load(
+            if request is None or not failed_loads.hit_by_failed_load(
                 state.life, failed_blocks, failed
             ):
                 continue
-            self._requests[request_id] = state.with_life(lifecycle.after_failed_load(
+            self._requests[request_id] = state.with_life(failed_loads.after_failed_load(
                 state.life, failed_blocks, failed, request.num_computed_tokens, hash_block_size,
             ))
             self._settled_load_failures.add(request_id)
