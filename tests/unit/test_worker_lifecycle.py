@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.unit.vllm_driver import Driver, StepRecord, step_starts
+from umbp.testing.faults import flip_pool_objects
 
 pytestmark = pytest.mark.vllm_versions
 
@@ -63,13 +64,8 @@ def corrupt_stored_block(driver: Driver, block_hash: bytes) -> int:
     """Flip one byte of every object stored for ``block_hash`` in the embedded
     pool (its checksum no longer matches); returns how many objects."""
     pool = driver.worker.worker.pool
-    keys = [key for key in pool.stored_keys() if key.endswith(bytes(block_hash).hex())]
-    view = pool.slab_view()
-    for key in keys:
-        offset, _ = pool.object_regions(key)[0]
-        view[offset] ^= 0xFF
-    view.release()
-    return len(keys)
+    suffix = bytes(block_hash).hex()
+    return flip_pool_objects(pool, [key for key in pool.stored_keys() if key.endswith(suffix)])
 
 
 def stored_copies(driver: Driver, block_hash: bytes) -> int:
