@@ -23,6 +23,7 @@ from tests.property.strategies import (
     single_group_geometries,
     store_scenarios,
 )
+from umbp import core  # the shell's entry points, wherever core keeps them
 from umbp.core.load_plans import BlockLoadBatch, load_batch, plan_allocated_load
 from umbp.core.lookup import (
     NULL_BLOCK_ID,
@@ -272,27 +273,39 @@ class PlannedStore:
 def plan_store(
     scenario: StoreScenario, data: st.DataObject, events_enabled: bool = False
 ) -> PlannedStore:
-    """The shell's sequence: watermark, candidates, vLLM's masks, one residency
-    lookup, the batch."""
+    """One scheduled request's store step through the core entry points the
+    shell's ``StoreStep`` calls, in its order: ``cached_request_stores`` ->
+    ``cached_request_store_window`` (with vLLM's current block table, which vLLM
+    0.32/0.33 hand over every step) -> ``store_candidates`` with vLLM's masks ->
+    ``residency_check`` -> the store's answers -> ``plan_stores``. vLLM's side
+    (table, masks, what the pool holds) is generated; the shell itself, through
+    vLLM's real Scheduler, is
+    test_request_lifecycle_properties.py::test_the_scheduler_restores_exact_bytes_and_releases_every_pin.
+    """
     geometry = scenario.geometry
-    hbs = geometry.hash_block_size
-    storable = storable_tokens(scenario.total_tokens, len(scenario.hashes), hbs)
-    save_to = save_watermark(scenario.previous_saved, storable, hbs)
-    ranges = store_candidate_ranges(
-        geometry, scenario.previous_saved, save_to, scenario.block_table, scenario.boundary_groups
+    # Tracked since an earlier step: watermark, table and what came from a cache.
+    state = core.RequestLifecycle(tracker=StoreTracker(
+        scenario.previous_saved, scenario.block_table, scenario.restored_tokens or 0
+    ))
+    # The step ends at total_tokens; with save_decode_cache on, nothing cuts it short.
+    computed = min(scenario.previous_saved, scenario.total_tokens)
+    state, stores = core.cached_request_stores(state, computed, False, scenario.total_tokens, True)
+    assert stores
+    state, window = core.cached_request_store_window(
+        state, geometry, scenario.boundary_groups, computed, scenario.total_tokens - computed,
+        False, None, scenario.block_table, scenario.total_tokens, len(scenario.hashes), True,
     )
+    assert state.tracker is not None
+    save_to = state.tracker.saved_tokens
     masks = {
         group_id: data.draw(
             st.none() | st.lists(st.booleans(), min_size=len(indices), max_size=len(indices))
         )
-        for group_id, indices in ranges
+        for group_id, indices in window.ranges
     }
-    selected = apply_store_masks(ranges, masks).unwrap()
     token_ids = tuple(range(1000, 1000 + scenario.num_tokens))
-    candidates = StoreCandidates(
-        "r", selected, scenario.block_table, scenario.hashes,
-        scenario.restored_tokens or 0, token_ids,
-    )
+    candidates = core.store_candidates("r", window, masks, scenario.hashes, token_ids).unwrap()
+    selected = candidates.selected
     check = residency_check(geometry, scenario.keyspace, [candidates], scenario.reserved)
     answers = scenario.pool.answers(check.keys)
     resident = resident_blocks_from_hits(check, answers)
@@ -300,7 +313,7 @@ def plan_store(
         geometry, [candidates], check, answers, scenario.reserved, events_enabled=events_enabled
     )
     (batch,) = planned.batches or (StoreBatch("r", (), (), (), (), (), ()),)
-    return PlannedStore(scenario, save_to, dict(ranges), dict(selected), resident, batch)
+    return PlannedStore(scenario, save_to, dict(window.ranges), dict(selected), resident, batch)
 
 
 def planned_blocks(planned: PlannedStore) -> list[tuple[int, int, bytes]]:
