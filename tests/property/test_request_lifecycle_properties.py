@@ -150,10 +150,15 @@ def chunked_prefills(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, list[in
 def test_chunks_make_every_full_block_a_candidate_exactly_once(
     case: tuple[LookupGeometry, int, int, list[int], bool],
 ) -> None:
-    """Chunked prefill then decode, as the scheduler calls it step after step:
-    each full hashed block is a store candidate once and in order (what came from
-    a cache too: the residency check decides those), and without
-    ``save_decode_cache`` nothing after the prompt."""
+    """Chunked prefill then decode through the store-window entry points the
+    shell's ``StoreStep`` calls, in its order (``new_request_store_window`` on the
+    first step, then ``cached_request_stores`` -> ``cached_request_store_window``),
+    with vLLM's current block table each step as vLLM 0.32/0.33 hand it over; the
+    chunk sizes stand for vLLM's scheduling. Each full hashed block is a store
+    candidate once and in order (what came from a cache too: the residency check
+    decides those), and without ``save_decode_cache`` nothing after the prompt.
+    Through vLLM's real Scheduler: test_scheduler_lifecycle.py's chunked-prefill
+    tests and :func:`test_the_scheduler_restores_exact_bytes_and_releases_every_pin`."""
     geometry, prompt, cached, chunks, save_decode = case
     block = geometry.block_size
     total_tokens = prompt + 4 * block
@@ -174,7 +179,7 @@ def test_chunks_make_every_full_block_a_candidate_exactly_once(
             assert not save_decode and computed >= prompt
         else:
             state, window = lifecycle.cached_request_store_window(
-                state, geometry, frozenset(), computed, scheduled, False, None, None, prompt,
+                state, geometry, frozenset(), computed, scheduled, False, None, table, prompt,
                 len(hashes), save_decode,
             )
             seen += [i for _, r in window.ranges for i in r]
