@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from tests.property.strategies import block_tables, request_hashes, single_group_geometries
-from umbp.core import request_lifecycle as lifecycle
+from umbp import core as lifecycle  # every core rule, re-exported
 from umbp.core.load_plans import BlockLoadBatch
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupSkip
 from umbp.core.request_lifecycle import (

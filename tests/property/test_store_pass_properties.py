@@ -20,7 +20,6 @@ from tests.property.strategies import (
 )
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
-from umbp.core.request_lifecycle import StoreWindow, store_candidates
 from umbp.core.store_pass import (
     StoreCandidates,
     plan_stores,
@@ -29,6 +28,7 @@ from umbp.core.store_pass import (
 )
 from umbp.core.store_plans import StoreBatch, _contiguous_group_stores
 from umbp.core.store_reservations import Reservations
+from umbp.core.store_windows import StoreWindow, store_candidates
 
 
 def identities_of(batch: StoreBatch) -> list[Identity]:
@@ -259,7 +259,7 @@ def test_a_window_without_masks_is_its_own_selection(
 ) -> None:
     """The scheduler's store step builds a request's candidates straight from its
     window when no group has a mask (umbp.shell.store_step): that is what the core
-    rule (request_lifecycle.store_candidates) gives for no masks."""
+    rule (store_windows.store_candidates) gives for no masks."""
     window = StoreWindow(
         tuple((group, range(start, start + length)) for group, start, length in spans),
         tuple(tuple(range(1, 9)) for _ in spans), cached_tokens,

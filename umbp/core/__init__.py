@@ -14,6 +14,7 @@ from __future__ import annotations
 from umbp.core import (
     config,
     events,
+    failed_loads,
     identity,
     key_memo,
     load_outcomes,
@@ -29,12 +30,14 @@ from umbp.core import (
     store_plans,
     store_reservations,
     store_tracking,
+    store_windows,
     support,
     transfer_plans,
     value_checks,
 )
 from umbp.core.config import *
 from umbp.core.events import *
+from umbp.core.failed_loads import *
 from umbp.core.identity import *
 from umbp.core.key_memo import *
 from umbp.core.load_outcomes import *
@@ -50,6 +53,7 @@ from umbp.core.store_pass import *
 from umbp.core.store_plans import *
 from umbp.core.store_reservations import *
 from umbp.core.store_tracking import *
+from umbp.core.store_windows import *
 from umbp.core.support import *
 from umbp.core.transfer_plans import *
 from umbp.core.value_checks import *
@@ -57,6 +61,7 @@ from umbp.core.value_checks import *
 __all__ = [
     "config",
     "events",
+    "failed_loads",
     "identity",
     "key_memo",
     "load_outcomes",
@@ -72,12 +77,14 @@ __all__ = [
     "store_plans",
     "store_reservations",
     "store_tracking",
+    "store_windows",
     "support",
     "transfer_plans",
     "value_checks",
 ]
 __all__ += config.__all__
 __all__ += events.__all__
+__all__ += failed_loads.__all__
 __all__ += identity.__all__
 __all__ += key_memo.__all__
 __all__ += load_outcomes.__all__
@@ -93,6 +100,7 @@ __all__ += store_pass.__all__
 __all__ += store_plans.__all__
 __all__ += store_reservations.__all__
 __all__ += store_tracking.__all__
+__all__ += store_windows.__all__
 __all__ += support.__all__
 __all__ += transfer_plans.__all__
 __all__ += value_checks.__all__

@@ -308,7 +308,7 @@ def stores_past_failed_loads(
     :func:`still_computing_over_failures` names, and the identities left out. A
     put of a resident key writes nothing, so a wrong object stored once would be
     served until evicted; vLLM recomputes those blocks and the scheduler plans
-    them again (:func:`umbp.core.request_lifecycle.after_failed_load`). The
+    them again (:func:`umbp.core.failed_loads.after_failed_load`). The
     identities count as not stored: no KV event announces them."""
     if not computed_over_failures:
         return tuple(stores), frozenset()

@@ -19,6 +19,7 @@ from umbp.core.store_reservations import Reservations
 __all__ = [
     "StoreEvent",
     "StoreEventResult",
+    "acknowledge_reports",
     "event_acknowledged",
     "merge_store_results",
     "pinned_block_ids",
@@ -117,3 +118,26 @@ def event_acknowledged(result: StoreEventResult, num_workers: int) -> bool:
 def stored_identities(event: StoreEvent, result: StoreEventResult) -> tuple[Identity, ...]:
     """The event's identities that no worker failed to store, first-seen order."""
     return tuple(identity for identity in event.identities() if identity not in result.failed)
+
+
+def acknowledge_reports(
+    open_events: Mapping[int, tuple[StoreEvent, StoreEventResult]],
+    reports: Mapping[int, StoreEventResult],
+    num_workers: int,
+) -> tuple[dict[int, tuple[StoreEvent, StoreEventResult]], tuple[tuple[StoreEvent, StoreEventResult], ...]]:
+    """Workers' reports merged into the open events: (the events still open, the
+    events every worker has now reported, in report order). Reports for unknown
+    events (already acknowledged) are ignored."""
+    still_open = dict(open_events)
+    done: list[tuple[StoreEvent, StoreEventResult]] = []
+    for event_id, reported in reports.items():
+        entry = still_open.get(event_id)
+        if entry is None:
+            continue
+        event, result = entry[0], merge_store_results(entry[1], reported)
+        if event_acknowledged(result, num_workers):
+            del still_open[event_id]
+            done.append((event, result))
+        else:
+            still_open[event_id] = (event, result)
+    return still_open, tuple(done)

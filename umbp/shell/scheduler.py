@@ -18,9 +18,9 @@ from typing import Any
 
 from returns.result import Failure, Success
 
+from umbp.core import failed_loads, store_tracking, transfer_plans
 from umbp.core import lookup as core_lookup
 from umbp.core import request_lifecycle as lifecycle
-from umbp.core import store_tracking, transfer_plans
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace, bound_keyspace
 from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
@@ -29,6 +29,7 @@ from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
 from umbp.core.store_events import (
     StoreEvent,
     StoreEventResult,
+    acknowledge_reports,
     pinned_block_ids,
     reserved_identities,
 )
@@ -296,11 +297,11 @@ class UMBPScheduler:
         meta.async_loads = loads.async_loads
         previous = self._previous_sync_loads
         if stores and (loads.loads or loads.unplanned or previous.loads or previous.unplanned):
-            meta.stores_over_loads = lifecycle.stores_over_sync_loads(
+            meta.stores_over_loads = failed_loads.stores_over_sync_loads(
                 (*previous.loads, *loads.loads), loads.async_loads,
                 {**previous.unplanned, **loads.unplanned}, self._tables_of(stores),
             )
-        self._previous_sync_loads = lifecycle.sync_loads_of(loads)
+        self._previous_sync_loads = failed_loads.sync_loads_of(loads)
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
@@ -361,7 +362,7 @@ class UMBPScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, UMBPWorkerMetadata):  # another connector's, or none
             return
-        self._store_events, acknowledged = lifecycle.acknowledge_reports(
+        self._store_events, acknowledged = acknowledge_reports(
             self._store_events, meta.store_results, self._num_workers
         )
         for event, result in acknowledged:
@@ -375,11 +376,11 @@ class UMBPScheduler:
         hash_block_size = self._geometry.hash_block_size
         for request_id, state in list(self._requests.items()):
             request, failed = state.request, request_id in failed_requests
-            if request is None or not lifecycle.hit_by_failed_load(
+            if request is None or not failed_loads.hit_by_failed_load(
                 state.life, failed_blocks, failed
             ):
                 continue
-            self._requests[request_id] = state.with_life(lifecycle.after_failed_load(
+            self._requests[request_id] = state.with_life(failed_loads.after_failed_load(
                 state.life, failed_blocks, failed, request.num_computed_tokens, hash_block_size,
             ))
             self._settled_load_failures.add(request_id)

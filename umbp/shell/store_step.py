@@ -3,7 +3,7 @@ vLLM's reachability masks and one residency lookup for the whole step) and the
 boundary states vLLM handed off.
 
 Read vLLM's step (through :mod:`umbp.shell.vllm_compat`) -> core
-(:mod:`umbp.core.request_lifecycle` for each request's window and tracker,
+(:mod:`umbp.core.store_windows` for each request's window and tracker,
 :mod:`umbp.core.store_pass` for the batches) -> the requests' new states and the
 step's store batches.
 """
@@ -17,14 +17,13 @@ from typing import Any, Protocol
 
 from returns.result import Failure, Success
 
-from umbp.core import request_lifecycle as lifecycle
 from umbp.core import store_pass as core_store_pass
-from umbp.core import transfer_plans
+from umbp.core import store_windows, transfer_plans
 from umbp.core.identity import Identity, KeySpace
 from umbp.core.lookup import BlockTable, LookupGeometry
-from umbp.core.request_lifecycle import StoreWindow
 from umbp.core.store_pass import ResidencyCheck, StoreCandidates
 from umbp.core.store_plans import StoreBatch
+from umbp.core.store_windows import StoreWindow
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.shell import vllm_compat
 from umbp.shell.request_state import UNKNOWN, RequestState
@@ -88,7 +87,7 @@ class StoreStep:
             state = requests.get(new.req_id, UNKNOWN)
             if state.request is None:  # never allocated: nothing of it to store
                 continue
-            life, window = lifecycle.new_request_store_window(
+            life, window = store_windows.new_request_store_window(
                 state.life, geometry, self._boundary_groups, new.num_computed_tokens,
                 output.num_scheduled_tokens[new.req_id],
                 _table(new.block_ids[g] for g in group_ids), len(state.request.block_hashes),
@@ -102,7 +101,7 @@ class StoreStep:
             if request is None:
                 continue
             resumed = request_id in cached.resumed_req_ids
-            life, stores = lifecycle.cached_request_stores(
+            life, stores = store_windows.cached_request_stores(
                 state.life, computed, resumed, request.num_prompt_tokens, self._save_decode_cache
             )
             requests[request_id] = state.with_life(life)
@@ -110,7 +109,7 @@ class StoreStep:
                 continue
             new_blocks = cached.new_block_ids[index]
             current = vllm_compat.current_block_ids(output, request_id)
-            life, window = lifecycle.cached_request_store_window(
+            life, window = store_windows.cached_request_store_window(
                 life, geometry, self._boundary_groups, computed,
                 output.num_scheduled_tokens[request_id], resumed,
                 _table(new_blocks[g] for g in group_ids) if new_blocks else None,
@@ -147,7 +146,7 @@ class StoreStep:
                 request.request_id, window.ranges, window.block_table, hashes,
                 window.cached_tokens, token_ids,
             )]
-        match lifecycle.store_candidates(request.request_id, window, masks, hashes, token_ids):
+        match store_windows.store_candidates(request.request_id, window, masks, hashes, token_ids):
             case Success(candidates):
                 return [candidates]
             case Failure(reason):
