@@ -25,13 +25,13 @@ from umbp.core.events import (
     StoredObject,
     apply_residency,
     clear,
-    fold_residency,
     has_pending,
     new_event_tracker,
     residency_batch,
     track_stored,
 )
 from umbp.core.rank_keys import KeyLayout
+from umbp.core.residency import fold_residency
 
 GROUPS = (0, 1)
 HASHES = tuple(bytes([index]) * 8 for index in range(6))

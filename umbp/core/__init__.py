@@ -24,6 +24,7 @@ from umbp.core import (
     page_identity,
     rank_keys,
     request_lifecycle,
+    residency,
     stack_config,
     store_events,
     store_pass,
@@ -47,6 +48,7 @@ from umbp.core.lookup_geometry import *
 from umbp.core.page_identity import *
 from umbp.core.rank_keys import *
 from umbp.core.request_lifecycle import *
+from umbp.core.residency import *
 from umbp.core.stack_config import *
 from umbp.core.store_events import *
 from umbp.core.store_pass import *
@@ -71,6 +73,7 @@ __all__ = [
     "page_identity",
     "rank_keys",
     "request_lifecycle",
+    "residency",
     "stack_config",
     "store_events",
     "store_pass",
@@ -94,6 +97,7 @@ __all__ += lookup_geometry.__all__
 __all__ += page_identity.__all__
 __all__ += rank_keys.__all__
 __all__ += request_lifecycle.__all__
+__all__ += residency.__all__
 __all__ += stack_config.__all__
 __all__ += store_events.__all__
 __all__ += store_pass.__all__

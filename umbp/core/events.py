@@ -6,9 +6,10 @@ it in the pool on every rank: a store may have failed on one rank or the object
 may already have been evicted. Published objects are re-checked in rotation and a
 ``BlockRemovedEvent`` follows once one is gone. The shell draws a batch with
 :func:`residency_batch`, looks the batch's keys up (off the scheduler thread),
-folds the answers over ranks and hands them to :func:`apply_residency`; state may
-change in between, so every candidate carries the serial it was drawn with and is
-skipped if the object was stored again or forgotten meanwhile.
+folds the answers over ranks (:func:`umbp.core.residency.fold_residency`) and
+hands them to :func:`apply_residency`; state may change in between, so every
+candidate carries the serial it was drawn with and is skipped if the object was
+stored again or forgotten meanwhile.
 
 Ordering is kept with tickets from one clock instead of an ordered dict. A tracked
 object gets a new ticket, its *serial*, on every store; pending objects queue by
@@ -34,8 +35,6 @@ from typing import Final, TypeAlias, TypeVar
 from pyrsistent import pmap
 from pyrsistent.typing import PMap, PMapEvolver
 
-from umbp.core.rank_keys import KeyLayout, fold_ranks
-
 __all__ = [
     "DEFAULT_MAX_OBJECTS",
     "BlockRemovedEvent",
@@ -48,7 +47,6 @@ __all__ = [
     "TrackedObject",
     "apply_residency",
     "clear",
-    "fold_residency",
     "has_pending",
     "new_event_tracker",
     "residency_batch",
@@ -222,33 +220,6 @@ def residency_batch(
             if identity not in chosen:
                 chosen[identity] = objects[identity].serial
     return tuple(chosen.items())
-
-
-def fold_residency(
-    layout: KeyLayout,
-    per_key: Sequence[bool | str | None],
-    *,
-    disk_medium: str,
-    memory_medium: str,
-) -> tuple[list[bool], list[str] | None] | None:
-    """One residency batch's per-key answers (object-major, every rank's key of an
-    object together: ``layout``) as :func:`apply_residency` takes them.
-
-    An object is resident only when every rank's shard is; an answer is a bool
-    (``lookup``) or the medium holding the shard, None for missing (a tiered
-    store's ``where``). With media, an object's medium is ``disk_medium`` when any
-    rank's shard is there (its load would read from disk), else ``memory_medium``;
-    plain answers name no medium. None when the answer does not fit the layout:
-    nothing is known, as after a failed check.
-    """
-    resident = fold_ranks(layout, [value is not None and value is not False for value in per_key])
-    if resident is None:
-        return None
-    if not any(isinstance(value, str) for value in per_key):
-        return list(resident[0]), None
-    on_disk = fold_ranks(layout, [value == disk_medium for value in per_key], any)
-    assert on_disk is not None  # the same length as the resident fold's
-    return list(resident[0]), [disk_medium if disk else memory_medium for disk in on_disk[0]]
 
 
 def apply_residency(

@@ -13,6 +13,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from umbp.core import events as core_events
+from umbp.core import residency
 from umbp.core.identity import KeySpace
 from umbp.core.rank_keys import KeyLayout, object_major_keys
 from umbp.core.store_events import StoreEvent, StoreEventResult
@@ -89,13 +90,13 @@ class KVEventPublisher:
 def _fold(
     answer: Future[_Answer], layout: KeyLayout
 ) -> tuple[list[bool] | None, list[str] | None]:
-    """The check's answer folded by core (:func:`umbp.core.events.fold_residency`);
+    """The check's answer folded by core (:func:`umbp.core.residency.fold_residency`);
     (None, None) when the check failed or its answer does not fit."""
     try:
         per_key = answer.result()
     except Exception:  # noqa: BLE001 - a failed check publishes nothing this time
         return None, None
-    folded = core_events.fold_residency(
+    folded = residency.fold_residency(
         layout, per_key, disk_medium=Medium.DISK, memory_medium=Medium.CPU
     )
     return (None, None) if folded is None else folded
