@@ -293,7 +293,7 @@ def plan_store(
     assert stores
     state, window = core.cached_request_store_window(
         state, geometry, scenario.boundary_groups, computed, scenario.total_tokens - computed,
-        False, None, scenario.block_table, scenario.total_tokens, len(scenario.hashes), True,
+        scenario.block_table, scenario.total_tokens, len(scenario.hashes), True,
     )
     assert state.tracker is not None
     save_to = state.tracker.saved_tokens
@@ -590,32 +590,6 @@ def test_eagle_store_groups_are_vllms_marked_groups_else_every_group_with_eagle(
     assert eagle_store_groups(set(), (0, 1), use_eagle=False) == frozenset()
 
 
-@given(
-    st.lists(st.lists(st.integers(1, 99), max_size=3), min_size=1, max_size=3),
-    st.data(),
-)
-def test_a_steps_blocks_append_unless_resumed_and_a_reported_current_table_wins(
-    first: list[list[int]], data: st.DataObject
-) -> None:
-    groups = len(first)
-    new = data.draw(st.none() | st.lists(st.lists(st.integers(1, 99), max_size=3),
-                                         min_size=groups, max_size=groups))
-    resumed = data.draw(st.booleans())
-    current = data.draw(st.none() | st.lists(st.lists(st.integers(1, 99), max_size=3),
-                                             min_size=groups, max_size=groups))
-    tracker = StoreTracker().with_blocks_replaced(first).with_saved_tokens(16)
-    after = tracker.with_step_blocks(new, resumed, current)
-    assert after.saved_tokens == 16
-    if current is not None:
-        assert after.block_table == tuple(map(tuple, current))
-    elif new and resumed:
-        assert after.block_table == tuple(map(tuple, new))
-    elif new:
-        assert after.block_table == tuple(tuple(a) + tuple(b) for a, b in zip(first, new))
-    else:
-        assert after == tracker
-
-
 @given(store_scenarios(), st.data())
 def test_masked_out_blocks_are_never_candidates_again(
     scenario: StoreScenario, data: st.DataObject
@@ -640,25 +614,18 @@ def test_masked_out_blocks_are_never_candidates_again(
     st.lists(st.lists(st.integers(1, 99), max_size=4), min_size=1, max_size=3),
     st.lists(st.lists(st.integers(1, 99), max_size=4), min_size=1, max_size=3),
 )
-def test_tracker_appends_per_group_replaces_whole_and_resets_to_nothing(
-    first: list[list[int]], added: list[list[int]]
+def test_tracker_replaces_its_table_whole_keeps_its_watermark_and_resets_to_nothing(
+    first: list[list[int]], current: list[list[int]]
 ) -> None:
     tracker = StoreTracker().with_blocks_replaced(first).with_saved_tokens(32)
     assert tracker.block_table == tuple(tuple(group) for group in first)
-    if len(added) == len(first):
-        appended = tracker.with_blocks_appended(added)
-        assert appended.block_table == tuple(
-            tuple(old) + tuple(new) for old, new in zip(first, added)
-        )
-        assert appended.saved_tokens == 32
-    else:
-        with pytest.raises(ValueError):
-            tracker.with_blocks_appended(added)
+    replaced = tracker.with_blocks_replaced(current)  # vLLM's current table, each step
+    assert replaced.block_table == tuple(map(tuple, current))
+    assert replaced.saved_tokens == 32
     assert tracker.with_saved_tokens(16).saved_tokens == 32
     assert tracker.with_cached_tokens(8).cached_tokens == 8
     assert tracker.with_cached_tokens(8).with_saved_tokens(40).cached_tokens == 8
     assert tracker.reset() == StoreTracker()
-    assert StoreTracker().with_blocks_appended(added).block_table == tuple(map(tuple, added))
 
 
 # ------------------------------------------------------------ boundary transfers

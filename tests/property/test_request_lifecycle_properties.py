@@ -179,7 +179,7 @@ def test_chunks_make_every_full_block_a_candidate_exactly_once(
             assert not save_decode and computed >= prompt
         else:
             state, window = lifecycle.cached_request_store_window(
-                state, geometry, frozenset(), computed, scheduled, False, None, table, prompt,
+                state, geometry, frozenset(), computed, scheduled, table, prompt,
                 len(hashes), save_decode,
             )
             seen += [i for _, r in window.ranges for i in r]
@@ -298,7 +298,7 @@ def test_a_failed_sync_load_makes_every_recomputed_block_a_candidate_again(
         state, stores = lifecycle.cached_request_stores(state, computed, False, prompt, False)
         assert stores
         state, window = lifecycle.cached_request_store_window(
-            state, geometry, frozenset(), computed, scheduled, False, None, None, prompt,
+            state, geometry, frozenset(), computed, scheduled, table, prompt,
             len(hashes), False,
         )
         seen += [i for _, r in window.ranges for i in r]

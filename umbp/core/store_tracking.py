@@ -42,44 +42,11 @@ class StoreTracker:
     cached_tokens: int = 0
 
     def with_blocks_replaced(self, block_table: Sequence[Sequence[int]]) -> StoreTracker:
-        """vLLM passed the whole table (admission, resumption)."""
+        """vLLM's whole table: at allocation, and each step that stores (vLLM's
+        current table, :func:`umbp.core.store_windows.cached_request_store_window`)."""
         return StoreTracker(
             self.saved_tokens, tuple(tuple(group) for group in block_table), self.cached_tokens
         )
-
-    def with_blocks_appended(self, new_blocks: Sequence[Sequence[int]]) -> StoreTracker:
-        """vLLM passed the blocks allocated this step, per group."""
-        if not self.block_table:
-            return self.with_blocks_replaced(new_blocks)
-        if len(new_blocks) != len(self.block_table):
-            raise ValueError(
-                f"appending {len(new_blocks)} groups to a table of {len(self.block_table)}"
-            )
-        return StoreTracker(
-            self.saved_tokens,
-            tuple(group + tuple(added) for group, added in zip(self.block_table, new_blocks)),
-            self.cached_tokens,
-        )
-
-    def with_step_blocks(
-        self,
-        new_blocks: Sequence[Sequence[int]] | None,
-        resumed: bool,
-        current_table: Sequence[Sequence[int]] | None,
-    ) -> StoreTracker:
-        """The table after one step's report: a resumed request's new blocks are
-        its whole table, any other request's are appended; a current table vLLM
-        reports (``kv_connector_block_state``, tables that are not append-only)
-        wins over both."""
-        tracker = self
-        if new_blocks:
-            tracker = (
-                tracker.with_blocks_replaced(new_blocks) if resumed
-                else tracker.with_blocks_appended(new_blocks)
-            )
-        if current_table is not None:
-            tracker = tracker.with_blocks_replaced(current_table)
-        return tracker
 
     # An unchanged field returns the tracker itself (a value: sharing is safe),
     # so a step builds no tracker it does not need.

@@ -110,19 +110,19 @@ def cached_request_store_window(
     boundary_groups: AbstractSet[int],
     num_computed_tokens: int,
     num_scheduled_tokens: int,
-    resumed: bool,
-    new_blocks: BlockTable | None,
-    current_table: BlockTable | None,
+    current_table: BlockTable,
     num_prompt_tokens: int,
     num_hashes: int,
     save_decode_cache: bool,
 ) -> tuple[RequestLifecycle, StoreWindow]:
     """For a request :func:`cached_request_stores` said stores: the step's table
-    is the current one (:meth:`StoreTracker.with_step_blocks`), and the window runs
-    up to :func:`store_token_limit`."""
+    is vLLM's current one (its ``kv_connector_block_state``, which vLLM 0.32 and
+    0.33 build for every scheduled request when a connector is set; a table is not
+    append-only, and a resumed request's is new), and the window runs up to
+    :func:`store_token_limit`."""
     if state.tracker is None:
         raise ValueError("cached_request_store_window needs a tracked request")
-    tracker = state.tracker.with_step_blocks(new_blocks, resumed, current_table)
+    tracker = state.tracker.with_blocks_replaced(current_table)
     total = store_token_limit(
         num_computed_tokens + num_scheduled_tokens, num_prompt_tokens, save_decode_cache
     )

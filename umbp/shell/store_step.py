@@ -107,13 +107,10 @@ class StoreStep:
             requests[request_id] = state.with_life(life)
             if not stores:
                 continue
-            new_blocks = cached.new_block_ids[index]
             current = vllm_compat.current_block_ids(output, request_id)
             life, window = store_windows.cached_request_store_window(
                 life, geometry, self._boundary_groups, computed,
-                output.num_scheduled_tokens[request_id], resumed,
-                _table(new_blocks[g] for g in group_ids) if new_blocks else None,
-                None if current is None else _table(current[g] for g in group_ids),
+                output.num_scheduled_tokens[request_id], _table(current[g] for g in group_ids),
                 request.num_prompt_tokens, len(request.block_hashes), self._save_decode_cache,
             )
             requests[request_id] = state.with_life(life)

@@ -199,11 +199,21 @@ def boundary_offloads(output: SchedulerOutputLike) -> Mapping[str, Sequence[tupl
     return {} if block_state is None else block_state.boundary_state_offloads
 
 
-def current_block_ids(output: SchedulerOutputLike, request_id: str) -> Sequence[Sequence[int]] | None:
-    """The request's whole current table, where vLLM reports one (tables that are
-    not append-only); resolved only when asked for."""
+def current_block_ids(output: SchedulerOutputLike, request_id: str) -> Sequence[Sequence[int]]:
+    """A scheduled request's whole current table, resolved only when asked for.
+
+    vLLM 0.32 and 0.33 build ``kv_connector_block_state`` for every request a step
+    schedules whenever a connector is set (``Scheduler.schedule``), so a missing
+    table is a vLLM umbp does not support: an error, not a guess from the step's
+    ``new_block_ids`` (tables are not append-only)."""
     block_state = output.kv_connector_block_state
-    return None if block_state is None else block_state.get_block_ids(request_id)
+    table = None if block_state is None else block_state.get_block_ids(request_id)
+    if table is None:
+        raise RuntimeError(
+            f"umbp: vLLM reported no current block table (kv_connector_block_state) "
+            f"for scheduled request {request_id!r}"
+        )
+    return table
 
 
 def lookup_geometry(vllm_config: Any, kv_cache_config: Any, partial_hash_hits: bool) -> LookupGeometry:

@@ -64,9 +64,6 @@ class CachedRequestDataLike(Protocol):
     def resumed_req_ids(self) -> AbstractSet[str]: ...
 
     @property
-    def new_block_ids(self) -> Sequence[Sequence[Sequence[int]] | None]: ...
-
-    @property
     def num_computed_tokens(self) -> Sequence[int]: ...
 
 
