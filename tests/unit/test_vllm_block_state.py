@@ -10,6 +10,8 @@ from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, 
 
 from umbp.shell import vllm_compat
 
+pytestmark = pytest.mark.vllm_versions
+
 
 def step_output(block_state: KVConnectorBlockState | None) -> SchedulerOutput:
     return SchedulerOutput(
@@ -19,7 +21,6 @@ def step_output(block_state: KVConnectorBlockState | None) -> SchedulerOutput:
         total_num_scheduled_tokens=16,
         scheduled_spec_decode_tokens={},
         scheduled_encoder_inputs={},
-        num_common_prefix_blocks=[0],
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
         kv_connector_block_state=block_state,
