@@ -1,9 +1,13 @@
 """The store step reads a scheduled request's table from vLLM's
 ``kv_connector_block_state`` only: vLLM 0.32 and 0.33 build it for every request
-a step schedules whenever a connector is set, so without it umbp refuses with an
-error naming the request rather than guess a table from ``new_block_ids``."""
+a step schedules whenever a connector is set. Without it umbp does not guess a
+table from ``new_block_ids``: that request stores nothing that step, a warning
+names it, and the engine goes on."""
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import pytest
 from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, SchedulerOutput
@@ -38,9 +42,31 @@ def test_a_scheduled_requests_table_is_vllms_current_one() -> None:
 
 
 @pytest.mark.parametrize("has_state", [False, True])
-def test_no_current_table_is_an_error_naming_the_request(has_state: bool) -> None:
+def test_no_current_table_reads_as_none(has_state: bool) -> None:
     state = KVConnectorBlockState(
         req_ids=set(), resolve_block_ids=lambda req_id: ([1],), boundary_state_offloads={}
     ) if has_state else None
-    with pytest.raises(RuntimeError, match=r"no current block table .* 'r1'"):
-        vllm_compat.current_block_ids(step_output(state), "r1")
+    assert vllm_compat.current_block_ids(step_output(state), "r1") is None
+
+
+def test_a_step_without_the_table_stores_nothing_of_it_and_the_engine_goes_on(
+    make_driver: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    block = 32
+    driver = make_driver(max_num_batched_tokens=2 * block, extra={"load_async": False})
+    build = driver.connector.build_connector_meta
+
+    def without_block_state(output: Any) -> Any:
+        if output.scheduled_cached_reqs.req_ids:
+            output.kv_connector_block_state = None
+        return build(output)
+
+    driver.connector.build_connector_meta = without_block_state
+    driver.add("a", [(i * 7) % 500 + 1 for i in range(6 * block + 5)])
+    with caplog.at_level(logging.WARNING, logger="umbp"):
+        driver.run(["a"])
+        driver.drain()
+    # Only the first chunk (a new request: its table is in the step) is stored.
+    assert driver.connector_stats()["worker_stored_blocks"] == 2
+    assert "no current block table" in caplog.text
+    assert "request a;" in caplog.text

@@ -108,6 +108,12 @@ class StoreStep:
             if not stores:
                 continue
             current = vllm_compat.current_block_ids(output, request_id)
+            if current is None:
+                logger.warning(
+                    "umbp: vLLM sent no current block table (kv_connector_block_state) "
+                    "for scheduled request %s; it stores nothing this step", request_id,
+                )
+                continue
             life, window = store_windows.cached_request_store_window(
                 life, geometry, self._boundary_groups, computed,
                 output.num_scheduled_tokens[request_id], _table(current[g] for g in group_ids),

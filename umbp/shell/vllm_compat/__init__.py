@@ -199,21 +199,19 @@ def boundary_offloads(output: SchedulerOutputLike) -> Mapping[str, Sequence[tupl
     return {} if block_state is None else block_state.boundary_state_offloads
 
 
-def current_block_ids(output: SchedulerOutputLike, request_id: str) -> Sequence[Sequence[int]]:
-    """A scheduled request's whole current table, resolved only when asked for.
+def current_block_ids(
+    output: SchedulerOutputLike, request_id: str
+) -> Sequence[Sequence[int]] | None:
+    """A scheduled request's whole current table, resolved only when asked for;
+    None when vLLM sent none.
 
     vLLM 0.32 and 0.33 build ``kv_connector_block_state`` for every request a step
-    schedules whenever a connector is set (``Scheduler.schedule``), so a missing
-    table is a vLLM umbp does not support: an error, not a guess from the step's
-    ``new_block_ids`` (tables are not append-only)."""
+    schedules whenever a connector is set (``Scheduler.schedule``), so None means a
+    vLLM umbp was not built against. The caller stores nothing of that request then
+    rather than guess a table from the step's ``new_block_ids`` (tables are not
+    append-only), and never takes the engine down for it."""
     block_state = output.kv_connector_block_state
-    table = None if block_state is None else block_state.get_block_ids(request_id)
-    if table is None:
-        raise RuntimeError(
-            f"umbp: vLLM reported no current block table (kv_connector_block_state) "
-            f"for scheduled request {request_id!r}"
-        )
-    return table
+    return None if block_state is None else block_state.get_block_ids(request_id)
 
 
 def lookup_geometry(vllm_config: Any, kv_cache_config: Any, partial_hash_hits: bool) -> LookupGeometry:
