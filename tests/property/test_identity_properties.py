@@ -220,10 +220,10 @@ def test_binding_errors_name_the_namespaces_or_the_missing_ranks() -> None:
     assert bound_keyspace(topology, {}) == Failure(
         f"umbp: no worker reported for ranks {[rank0, rank1]}"
     )
-    # A report from outside the topology takes part in the agreement only.
+    # A report from outside the topology is an error naming the rank.
     stray = RankCoord(tp=7)
-    assert bound_keyspace(topology, {rank0: "a", rank1: "a", stray: "a"}) == Success(
-        KeySpace("a", topology)
+    assert bound_keyspace(topology, {rank0: "a", rank1: "a", stray: "a"}) == Failure(
+        f"umbp: workers reported for ranks outside the topology {topology}: {[stray]}"
     )
 
 

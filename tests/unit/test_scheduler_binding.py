@@ -27,6 +27,11 @@ def test_a_bad_worker_report_is_a_start_up_error_naming_the_problem(make_driver:
     assert str(disagree.value) == (
         f"umbp workers disagree on the namespace: {sorted([good.namespace, other.namespace])}"
     )
+    stray = replace(good, rank=replace(good.rank, pp=1))
+    with pytest.raises(RuntimeError) as outside:
+        driver.connector.set_xfer_handshake_metadata({0: good, 1: stray})
+    assert str(outside.value).startswith("umbp: workers reported for ranks outside the topology")
+    assert str(stray.rank) in str(outside.value)
     with pytest.raises(RuntimeError) as missing:
         driver.connector.set_xfer_handshake_metadata({})
     assert str(missing.value) == f"umbp: no worker reported for ranks {[good.rank]}"

@@ -246,12 +246,18 @@ def bound_keyspace(
     ``reported`` maps each reporting worker's rank to the namespace it stores
     under. Every reporter must agree on one namespace (keys under two namespaces
     could never be found together) and every rank of ``topology`` must have
-    reported (a block is resident only when every rank holds its shard). No
-    report at all is the missing-ranks error, not a disagreement.
+    reported (a block is resident only when every rank holds its shard). A report
+    from a rank outside ``topology`` is an error too: that worker stores keys no
+    lookup asks for. No report at all is the missing-ranks error, not a
+    disagreement.
     """
     namespaces = sorted(set(reported.values()))
     if len(namespaces) > 1:
         return Failure(f"umbp workers disagree on the namespace: {namespaces}")
+    ranks = set(topology.coords())
+    strays = [rank for rank in reported if rank not in ranks]
+    if strays:
+        return Failure(f"umbp: workers reported for ranks outside the topology {topology}: {strays}")
     missing = [rank for rank in topology.coords() if rank not in reported]
     if missing:
         return Failure(f"umbp: no worker reported for ranks {missing}")
