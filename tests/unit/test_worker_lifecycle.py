@@ -51,15 +51,6 @@ def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:
     return [(seed * 37 + i * 13) % 500 + 1 for i in range(blocks * BLOCK + tail)]
 
 
-def fill_pool(driver: Driver, request_id: str, tokens: list[int]) -> None:
-    """Compute ``tokens`` once, let every store be acknowledged, then empty vLLM's
-    own prefix cache: the next identical prefix can only come from umbp."""
-    driver.add(request_id, tokens)
-    driver.run([request_id])
-    driver.drain()
-    assert driver.scheduler.reset_prefix_cache()
-
-
 def corrupt_stored_block(driver: Driver, block_hash: bytes) -> int:
     """Flip one byte of every object stored for ``block_hash`` in the embedded
     pool (its checksum no longer matches); returns how many objects."""
@@ -72,17 +63,6 @@ def stored_copies(driver: Driver, block_hash: bytes) -> int:
     """How many objects the embedded pool holds for ``block_hash`` (one per group)."""
     suffix = bytes(block_hash).hex()
     return sum(key.endswith(suffix) for key in driver.worker.worker.pool.stored_keys())
-
-
-def connector_stats(driver: Driver) -> dict[str, float]:
-    """Every step's connector stats as vLLM's scheduler reported them, summed."""
-    total: dict[str, float] = {}
-    for record in driver.steps:
-        for outputs in record.engine_outputs.values():
-            stats = outputs.scheduler_stats
-            for name, value in ((stats and stats.kv_connector_stats) or {}).items():
-                total[name] = total.get(name, 0) + value
-    return total
 
 
 def step_with(driver: Driver, request_id: str, max_steps: int = 10) -> StepRecord:
@@ -105,7 +85,7 @@ def scheduled_from(record: StepRecord, request_id: str) -> int:
 def test_a_load_that_succeeds_reports_no_failure(make_driver: Any, load_async: bool) -> None:
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
 
     driver.add("b", tokens, max_tokens=3)
     first = driver.step()
@@ -119,7 +99,7 @@ def test_a_load_that_succeeds_reports_no_failure(make_driver: Any, load_async: b
     assert scheduled_from(step_with(driver, "b") if load_async else first, "b") == 4 * BLOCK
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_loaded_blocks"] == 4
     assert not any(name.startswith("worker_load_failures") for name in stats)
 
@@ -130,7 +110,7 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
 ) -> None:
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     driver.add("b", tokens, max_tokens=3)
@@ -147,7 +127,7 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     assert scheduled_from(recompute, "b") == 2 * BLOCK
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     driver.run(["b"])
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_load_failures_corrupt"] == 1
     assert stats["worker_loaded_blocks"] == 3
     # The pool dropped the corrupt object and b stored the block it recomputed:
@@ -158,7 +138,7 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     assert driver.assert_blocks_hold("c", tokens, range(4)) == 4 * 2
     driver.run(["c"])
     assert driver.cached_tokens("c") == 4 * BLOCK
-    assert connector_stats(driver)["worker_load_failures_corrupt"] == 1
+    assert driver.connector_stats()["worker_load_failures_corrupt"] == 1
 
 
 @pytest.mark.parametrize("load_async", [False, True])
@@ -168,7 +148,7 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again_by_the_request(
     # The pool holds blocks 0-3 of a 6-block prompt; block 2's object is corrupt.
     driver = make_driver(extra={"load_async": load_async})
     tokens = prompt(6)
-    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    driver.fill_pool("a", tokens[: 4 * BLOCK + 5])
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     b = driver.add("b", tokens, max_tokens=2)
@@ -200,7 +180,7 @@ def test_a_request_that_hit_a_failed_sync_loads_blocks_stores_none_of_that_step(
     # allocation) and computes its block 6 over the failed block.
     driver = make_driver(extra={"load_async": False})
     tokens = prompt(7)
-    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    driver.fill_pool("a", tokens[: 4 * BLOCK + 5])
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     b = driver.add("b", tokens[: 6 * BLOCK + 5], max_tokens=2)
@@ -229,7 +209,7 @@ def test_a_step_planned_before_a_failed_load_is_known_stores_nothing_over_it(
     # prefill chunk is computed over the block whose load failed in step N.
     driver = make_driver(extra={"load_async": False})
     tokens = prompt(24)
-    fill_pool(driver, "a", tokens[: 4 * BLOCK + 5])
+    driver.fill_pool("a", tokens[: 4 * BLOCK + 5])
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     b = driver.add("b", tokens, max_tokens=2)
@@ -271,7 +251,7 @@ def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
     driver = make_driver(extra={"mode": "server", "endpoint": server.socket_path,
                                 "auto_start": True, "load_async": load_async})
     tokens = prompt(4)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
 
     driver.add("b", tokens, max_tokens=3)
     output = driver.schedule()  # umbp's lookup hit: a load of 4 blocks is planned
@@ -289,7 +269,7 @@ def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
     assert scheduled_from(recompute, "b") == 0
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     driver.run(["b"])
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_load_failures_unavailable"] == 4
     assert stats.get("worker_loaded_blocks", 0) == 0
     # The engine keeps serving without the store, and publishes nothing as stored.
@@ -307,7 +287,7 @@ def test_several_cache_groups_report_the_request_never_block_ids(make_driver: An
     driver = make_driver(sliding_window=2 * BLOCK)
     assert len(driver.kv_cache_config.kv_cache_groups) == 2
     tokens = prompt(6, tail=0)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[3]) >= 1
 
     driver.add("b", tokens, max_tokens=3)
@@ -317,7 +297,7 @@ def test_several_cache_groups_report_the_request_never_block_ids(make_driver: An
     assert first.kv_output.invalid_block_ids == set()
     # vLLM recomputes the request; what umbp still holds intact may be loaded again.
     driver.run(["b"])
-    stats = connector_stats(driver)
+    stats = driver.connector_stats()
     assert stats["worker_load_failures_corrupt"] >= 1
     assert driver.stored_events()  # the engine stored and went on
     # b stored what it recomputed: a third request restores the whole prompt
@@ -337,7 +317,7 @@ def test_a_failed_request_report_is_taken_once(make_driver: Any) -> None:
     """What the worker reported is not reported again the next step."""
     driver = make_driver(extra={"load_async": True})
     tokens = prompt(3)
-    fill_pool(driver, "a", tokens)
+    driver.fill_pool("a", tokens)
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[0]) == 1
     driver.add("b", tokens, max_tokens=2)
     first = driver.step()
@@ -346,4 +326,4 @@ def test_a_failed_request_report_is_taken_once(make_driver: Any) -> None:
     assert second.kv_output.invalid_block_ids == set()
     assert not second.kv_output.finished_recving
     driver.run(["b"])
-    assert connector_stats(driver)["worker_load_failures_corrupt"] == 1
+    assert driver.connector_stats()["worker_load_failures_corrupt"] == 1
