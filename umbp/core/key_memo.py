@@ -3,9 +3,10 @@
 A key string costs more than anything else a lookup does (about 130 ns each on a
 slow machine: a hex digest and a ~110-character concatenation), and the same keys
 are asked for again: vLLM asks for a waiting request's external hits on every
-step until it is scheduled, a preempted request is looked up again on resume,
-and the store step's residency check asks the pool about blocks the lookup has
-already named. A :class:`KeyMemo` is an immutable value the shell keeps in the
+step until it is scheduled, and a preempted request is looked up again on
+resume. (The store step's residency check builds its own keys for now: it asks
+only about blocks vLLM reports cached, which a new request's lookup does not
+name.) A :class:`KeyMemo` is an immutable value the shell keeps in the
 request's state; :func:`group_keys` answers from it and returns the memo with any
 keys it had to build added, so each key of a request is built once.
 
@@ -25,7 +26,7 @@ from typing import Final
 from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.rank_keys import rank_prefixes
 
-__all__ = ["EMPTY_KEY_MEMO", "GroupKeys", "KeyMemo", "group_keys"]
+__all__ = ["EMPTY_KEY_MEMO", "GroupKeys", "KeyMemo", "group_keys", "keys_per_rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,19 +155,20 @@ def _build(
     first: int,
     stop: int,
 ) -> GroupKeys:
-    prefixes = rank_prefixes(keyspace, group_id)
-    if stop <= first:
-        return GroupKeys(group_id, unit, first, (), tuple(() for _ in prefixes))
     objects = request_hashes[first * stride + stride - 1 : stop * stride : stride]
+    return GroupKeys(group_id, unit, first, objects, keys_per_rank(keyspace, group_id, objects))
+
+
+def keys_per_rank(
+    keyspace: KeySpace, group_id: int, objects: tuple[bytes, ...]
+) -> tuple[tuple[str, ...], ...]:
+    """Every rank's key of each of ``objects`` (``topology.coords()`` order)."""
+    prefixes = rank_prefixes(keyspace, group_id)
     # The key strings are the floor of a lookup's cost: a comprehension per rank
     # glues them faster than map(prefix.__add__, ...), and with several ranks
     # each hex digest is made once.
     if len(prefixes) == 1:
         prefix = prefixes[0]
-        per_rank: tuple[tuple[str, ...], ...] = (
-            tuple([prefix + block_hash.hex() for block_hash in objects]),
-        )
-    else:
-        digests = list(map(bytes.hex, objects))
-        per_rank = tuple(tuple([prefix + digest for digest in digests]) for prefix in prefixes)
-    return GroupKeys(group_id, unit, first, objects, per_rank)
+        return (tuple([prefix + block_hash.hex() for block_hash in objects]),)
+    digests = list(map(bytes.hex, objects))
+    return tuple(tuple([prefix + digest for digest in digests]) for prefix in prefixes)

@@ -291,8 +291,9 @@ def still_computing_over_failures(
     synchronous load failed this step (:func:`computed_over_failed_loads`), those
     of earlier steps the scheduler has not yet ``settled``, and those that read
     blocks one of these loads filled (``read_over``, the scheduler's
-    ``stores_over_sync_loads``, over this step's and the last step's loads). vLLM plans a step before the previous step's failure is known
-    (async scheduling): such a step still computes over the stale blocks. Settled
+    ``stores_over_sync_loads``, over this step's and the last step's loads). vLLM
+    plans a step before the previous step's failure is known (async scheduling):
+    such a step still computes over the stale blocks. Settled
     (the scheduler saw vLLM cut their computed tokens before planning this step, or
     they finished or were preempted): what they compute from now on is the
     recompute."""

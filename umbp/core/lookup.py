@@ -38,7 +38,7 @@ from operator import not_
 from typing import Final
 
 from umbp.core.identity import KeySpace
-from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
+from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys, keys_per_rank
 from umbp.core.lookup_geometry import (
     NULL_BLOCK_ID,
     BlockTable,
@@ -50,7 +50,7 @@ from umbp.core.lookup_geometry import (
     lookup_unit,
     object_hash_at_token_end,
 )
-from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
+from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_tags
 
 __all__ = [
     "EMPTY_LOOKUP_MEMO",
@@ -162,11 +162,7 @@ def lookup_query(
                 request_hashes, local_tokens + unit, limit, unit, hash_block_size
             )
             objects.append(group_objects)
-            digests = list(map(bytes.hex, group_objects))
-            runs.extend(
-                [prefix + digest for digest in digests]
-                for prefix in rank_prefixes(keyspace, group_id)
-            )
+            runs.extend(keys_per_rank(keyspace, group_id, group_objects))
             continue
         first, stop = local_tokens // unit, max(local_tokens // unit, limit // unit)
         entry, memo = group_keys(
