@@ -116,11 +116,17 @@ class UMBPWorker:
             page_bytes,
             serve_other_processes=not vllm_compat.runs_in_one_process(self._vllm_config),
         )
+        # A server this worker did not start has its own capacity (`umbp stats`).
+        capacity = (
+            "capacity the server's"
+            if self._config.mode == "server" and not self._config.auto_start
+            else f"capacity {self._config.capacity_bytes >> 20} MiB"
+        )
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
-            "mode %s, capacity %d MiB",
+            "mode %s, %s",
             self._rank, self.namespace, len(self._copiers), object_sizes,
-            self._config.mode, self._config.capacity_bytes >> 20,
+            self._config.mode, capacity,
         )
 
     def _copiers_for(self, kv_caches: dict[str, Any]) -> dict[int, BlockCopier]:
