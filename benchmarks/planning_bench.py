@@ -436,7 +436,7 @@ def shell_store_step(step: StoreStepInput, objects: VllmStep) -> Callable[[], Ca
 
     def prepare() -> Callable[[], object]:
         scheduler._requests.clear()
-        scheduler._store_events.clear()
+        scheduler._pinned._events.clear()
         _release_pins(pool)
         for request, blocks in objects.admitted:
             scheduler.update_state_after_alloc(request, blocks, 0)

@@ -4,8 +4,9 @@ One :class:`~umbp.shell.request_state.RequestState` per request; every hook is
 "read vLLM's objects (through :mod:`umbp.shell.vllm_compat`) -> ask core
 (:mod:`umbp.core.request_lifecycle` and the plans it sequences) -> apply": store
 the new state, count, log, pin or unpin. Beside the per-request states the role
-keeps only what spans requests: the store events in flight, the finished
-requests' tails waiting for the next step, and the bound store and block pool.
+keeps only what spans requests: the pinned stores (:mod:`umbp.shell.pinned_stores`:
+the store events in flight, the finished requests' tails waiting for the next
+step), the last step's synchronous loads, and the bound store and block pool.
 """
 
 from __future__ import annotations
@@ -26,13 +27,6 @@ from umbp.core.identity import KeySpace, bound_keyspace
 from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
 from umbp.core.rank_keys import rank_tags
 from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
-from umbp.core.store_events import (
-    StoreEvent,
-    StoreEventResult,
-    acknowledge_reports,
-    pinned_block_ids,
-    reserved_identities,
-)
 from umbp.core.store_plans import StoreBatch
 from umbp.runtime.backends import open_scheduler_store
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
@@ -40,6 +34,7 @@ from umbp.shell import vllm_compat
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
+from umbp.shell.pinned_stores import PinnedStores
 from umbp.shell.request_state import UNKNOWN, PendingLookup, RequestState
 from umbp.shell.store_step import StoreStep
 from umbp.shell.vllm_compat.objects import (
@@ -113,10 +108,7 @@ class UMBPScheduler:
         self._keyspace: KeySpace | None = None
         self._gpu_block_pool: BlockPoolLike | None = None
         self._requests: dict[str, RequestState] = {}
-        self._store_events: dict[int, tuple[StoreEvent, StoreEventResult]] = {}
-        self._next_store_event = 0
-        # Finished requests' last boundary pages, pinned until the next step's event.
-        self._finished_tails: dict[str, StoreBatch] = {}
+        self._pinned = PinnedStores()
         # Requests whose failed load was acted on since the last step's metadata.
         self._settled_load_failures: set[str] = set()
         # The last step's synchronous loads (its failures may not be known yet).
@@ -137,6 +129,7 @@ class UMBPScheduler:
 
     def bind_gpu_block_pool(self, pool: BlockPoolLike) -> None:
         self._gpu_block_pool = pool
+        self._pinned.bind_pool(pool)
 
     def bind_workers(self, handshakes: Mapping[int, UMBPHandshake]) -> None:
         """Workers report their namespace and pool; lookups start only then."""
@@ -282,7 +275,7 @@ class UMBPScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
         # In-flight events' objects and this step's plans: stored once.
-        reserved = reserved_identities(event for event, _ in self._store_events.values())
+        reserved = self._pinned.reserved()
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
@@ -310,14 +303,8 @@ class UMBPScheduler:
             scheduler_output.finished_req_ids, preempted
         )
         self._settled_load_failures.clear()
-        finished_tails, self._finished_tails = self._finished_tails, {}
-        stores.extend(finished_tails.values())
-        if stores:
-            meta.stores = stores
-            meta.store_event = self._open_store_event(stores)
-        # The event pins the tails now; release the pins taken at request finish.
-        for batch in finished_tails.values():
-            self._unpin(batch)
+        # The finished requests' tails join the step's stores in its one event.
+        meta.stores, meta.store_event = self._pinned.open_event(stores)
         return meta
 
     def _tables_of(self, stores: list[StoreBatch]) -> dict[str, BlockTable]:
@@ -333,28 +320,7 @@ class UMBPScheduler:
         for request_id, life in lives.items():
             self._requests[request_id] = self._requests[request_id].with_life(life)
 
-    # -- pins and store events ------------------------------------------------------
-
-    def _pin(self, source: StoreEvent | StoreBatch) -> None:
-        """Pin the source blocks in vLLM's pool until workers have copied them out:
-        each block once (:func:`pinned_block_ids`), as :meth:`_unpin` releases them."""
-        pool = self._gpu_block_pool
-        if pool is not None:
-            pool.touch(list(map(pool.blocks.__getitem__, pinned_block_ids(source))))  # C loop
-
-    def _unpin(self, source: StoreEvent | StoreBatch) -> None:
-        """Release :meth:`_pin`'s pins, in reverse to keep vLLM's eviction order."""
-        pool = self._gpu_block_pool
-        if pool is not None:
-            pool.free_blocks(map(pool.blocks.__getitem__, reversed(pinned_block_ids(source))))
-
-    def _open_store_event(self, stores: list[StoreBatch]) -> int:
-        event_id = self._next_store_event
-        self._next_store_event += 1
-        event = StoreEvent(event_id, batches=tuple(stores))
-        self._store_events[event_id] = (event, StoreEventResult())
-        self._pin(event)
-        return event_id
+    # -- the workers' reports ---------------------------------------------------------
 
     def update_connector_output(self, output: ConnectorOutputLike) -> None:
         if output.invalid_block_ids or output.failed_recving:
@@ -362,12 +328,9 @@ class UMBPScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, UMBPWorkerMetadata):  # another connector's, or none
             return
-        self._store_events, acknowledged = acknowledge_reports(
-            self._store_events, meta.store_results, self._num_workers
-        )
-        for event, result in acknowledged:
-            self._unpin(event)
-            if self._kv_events is not None:
+        acknowledged = self._pinned.acknowledge(meta.store_results, self._num_workers)
+        if self._kv_events is not None:
+            for event, result in acknowledged:
                 self._kv_events.track(event, result)
 
     def _after_failed_loads(self, failed_blocks: set[int], failed_requests: set[str]) -> None:
@@ -396,7 +359,7 @@ class UMBPScheduler:
         pool, request_id = self._gpu_block_pool, request.request_id
         if not lifecycle.registers_finished_tail(
             self._store_enabled, pool is not None, bool(offloads),
-            request_id in self._finished_tails,
+            self._pinned.has_tail(request_id),
             self._requests.get(request_id, UNKNOWN).life.tracker is not None,
         ):
             return False
@@ -410,9 +373,9 @@ class UMBPScheduler:
         )
         match plans:
             case Success(tail):
-                batch = transfer_plans.transfer_batch(request_id, tail)
-                self._pin(batch)
-                self._finished_tails[request_id] = batch
+                self._pinned.hold_finished_tail(
+                    request_id, transfer_plans.transfer_batch(request_id, tail)
+                )
             case Failure(reason):
                 logger.debug("umbp partial tail of request %s not stored: %s", request_id, reason)
         return False
@@ -430,13 +393,14 @@ class UMBPScheduler:
         return events
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._store_events) or bool(self._finished_tails) or (
+        return self._pinned.events_in_flight or self._pinned.tails_waiting or (
             self._kv_events is not None and self._kv_events.has_pending()
         )
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
-        if not lifecycle.cache_reset_allowed(bool(self._store_events), bool(self._finished_tails)):
+        if not lifecycle.cache_reset_allowed(self._pinned.events_in_flight,
+                                             self._pinned.tails_waiting):
             return False
         for request_id, state in list(self._requests.items()):
             self._requests[request_id] = state.without_lookup().with_life(
