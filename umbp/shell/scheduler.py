@@ -3,39 +3,41 @@
 One :class:`~umbp.shell.request_state.RequestState` per request; every hook is
 "read vLLM's objects (through :mod:`umbp.shell.vllm_compat`) -> ask core
 (:mod:`umbp.core.request_lifecycle` and the plans it sequences) -> apply": store
-the new state, count, log, pin or unpin. Beside the per-request states the role
-keeps only what spans requests: the pinned stores (:mod:`umbp.shell.pinned_stores`:
-the store events in flight, the finished requests' tails waiting for the next
-step), the last step's synchronous loads, and the bound store and block pool.
+the new state, count, log, pin or unpin. Admission (lookups, hit windows, load
+plans) is :mod:`umbp.shell.admission`, a step's stores :mod:`umbp.shell.store_step`.
+Beside the per-request states the role keeps only what spans requests: the pinned
+stores (:mod:`umbp.shell.pinned_stores`: the store events in flight, the finished
+requests' tails waiting for the next step), the last step's synchronous loads, and
+the bound store and block pool.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from returns.result import Failure, Success
 
 from umbp.core import failed_loads, store_tracking, transfer_plans
-from umbp.core import lookup as core_lookup
 from umbp.core import request_lifecycle as lifecycle
-from umbp.core.config import ConnectorConfig, effective_load_async
+from umbp.core.config import ConnectorConfig
 from umbp.core.identity import KeySpace, bound_keyspace
-from umbp.core.lookup import BlockTable, LoadSpec, LookupQuery
+from umbp.core.lookup import BlockTable
 from umbp.core.rank_keys import rank_tags
-from umbp.core.request_lifecycle import LookupAction, RequestLifecycle
+from umbp.core.request_lifecycle import RequestLifecycle
 from umbp.core.store_plans import StoreBatch
 from umbp.runtime.backends import open_scheduler_store
-from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+from umbp.runtime.contract import SchedulerStore
 from umbp.shell import vllm_compat
+from umbp.shell.admission import Admission
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.pinned_stores import PinnedStores
-from umbp.shell.request_state import UNKNOWN, PendingLookup, RequestState
+from umbp.shell.request_state import UNKNOWN, RequestState
 from umbp.shell.store_step import StoreStep
 from umbp.shell.vllm_compat.objects import (
     BlockPoolLike,
@@ -73,18 +75,14 @@ class UMBPScheduler:
         # pool, so nothing is looked up, and nothing is stored.
         self._active = active
         self._config = config
-        self._kv_cache_config = kv_cache_config
         geometry = vllm_compat.lookup_geometry(
             vllm_config, kv_cache_config, config.enable_partial_hash_hits
         )
-        self._hybrid = (
+        hybrid = (
             HybridLookup(vllm_config, kv_cache_config, geometry, config.enable_partial_hash_hits)
             if geometry.coordinated else None
         )
-        self._geometry = geometry if self._hybrid is None else self._hybrid.geometry
-        self._window: Callable[[LookupQuery, Any], LoadSpec | None] = (
-            self._single_group_window if self._hybrid is None else self._coordinated_window
-        )
+        self._geometry = geometry if hybrid is None else hybrid.geometry
         # The drafter recomputes the last block of its groups: their masks drop it.
         self._eagle_store_groups = store_tracking.eagle_store_groups(
             vllm_compat.eagle_group_ids(kv_cache_config),
@@ -93,11 +91,6 @@ class UMBPScheduler:
         self._full_attention_groups = vllm_compat.full_attention_group_ids(
             kv_cache_config, self._geometry.group_ids
         )
-        self._load_async, warning = effective_load_async(
-            config.load_async, *vllm_compat.layer_kinds(kv_cache_config)
-        )
-        if warning is not None:
-            logger.warning("umbp: %s", warning)
         self._store_enabled = store_tracking.stores_under_role(active, vllm_compat.kv_role(vllm_config))
         self._num_workers = vllm_compat.world_size(vllm_config)
         self._topology = vllm_compat.topology_of(vllm_config)
@@ -119,6 +112,9 @@ class UMBPScheduler:
             if self._events_enabled else None
         )
         self.counters = SchedulerCounters()
+        self._admission = Admission(
+            config, kv_cache_config, self._geometry, hybrid, self._lookup_executor, self.counters
+        )
         self._store_step = StoreStep(
             kv_cache_config, self._geometry, save_decode_cache=config.save_decode_cache,
             events_enabled=self._events_enabled, eagle_store_groups=self._eagle_store_groups,
@@ -130,6 +126,7 @@ class UMBPScheduler:
     def bind_gpu_block_pool(self, pool: BlockPoolLike) -> None:
         self._gpu_block_pool = pool
         self._pinned.bind_pool(pool)
+        self._admission.bind_gpu_block_pool(pool)
 
     def bind_workers(self, handshakes: Mapping[int, UMBPHandshake]) -> None:
         """Workers report their namespace and pool; lookups start only then."""
@@ -157,100 +154,11 @@ class UMBPScheduler:
         store, keyspace = self._store, self._keyspace
         if store is None or keyspace is None:  # no worker bound yet: nothing to ask
             return 0, False
-        request_id, hashes, num_tokens = request.request_id, request.block_hashes, request.num_tokens
-        state = self._requests.get(request_id, UNKNOWN)
-        pending = state.lookup
-        if pending is not None and not lifecycle.lookup_still_current(
-            pending.request is request, pending.query, local_tokens, num_tokens, hashes
-        ):
-            state = state.without_lookup()
-        skip = core_lookup.lookup_skip_reason(
-            self._geometry, self._config.enable_lookup, len(hashes), num_tokens, local_tokens
+        request_id = request.request_id
+        tokens, load_async, self._requests[request_id] = self._admission.matched_tokens(
+            store, keyspace, request, local_tokens, self._requests.get(request_id, UNKNOWN)
         )
-        match lifecycle.next_lookup_action(skip, state.lookup_progress, self._config.lookup_async):
-            case LookupAction.ANSWER_NOTHING:
-                self._requests[request_id] = state.with_life(lifecycle.after_lookup_skip(state.life))
-                return 0, False
-            case LookupAction.WAIT:
-                self._requests[request_id] = state
-                return None, False
-            case LookupAction.SUBMIT:
-                query, state = self._query(keyspace, request, local_tokens, state)
-                answer = self._lookup_executor.submit(store.lookup, query.keys)
-                self._requests[request_id] = replace(
-                    state, lookup=PendingLookup(request, query, answer)
-                )
-                return None, False
-            case LookupAction.LOOKUP_NOW:
-                query, state = self._query(keyspace, request, local_tokens, state)
-                return self._match(request_id, state, query, self._lookup(store, query))
-            case LookupAction.READ_ANSWER:
-                assert pending is not None
-                answers = self._answer_of(pending.answer)
-                return self._match(request_id, replace(state, lookup=None), pending.query, answers)
-
-    def _query(
-        self, keyspace: KeySpace, request: RequestLike, local_tokens: int, state: RequestState
-    ) -> tuple[LookupQuery, RequestState]:
-        """The lookup query, from the request's memo where it has it or its keys
-        (vLLM asks again for a waiting request on later steps)."""
-        query, lookups = core_lookup.request_lookup_query(
-            self._geometry, keyspace, request.block_hashes, local_tokens, request.num_tokens,
-            state.lookups,
-        )
-        return query, state.with_lookups(lookups)
-
-    def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
-        try:
-            return store.lookup(query.keys)
-        except (StoreUnavailable, OSError) as error:
-            self.counters.lookup_failures += 1
-            logger.debug("umbp lookup failed: %s", error)
-            return None
-
-    def _answer_of(self, answer: Future[tuple[bool, ...]]) -> tuple[bool, ...] | None:
-        try:
-            return answer.result()
-        except Exception as error:
-            self.counters.lookup_failures += 1
-            logger.debug("umbp lookup failed: %s", error)
-            return None
-
-    def _match(
-        self, request_id: str, state: RequestState, query: LookupQuery,
-        answers: tuple[bool, ...] | None,
-    ) -> tuple[int, bool]:
-        """The hit window for the pool's answers (a failed lookup is a miss); a
-        miss keeps the state's earlier spec, as vLLM keeps its earlier answer."""
-        self.counters.lookups += 1
-        self.counters.queried_tokens += query.num_tokens - query.local_tokens
-        folded = None if answers is None else core_lookup.fold_rank_hits(query, answers)
-        spec = None if folded is None else self._window(query, folded)
-        if spec is None:
-            self._requests[request_id] = state
-            return 0, False
-        load_async = core_lookup.load_runs_async(self._load_async, spec, self._geometry)
-        self._requests[request_id] = state.with_life(
-            lifecycle.after_match(state.life, spec, load_async)
-        )
-        self.counters.hit_tokens += spec.num_tokens_to_load
-        return spec.num_tokens_to_load, load_async
-
-    def _single_group_window(self, query: LookupQuery, folded: Any) -> LoadSpec | None:
-        return core_lookup.single_group_load_spec(self._geometry, query, folded)
-
-    def _coordinated_window(self, query: LookupQuery, folded: Any) -> LoadSpec | None:
-        assert self._hybrid is not None
-        try:
-            return self._hybrid.window(query, folded, query.request_hashes, self._has_local_block)
-        except Exception as error:  # vLLM's coordinator refusing must not fail the request
-            self.counters.lookup_failures += 1
-            logger.warning("umbp hybrid hit window failed, counted as a miss: %s", error)
-            return None
-
-    def _has_local_block(self, group_id: int, block_hash: bytes) -> bool:
-        pool = self._gpu_block_pool
-        return pool is not None and pool.get_cached_block(block_hash, [group_id]) is not None
+        return tokens, load_async
 
     # -- allocation and per-step metadata ----------------------------------------
 
@@ -258,19 +166,9 @@ class UMBPScheduler:
         self, request: RequestLike, blocks: KVCacheBlocksLike, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
-        state = self._requests.get(request_id, UNKNOWN)
-        life, outcome = lifecycle.after_allocation(
-            state.life, request_id, self._geometry,
-            _table(blocks.get_block_ids(group_ids=self._geometry.group_ids)),
-            tuple(request.block_hashes), num_external_tokens,
+        self._requests[request_id] = self._admission.allocated(
+            request, blocks, num_external_tokens, self._requests.get(request_id, UNKNOWN)
         )
-        self._requests[request_id] = replace(state, request=request, life=life)
-        match outcome:
-            case Success(batch):
-                self.counters.planned_load_blocks += len(batch.block_ids)
-            case Failure(unplanned):
-                logger.warning("umbp load plan: %s; vLLM recomputes those tokens",
-                               unplanned.reason)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
