@@ -60,7 +60,7 @@ def load_batches(draw: st.DrawFn, request_id: str = "r") -> BlockLoadBatch:
     used: dict[int, set[int]] = {}
     for group_id in group_ids:
         taken = used.setdefault(group_id, set())
-        block = draw(st.integers(1, 40).filter(lambda b: b not in taken))
+        block = draw(st.sampled_from([b for b in range(1, 41) if b not in taken]))
         taken.add(block)
         block_ids.append(block)
     hashes = tuple(index.to_bytes(4, "big") for index in range(len(group_ids)))
@@ -84,8 +84,8 @@ def read_loads(draw: st.DrawFn, request_id: str = "r") -> ReadLoad:
         if kind == "none":
             answers[group_id] = None
         elif kind == "short":
-            answers[group_id] = tuple(draw(st.lists(statuses, max_size=len(rows) + 2)
-                                           .filter(lambda s: len(s) != len(rows))))
+            size = draw(st.sampled_from([n for n in range(len(rows) + 3) if n != len(rows)]))
+            answers[group_id] = tuple(draw(st.lists(statuses, min_size=size, max_size=size)))
         else:
             answers[group_id] = tuple(draw(st.lists(statuses, min_size=len(rows),
                                                     max_size=len(rows))))

@@ -21,13 +21,13 @@ from returns.result import Failure, Result, Success
 
 __all__ = [
     "FORMAT_VERSION",
-    "Identity",
     "KEY_PREFIX",
+    "RESERVED_NAMESPACE_PREFIXES",
     "CacheGroupShape",
+    "Identity",
     "KeyParts",
     "KeySpace",
     "NamespaceInputs",
-    "RESERVED_NAMESPACE_PREFIXES",
     "RankCoord",
     "RankTopology",
     "bound_keyspace",

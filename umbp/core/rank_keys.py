@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
-from typing import Any
+from typing import Any, Self
 
 from umbp.core.identity import KeySpace, RankTopology, key_prefix
 
@@ -182,7 +182,7 @@ class RankedKeys(tuple[str, ...]):
 
     def __new__(
         cls, keys: Iterable[str], layout: KeyLayout, tags: Sequence[str]
-    ) -> RankedKeys:
+    ) -> Self:
         self = super().__new__(cls, keys)
         if len(self) != layout.key_count:
             raise ValueError(f"{len(self)} keys for a layout of {layout.key_count}")

@@ -230,7 +230,10 @@ class UMBPWorker:
             return self._store.get_batch_into(
                 self._keys(batch, rows), [payload[i] for i in range(len(rows))]
             )
-        except Exception as error:  # the store failing must never fail the request
+        # A store answers its failures as values (umbp.runtime.contract); one that
+        # raises breaks it (a binding's own error, unknown here), and umbp must never
+        # be the reason a request fails: the group counts as unread and is recomputed.
+        except Exception as error:  # noqa: BLE001
             logger.warning("umbp load failed: %s", error)
             return None
 
@@ -361,6 +364,8 @@ class UMBPWorker:
             return self._store.put_batch(
                 self._keys(batch, rows), [payload[i] for i in range(len(rows))]
             )
-        except Exception as error:  # the store failing must never fail the request
+        # As in _read_group: a store raising breaks its contract, and must not fail
+        # the request; the group counts as not stored.
+        except Exception as error:  # noqa: BLE001
             logger.warning("umbp store failed: %s", error)
             return None
