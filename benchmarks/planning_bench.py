@@ -12,7 +12,8 @@ comparable across machines. Figures:
   every object hits (the longest window, the most work);
 * growth with prompt length (2K, 8K, 32K tokens) at block 16, one rank;
 * the store step (:func:`store_step_section`): 256 new 1,024-token requests, block 16
-  and 32, TP1 and TP4, CPU time per step (``time.thread_time_ns``, GC on) and GC
+  and 32, TP1 and TP4, CPU time per step (``time.thread_time_ns``, GC on, the
+  set-up heap frozen as vLLM's engine freezes its start-up heap) and GC
   collections per step, umbp vs the reference scheduler (vLLM 0.33's UMBP
   connector, on the same requests, its plans checked identical) in one run;
 * admission CPU time (:func:`admission_section`): the same lookup -> load plan as
@@ -32,7 +33,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,7 +251,7 @@ def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
             candidates: list[StoreCandidates] = []
             for request_id, request_hashes, block_ids in step.requests:
                 tracker = trackers[request_id].with_cached_tokens(0)
-                table = tuple(tuple(group) for group in block_ids)
+                table = (tuple(block_ids[0]),)  # as store_step._table copies one group
                 hashes = tuple(request_hashes)
                 storable = storable_tokens(step.tokens, len(hashes), block_size)
                 save_to = save_watermark(tracker.saved_tokens, storable, block_size)
@@ -509,7 +511,8 @@ def store_step_times(
     prepares = {"core": umbp_store_step(step)}
     objects = vllm_step(step)
     if isinstance(objects, str):
-        return cpu_times_per_step(prepares, rounds), objects
+        with startup_heap_frozen():
+            return cpu_times_per_step(prepares, rounds), objects
     prepare_reference, plans_of = reference_store_step(step, objects)
     prepares["hook"] = shell_store_step(step, objects)
     prepares["reference"] = prepare_reference
@@ -521,7 +524,25 @@ def store_step_times(
     reference_plans = plans_of(prepare_reference()())
     assert core_plans == reference_plans, "umbp's core and the reference disagree"
     assert hook_plans == reference_plans, "umbp's scheduler and the reference disagree"
-    return cpu_times_per_step(prepares, rounds), None
+    with startup_heap_frozen():
+        return cpu_times_per_step(prepares, rounds), None
+
+
+@contextmanager
+def startup_heap_frozen() -> Iterator[None]:
+    """The heap as vLLM's engine runs with it: ``EngineCore`` calls
+    ``freeze_gc_heap()`` after start-up (``vllm/utils/gc_utils.py``: a collection
+    of every generation, then ``gc.freeze()``), so the collector never walks the
+    objects start-up made. Here start-up is the case's setup (schedulers, vLLM's
+    objects and the step's requests: in the engine the requests come later);
+    unfrozen after the case, so one case's objects do not stay frozen in the next."""
+    for generation in (0, 1, 2):
+        gc.collect(generation)
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def store_step_section(quick: bool) -> dict[str, object]:
@@ -531,7 +552,8 @@ def store_step_section(quick: bool) -> dict[str, object]:
     cost per block as the step grows from 16 to 1,024 requests."""
     rounds = 15 if quick else 200
     print(f"store step, {STORE_REQUESTS} new requests x {STORE_TOKENS:,} tokens, one "
-          f"full-attention group: thread CPU time per step, GC on, {rounds} interleaved "
+          f"full-attention group: thread CPU time per step, GC on (set-up heap frozen, as "
+          f"vLLM's engine does after start-up), {rounds} interleaved "
           f"steps each; load average {os.getloadavg()[0]:.1f}")
     print("core: umbp.core's calls alone; hook: UMBPScheduler.build_connector_meta on "
           "vLLM's objects (pins in vLLM's block pool included); reference: vLLM 0.33's "

@@ -17,6 +17,7 @@ from tests.property.strategies import (
     StoreScenario,
     block_tables,
     coordinated_geometries,
+    geometries,
     identities_from,
     lookup_scenarios,
     request_hashes,
@@ -52,6 +53,7 @@ from umbp.core.store_pass import (
 from umbp.core.store_plans import StoreBatch, apply_store_masks, store_batch
 from umbp.core.store_tracking import (
     StoreTracker,
+    _candidate_ranges_per_group,
     eagle_store_groups,
     is_prefill,
     save_watermark,
@@ -867,3 +869,20 @@ def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
     assert set(blocks) == expected
     assert len(blocks) == len(set(blocks))
     assert NULL_BLOCK_ID not in blocks
+
+
+@given(geometries(), st.data())
+def test_one_groups_candidate_ranges_are_the_per_group_rules(
+    geometry: LookupGeometry, data: st.DataObject
+) -> None:
+    """store_candidate_ranges builds a one-group model's ranges directly (the fast
+    path); for every geometry, table, watermark pair and boundary set it gives what
+    the per-group rule gives."""
+    table = data.draw(block_tables(geometry, data.draw(st.integers(1, 6 * geometry.block_size))))
+    table = table[: data.draw(st.integers(0, len(table)))]  # vLLM may report fewer groups
+    previous = data.draw(st.integers(0, 8 * geometry.block_size))
+    save_to = previous + data.draw(st.integers(0, 8 * geometry.block_size))
+    boundary = frozenset(data.draw(st.sets(st.sampled_from(geometry.group_ids))))
+    assert store_candidate_ranges(geometry, previous, save_to, table, boundary) == (
+        _candidate_ranges_per_group(geometry, previous, save_to, table, boundary)
+    )

@@ -26,7 +26,7 @@ from umbp.core.store_pass import (
     residency_check,
     resident_blocks_from_hits,
 )
-from umbp.core.store_plans import StoreBatch, _contiguous_group_stores
+from umbp.core.store_plans import StoreBatch, _contiguous_group_stores, store_batch, whole_run_batch
 from umbp.core.store_reservations import Reservations
 from umbp.core.store_windows import StoreWindow, store_candidates
 
@@ -308,3 +308,69 @@ def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
         (lambda *_: None) if scanned else _contiguous_group_stores,
     ):
         assert plan(reservations) == plan(step.reserved)
+
+
+@given(store_steps(), st.booleans())
+def test_a_pass_with_nothing_resident_or_reserved_plans_whole_runs_as_store_batch_does(
+    step: StoreStep, whole_ranges: bool
+) -> None:
+    """plan_stores takes a one-group request's whole run by whole_run_batch when
+    nothing is resident, reserved or evented (the usual step): the same batches as
+    store_batch for every request, requests sharing objects included."""
+    if whole_ranges:
+        step = as_ranges(step)
+    check = residency_check(step.geometry, step.keyspace, step.candidates)
+
+    def plan() -> tuple[tuple[StoreBatch, ...], int]:
+        planned = plan_stores(step.geometry, step.candidates, check, None)
+        return planned.batches, planned.skipped_resident
+
+    fast = plan()
+    with mock.patch("umbp.core.store_pass.whole_run_batch", lambda *_: None):
+        assert fast == plan()
+
+
+@given(store_steps(), st.booleans())
+def test_a_whole_run_batch_is_store_batchs_batch_and_record_or_nothing(
+    step: StoreStep, whole_ranges: bool
+) -> None:
+    """Request by request through one pass's record: whenever whole_run_batch
+    answers, store_batch (with nothing resident or reserved) gives the same batch
+    and the same record; when it does not, the record is unchanged."""
+    if whole_ranges:
+        step = as_ranges(step)
+    record: dict[int, set[bytes]] = {}
+    for candidate in step.candidates:
+        before = {group_id: set(hashes) for group_id, hashes in record.items()}
+        fast = whole_run_batch(
+            candidate.request_id, step.geometry, candidate.selected, candidate.block_table,
+            candidate.block_hashes, record,
+        )
+        after = {group_id: set(hashes) for group_id, hashes in record.items()}
+        plain_record = {group_id: set(hashes) for group_id, hashes in before.items()}
+        plain = store_batch(
+            candidate.request_id, step.geometry, candidate.selected, candidate.block_table,
+            candidate.block_hashes, planned=plain_record,
+        )
+        if fast is None:
+            assert {g: h for g, h in after.items() if h} == {g: h for g, h in before.items() if h}
+            record = plain_record  # the pass goes on as store_batch left it
+        else:
+            assert fast == plain
+            assert {g: h for g, h in after.items() if h} == {
+                g: h for g, h in plain_record.items() if h
+            }
+
+
+@given(st.lists(st.lists(st.integers(0, 99), max_size=5), min_size=1, max_size=4), st.data())
+def test_the_store_steps_table_is_a_copy_of_vllms_lists_of_umbps_groups(
+    block_ids: list[list[int]], data: st.DataObject
+) -> None:
+    """umbp.shell.store_step copies one group's list directly (the fast path): the
+    same table as the per-group copy, for one group or several."""
+    from umbp.shell.store_step import _table
+
+    group_ids = tuple(data.draw(
+        st.lists(st.sampled_from(range(len(block_ids))), unique=True, min_size=1)
+    ))
+    assert _table(block_ids, group_ids) == tuple(tuple(block_ids[g]) for g in group_ids)

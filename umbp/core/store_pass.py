@@ -21,7 +21,7 @@ from itertools import compress
 from umbp.core.identity import Identity, KeySpace
 from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
 from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_prefixes, rank_tags
-from umbp.core.store_plans import StoreBatch, StoreSelection, store_batch
+from umbp.core.store_plans import StoreBatch, StoreSelection, store_batch, whole_run_batch
 
 __all__ = [
     "ResidencyCheck",
@@ -146,19 +146,20 @@ def plan_stores(
     resident = resident_blocks_from_hits(check, answers)
     planned: dict[int, set[bytes]] = {}
     batches: list[StoreBatch] = []
+    # With nothing to leave out but repeats, a one-group request's whole run takes
+    # the short path (the usual step: new requests, nothing in flight).
+    whole_runs = not (resident or reserved or events_enabled)
     for candidate in candidates:
-        batch = store_batch(
-            candidate.request_id,
-            geometry,
-            candidate.selected,
-            candidate.block_table,
-            candidate.block_hashes,
-            planned=planned,
-            resident=resident,
-            reserved=reserved,
-            events_enabled=events_enabled,
-            token_ids=candidate.token_ids,
-        )
+        batch = whole_run_batch(
+            candidate.request_id, geometry, candidate.selected, candidate.block_table,
+            candidate.block_hashes, planned,
+        ) if whole_runs else None
+        if batch is None:
+            batch = store_batch(
+                candidate.request_id, geometry, candidate.selected, candidate.block_table,
+                candidate.block_hashes, planned=planned, resident=resident, reserved=reserved,
+                events_enabled=events_enabled, token_ids=candidate.token_ids,
+            )
         if batch.block_ids:
             batches.append(batch)
     return StorePass(tuple(batches), len(resident))

@@ -11,7 +11,7 @@ step's store batches.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, MutableMapping
+from collections.abc import MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
@@ -90,10 +90,11 @@ class StoreStep:
             life, window = store_windows.new_request_store_window(
                 state.life, geometry, self._boundary_groups, new.num_computed_tokens,
                 output.num_scheduled_tokens[new.req_id],
-                _table(new.block_ids[g] for g in group_ids), len(state.request.block_hashes),
+                _table(new.block_ids, group_ids), len(state.request.block_hashes),
             )
             requests[new.req_id] = state.with_life(life)
-            candidates.extend(self._masked(state.request, window))
+            if (selected := self._masked(state.request, window)) is not None:
+                candidates.append(selected)
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             state = requests.get(request_id, UNKNOWN)
@@ -116,15 +117,17 @@ class StoreStep:
                 continue
             life, window = store_windows.cached_request_store_window(
                 life, geometry, self._boundary_groups, computed,
-                output.num_scheduled_tokens[request_id], _table(current[g] for g in group_ids),
+                output.num_scheduled_tokens[request_id], _table(current, group_ids),
                 request.num_prompt_tokens, len(request.block_hashes), self._save_decode_cache,
             )
             requests[request_id] = state.with_life(life)
-            candidates.extend(self._masked(request, window))
+            if (selected := self._masked(request, window)) is not None:
+                candidates.append(selected)
         return candidates
 
-    def _masked(self, request: RequestLike, window: StoreWindow) -> list[StoreCandidates]:
-        """The window's blocks vLLM's reachability masks keep (sliding windows)."""
+    def _masked(self, request: RequestLike, window: StoreWindow) -> StoreCandidates | None:
+        """The window's blocks vLLM's reachability masks keep (sliding windows);
+        None for a malformed mask (logged)."""
         geometry, masked_groups = self._geometry, self._masked_groups
         masks: dict[int, tuple[bool, ...] | None] = {}
         if masked_groups:
@@ -145,16 +148,16 @@ class StoreStep:
             # No mask keeps the window whole (apply_store_masks' rule; a property
             # test holds the two equal): built directly, without two Result values
             # per request (each costs about as much as storing 20 blocks here).
-            return [StoreCandidates(
+            return StoreCandidates(
                 request.request_id, window.ranges, window.block_table, hashes,
                 window.cached_tokens, token_ids,
-            )]
+            )
         match store_windows.store_candidates(request.request_id, window, masks, hashes, token_ids):
-            case Success(candidates):
-                return [candidates]
+            case Success(StoreCandidates() as candidates):
+                return candidates
             case Failure(reason):
                 logger.warning("umbp store mask for request %s: %s", request.request_id, reason)
-        return []
+        return None
 
     def _store_pass(
         self, candidates: list[StoreCandidates], reserved: AbstractSet[Identity],
@@ -215,5 +218,8 @@ class StoreStep:
         return transfer_plans.transfer_batches(plans)
 
 
-def _table(groups: Iterable[Iterable[int]]) -> BlockTable:
-    return tuple(tuple(group) for group in groups)
+def _table(block_ids: Sequence[Sequence[int]], group_ids: tuple[int, ...]) -> BlockTable:
+    """vLLM's block lists of umbp's groups, copied (vLLM appends to them)."""
+    if len(group_ids) == 1:  # the usual model: no comprehension per request
+        return (tuple(block_ids[group_ids[0]]),)
+    return tuple([tuple(block_ids[group_id]) for group_id in group_ids])
