@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
@@ -253,6 +253,59 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
         load.request_id for load in loads if load.request_id not in async_loads]
     assert kept.unplanned == {r: b for r, b in unplanned.items() if r not in async_loads}
     assert lifecycle.stores_over_sync_loads(kept.loads, frozenset(), kept.unplanned, storing) == got
+
+
+LOADING = ["r0", "r1", "r2", "r3"]
+BLOCKS = st.lists(st.integers(1, 12), max_size=5, unique=True)
+
+
+@st.composite
+def step_loads(draw: st.DrawFn) -> lifecycle.StepLoads:
+    """One step's loads as take_step_loads returns them: planned, unplanned (a
+    request is one or the other) and which of them run asynchronously."""
+    loads = tuple(
+        BlockLoadBatch(r, (0,) * len(b), tuple(b), tuple(bytes([i]) for i in range(len(b))))
+        for r, b in draw(st.dictionaries(st.sampled_from(LOADING), BLOCKS, max_size=3)).items()
+    )
+    unplanned = {r: tuple(b) for r, b in
+                 draw(st.dictionaries(st.sampled_from(LOADING), BLOCKS, max_size=2)).items()
+                 if r not in {load.request_id for load in loads}}
+    return lifecycle.StepLoads(loads, unplanned, draw(st.frozensets(st.sampled_from(LOADING))), {})
+
+
+@given(step_loads(), step_loads(), st.dictionaries(st.sampled_from([*LOADING, "s"]), BLOCKS))
+# One request's loads in both steps: unplanned twice, or synchronous then asynchronous.
+@example(lifecycle.StepLoads((), {"r0": (1,)}, frozenset(), {}),
+         lifecycle.StepLoads((), {"r0": (2,)}, frozenset(), {}), {"s": [1]})
+@example(lifecycle.StepLoads((BlockLoadBatch("r0", (0,), (1,), (b"a",)),), {}, frozenset(), {}),
+         lifecycle.StepLoads((BlockLoadBatch("r0", (0,), (2,), (b"b",)),), {}, frozenset({"r0"}), {}),
+         {"s": [1]})
+def test_a_steps_stores_depend_on_its_own_and_the_last_steps_sync_loads_exactly(
+    last: lifecycle.StepLoads, step: lifecycle.StepLoads, tables: dict[str, list[int]],
+) -> None:
+    """What the scheduler tells the workers: a store depends on a synchronous load
+    of this step or of the last one (whose failure vLLM's async scheduling may not
+    have reported yet), exactly as if each step were asked alone; and the tables
+    are skipped (None) exactly when neither step has a synchronous load."""
+    previous = lifecycle.sync_loads_of(last)
+    storing = {r: (tuple(t),) for r, t in tables.items()}
+
+    def depends(loads: lifecycle.StepLoads) -> dict[str, frozenset[str]]:
+        return lifecycle.stores_over_sync_loads(
+            loads.loads, loads.async_loads, loads.unplanned, storing
+        )
+
+    alone = [depends(previous), depends(step)]
+    expected = {r: deps for r in storing
+                if (deps := frozenset().union(*(d.get(r, frozenset()) for d in alone)))}
+    in_reach = lifecycle.loads_in_reach(previous, step)
+    sync_now = [r for r in (*(b.request_id for b in step.loads), *step.unplanned)
+                if r not in step.async_loads]
+    assert (in_reach is None) == (not previous.loads and not previous.unplanned and not sync_now)
+    if in_reach is None:
+        assert expected == {}
+    else:
+        assert depends(in_reach) == expected
 
 
 @st.composite

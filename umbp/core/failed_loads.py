@@ -2,8 +2,9 @@
 leave exposed, and what vLLM's report of a failed load rewinds.
 
 vLLM's async scheduling plans the next step before a step's failures are known,
-so the scheduler keeps a step's synchronous loads (:func:`sync_loads_of`) and
-tells workers which stores depend on them (:func:`stores_over_sync_loads`); once
+so the scheduler keeps a step's synchronous loads (:func:`sync_loads_of`), joins
+them to the next step's (:func:`loads_in_reach`) and tells workers which stores
+depend on them (:func:`stores_over_sync_loads`); once
 vLLM reports a failure, each request it concerns (:func:`hit_by_failed_load`)
 gets its store watermark rewound to where vLLM recomputes from
 (:func:`after_failed_load`).
@@ -22,6 +23,7 @@ from umbp.core.request_lifecycle import RequestLifecycle, StepLoads
 __all__ = [
     "after_failed_load",
     "hit_by_failed_load",
+    "loads_in_reach",
     "rewound_watermark",
     "stores_over_sync_loads",
     "sync_loads_of",
@@ -38,6 +40,21 @@ def sync_loads_of(step: StepLoads) -> StepLoads:
         {r: ids for r, ids in step.unplanned.items() if r not in step.async_loads},
         frozenset(), {},
     )
+
+
+def loads_in_reach(previous: StepLoads, step: StepLoads) -> StepLoads | None:
+    """The synchronous loads a step's stores may read over: the step's own and
+    the last step's (``previous``, :func:`sync_loads_of` it), as one; None when
+    there are none, so no store depends on a load and the caller need not read
+    the storing requests' block tables. A request unplanned in both steps keeps
+    both steps' blocks."""
+    current = sync_loads_of(step)
+    if not (previous.loads or previous.unplanned or current.loads or current.unplanned):
+        return None
+    unplanned = dict(previous.unplanned)
+    for request_id, block_ids in current.unplanned.items():
+        unplanned[request_id] = (*unplanned.get(request_id, ()), *block_ids)
+    return StepLoads((*previous.loads, *current.loads), unplanned, frozenset(), {})
 
 
 def stores_over_sync_loads(

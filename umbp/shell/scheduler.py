@@ -186,11 +186,10 @@ class UMBPScheduler:
         meta.loads = list(loads.loads)
         meta.unplanned_loads = dict(loads.unplanned)
         meta.async_loads = loads.async_loads
-        previous = self._previous_sync_loads
-        if stores and (loads.loads or loads.unplanned or previous.loads or previous.unplanned):
+        in_reach = failed_loads.loads_in_reach(self._previous_sync_loads, loads)
+        if stores and in_reach is not None:
             meta.stores_over_loads = failed_loads.stores_over_sync_loads(
-                (*previous.loads, *loads.loads), loads.async_loads,
-                {**previous.unplanned, **loads.unplanned}, self._tables_of(stores),
+                in_reach.loads, in_reach.async_loads, in_reach.unplanned, self._tables_of(stores)
             )
         self._previous_sync_loads = failed_loads.sync_loads_of(loads)
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
