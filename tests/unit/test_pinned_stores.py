@@ -1,0 +1,58 @@
+"""PinnedStores on vLLM's own BlockPool: a store's source blocks stay pinned from
+the step that plans them (or the finish of the request whose tail they are) until
+every worker has reported the event, each block once, and nothing stays pinned."""
+
+from __future__ import annotations
+
+from vllm.v1.core.block_pool import BlockPool
+
+from umbp.core.store_events import StoreEventResult
+from umbp.core.store_plans import StoreBatch
+from umbp.shell.pinned_stores import PinnedStores
+
+
+def _batch(request_id: str, block_ids: list[int]) -> StoreBatch:
+    count = len(block_ids)
+    return StoreBatch(request_id, (0,) * count, tuple(block_ids),
+                      tuple(bytes([b]) for b in block_ids), (None,) * count, ((),) * count,
+                      (16,) * count)
+
+
+def test_a_finished_tail_stays_pinned_through_its_event_until_every_worker_reports() -> None:
+    pool = BlockPool(8, True, 16)
+    live = [block.block_id for block in pool.get_new_blocks(2)]
+    finished_blocks = pool.get_new_blocks(2)
+    finished = [block.block_id for block in finished_blocks]
+    free_at_start = pool.get_num_free_blocks()
+    pinned = PinnedStores()
+    pinned.bind_pool(pool)
+
+    def refs(ids: list[int]) -> list[int]:
+        return [pool.blocks[i].ref_cnt for i in ids]
+
+    tail = _batch("done", finished)
+    pinned.hold_finished_tail("done", tail)
+    pool.free_blocks(finished_blocks)  # vLLM cleans the finished request up
+    assert refs(finished) == [1, 1], "only the tail's pins hold the pages"
+    assert pinned.has_tail("done") and pinned.tails_waiting and not pinned.events_in_flight
+
+    # Two batches of the step read the same block: it is pinned once.
+    step = [_batch("live", live), _batch("other", live[:1])]
+    batches, event_id = pinned.open_event(step)
+    assert batches == [*step, tail] and event_id == 0
+    assert refs(live) == [2, 2] and refs(finished) == [1, 1], "the event took the tail's pins"
+    assert not pinned.tails_waiting and pinned.events_in_flight
+    assert {(0, bytes([b])) for b in live + finished} <= set(pinned.reserved())
+
+    assert pinned.acknowledge({event_id: StoreEventResult(1)}, 2) == ()
+    assert refs(live) == [2, 2], "one worker of two reported: still pinned"
+    done = pinned.acknowledge({event_id: StoreEventResult(1)}, 2)
+    assert [event.event_id for event, _ in done] == [0]
+    assert done[0][1].completed_workers == 2
+    assert refs(live) == [1, 1] and refs(finished) == [0, 0]
+    assert pool.get_num_free_blocks() == free_at_start + 2, "the tail's pages are free again"
+    assert not pinned.events_in_flight and not set(pinned.reserved())
+    assert pinned.acknowledge({event_id: StoreEventResult(1)}, 2) == (), "acknowledged once"
+
+    assert pinned.open_event([]) == ([], None), "nothing to store: no event"
+    assert not pinned.events_in_flight
