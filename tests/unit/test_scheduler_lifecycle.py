@@ -283,3 +283,30 @@ def test_a_consumer_never_stores(make_driver: Any) -> None:
     driver.run(["b"])
     assert driver.cached_tokens("b") == 0
     assert driver.connector_stats()["scheduler_lookups"] >= 1
+
+
+@pytest.mark.parametrize("lookup_async", [True, False])
+def test_a_store_whose_lookup_raises_is_a_miss(
+    make_driver: Any, lookup_async: bool, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A back-end that breaks the store contract (raises something other than
+    StoreUnavailable) must not fail the request: its lookup is a miss, counted,
+    and a warning names the exception."""
+    driver = make_driver(extra={"lookup_async": lookup_async})
+    tokens = prompt(4)
+    driver.fill_pool("a", tokens)
+    store = driver.connector._scheduler._store
+
+    def broken(keys: Any) -> tuple[bool, ...]:
+        raise RuntimeError("binding exploded")
+
+    monkeypatch.setattr(store, "lookup", broken)
+    with caplog.at_level("WARNING", logger="umbp"):
+        driver.add("b", tokens + [9], max_tokens=2)
+        records = driver.run(["b"])
+    assert not any(record.loads for record in records)
+    assert driver.cached_tokens("b") == 0
+    assert driver.connector_stats()["scheduler_lookup_failures"] >= 1
+    assert any("RuntimeError" in r.getMessage() and "binding exploded" in r.getMessage()
+               for r in caplog.records)

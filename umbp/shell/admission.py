@@ -37,8 +37,10 @@ __all__ = ["Admission", "AdmissionCounters"]
 
 logger = logging.getLogger("umbp")
 
-# What a lookup may raise: the contract's one exception (the back-end cannot be
-# reached) and a socket's error. Anything else is a bug, and shows as one.
+# What a lookup is expected to raise: the contract's one exception (the back-end
+# cannot be reached) and a socket's error. Anything else breaks the store
+# contract; it is a miss too (umbp must never be the reason a request fails,
+# docs/failure-behaviour.md), logged as a warning that names it.
 _LOOKUP_FAILURES = (StoreUnavailable, OSError)
 
 
@@ -143,21 +145,25 @@ class Admission:
     def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
         try:
             return store.lookup(query.keys)
-        except _LOOKUP_FAILURES as error:
+        except Exception as error:  # noqa: BLE001 (see _LOOKUP_FAILURES)
             self._lookup_failed(error)
             return None
 
     def _answer_of(self, answer: Future[tuple[bool, ...]]) -> tuple[bool, ...] | None:
         try:
             return answer.result()
-        except (*_LOOKUP_FAILURES, CancelledError) as error:  # or shut down meanwhile
+        except Exception as error:  # noqa: BLE001 (also CancelledError: shut down meanwhile)
             self._lookup_failed(error)
             return None
 
     def _lookup_failed(self, error: Exception) -> None:
         """A lookup that failed counts as a miss (docs/failure-behaviour.md)."""
         self._counters.lookup_failures += 1
-        logger.debug("umbp lookup failed: %s", error)
+        if isinstance(error, (*_LOOKUP_FAILURES, CancelledError)):
+            logger.debug("umbp lookup failed: %s", error)
+        else:
+            logger.warning("umbp lookup raised %s (a store breaking its contract), "
+                           "counted as a miss: %s", type(error).__name__, error)
 
     def _match(
         self, state: RequestState, query: LookupQuery, answers: tuple[bool, ...] | None,
