@@ -179,7 +179,7 @@ def whole_run_batch(
 
     The same rule (:func:`_contiguous_group_stores`) without store_batch's
     per-group loop and column joins: every request of a step comes here, and they
-    cost about a third of the batch (a property holds the two equal)."""
+    cost 10-25% of its batch (a property holds the two equal)."""
     group_id = geometry.group_ids[0]
     if len(selected) != 1 or len(geometry.group_ids) != 1 or selected[0][0] != group_id:
         return None
