@@ -251,7 +251,7 @@ def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
             candidates: list[StoreCandidates] = []
             for request_id, request_hashes, block_ids in step.requests:
                 tracker = trackers[request_id].with_cached_tokens(0)
-                table = (tuple(block_ids[0]),)  # as store_step._table copies one group
+                table = (tuple(block_ids[0]),)  # as core.lookup.block_table_of copies one group
                 hashes = tuple(request_hashes)
                 storable = storable_tokens(step.tokens, len(hashes), block_size)
                 save_to = save_watermark(tracker.saved_tokens, storable, block_size)

@@ -363,14 +363,21 @@ def test_a_whole_run_batch_is_store_batchs_batch_and_record_or_nothing(
 
 
 @given(st.lists(st.lists(st.integers(0, 99), max_size=5), min_size=1, max_size=4), st.data())
-def test_the_store_steps_table_is_a_copy_of_vllms_lists_of_umbps_groups(
+def test_a_block_table_is_a_copy_of_vllms_lists_of_umbps_groups(
     block_ids: list[list[int]], data: st.DataObject
 ) -> None:
-    """umbp.shell.store_step copies one group's list directly (the fast path): the
-    same table as the per-group copy, for one group or several."""
-    from umbp.shell.store_step import _table
+    """core.lookup.block_table_of copies one group's list directly (the fast path
+    the shell's admission, store step and tails take): the same table as the
+    per-group copy, for one group or several, and vLLM appending to its lists
+    later does not change it."""
+    from umbp.core.lookup import block_table_of
 
     group_ids = tuple(data.draw(
         st.lists(st.sampled_from(range(len(block_ids))), unique=True, min_size=1)
     ))
-    assert _table(block_ids, group_ids) == tuple(tuple(block_ids[g]) for g in group_ids)
+    expected = tuple(tuple(block_ids[g]) for g in group_ids)
+    table = block_table_of(block_ids, group_ids)
+    assert table == expected
+    for group in block_ids:
+        group.append(7)
+    assert table == expected

@@ -20,6 +20,7 @@ __all__ = [
     "BlockTable",
     "LookupGeometry",
     "LookupSkip",
+    "block_table_of",
     "hashes_at_token_ends",
     "lookup_limit",
     "lookup_skip_reason",
@@ -32,6 +33,14 @@ NULL_BLOCK_ID: Final = 0
 
 BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
 """Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
+
+
+def block_table_of(block_ids: Sequence[Sequence[int]], group_ids: Sequence[int]) -> BlockTable:
+    """The table of ``group_ids`` from vLLM's per-group block lists (indexed by
+    group id), copied: vLLM appends to its lists."""
+    if len(group_ids) == 1:  # the usual model: no comprehension per request
+        return (tuple(block_ids[group_ids[0]]),)
+    return tuple([tuple(block_ids[group_id]) for group_id in group_ids])
 
 
 @dataclass(frozen=True, slots=True)

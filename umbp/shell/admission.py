@@ -14,7 +14,7 @@ scheduler keeps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import replace
 from typing import Any, Protocol
@@ -25,7 +25,7 @@ from umbp.core import lookup as core_lookup
 from umbp.core import request_lifecycle as lifecycle
 from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
-from umbp.core.lookup import BlockTable, LoadSpec, LookupGeometry, LookupQuery
+from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery, block_table_of
 from umbp.core.request_lifecycle import LookupAction
 from umbp.runtime.contract import SchedulerStore, StoreUnavailable
 from umbp.shell import vllm_compat
@@ -120,7 +120,7 @@ class Admission:
         request_id = request.request_id
         life, outcome = lifecycle.after_allocation(
             state.life, request_id, self._geometry,
-            _table(blocks.get_block_ids(group_ids=self._geometry.group_ids)),
+            block_table_of(blocks.get_block_ids(), self._geometry.group_ids),
             tuple(request.block_hashes), num_external_tokens,
         )
         match outcome:
@@ -201,7 +201,3 @@ class Admission:
     def _has_local_block(self, group_id: int, block_hash: bytes) -> bool:
         pool = self._gpu_block_pool
         return pool is not None and pool.get_cached_block(block_hash, [group_id]) is not None
-
-
-def _table(groups: Iterable[Iterable[int]]) -> BlockTable:
-    return tuple(tuple(group) for group in groups)

@@ -14,7 +14,7 @@ the bound store and block pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ from umbp.core import failed_loads, store_tracking, transfer_plans
 from umbp.core import request_lifecycle as lifecycle
 from umbp.core.config import ConnectorConfig
 from umbp.core.identity import KeySpace, bound_keyspace
-from umbp.core.lookup import BlockTable
+from umbp.core.lookup import BlockTable, block_table_of
 from umbp.core.rank_keys import rank_tags
 from umbp.core.request_lifecycle import RequestLifecycle
 from umbp.core.store_plans import StoreBatch
@@ -263,7 +263,7 @@ class UMBPScheduler:
         assert pool is not None  # registers_finished_tail requires a bound pool
         geometry = self._geometry
         plans = transfer_plans.finished_partial_tail_plans(
-            request_id, geometry, offloads, _table(block_ids[g] for g in geometry.group_ids),
+            request_id, geometry, offloads, block_table_of(block_ids, geometry.group_ids),
             tuple(request.block_hashes), request.num_computed_tokens,
             request.num_in_flight_tokens, self._full_attention_groups,
             len(pool.blocks), frozenset({pool.null_block.block_id}), self._events_enabled,
@@ -318,7 +318,3 @@ class UMBPScheduler:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, UNKNOWN).without_lookup()
-
-
-def _table(groups: Iterable[Iterable[int]]) -> BlockTable:
-    return tuple(tuple(group) for group in groups)

@@ -11,7 +11,7 @@ step's store batches.
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping, Sequence
+from collections.abc import MutableMapping
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from returns.result import Failure, Success
 from umbp.core import store_pass as core_store_pass
 from umbp.core import store_windows, transfer_plans
 from umbp.core.identity import Identity, KeySpace
-from umbp.core.lookup import BlockTable, LookupGeometry
+from umbp.core.lookup import LookupGeometry, block_table_of
 from umbp.core.store_pass import ResidencyCheck, StoreCandidates
 from umbp.core.store_plans import StoreBatch
 from umbp.core.store_windows import StoreWindow
@@ -90,7 +90,7 @@ class StoreStep:
             life, window = store_windows.new_request_store_window(
                 state.life, geometry, self._boundary_groups, new.num_computed_tokens,
                 output.num_scheduled_tokens[new.req_id],
-                _table(new.block_ids, group_ids), len(state.request.block_hashes),
+                block_table_of(new.block_ids, group_ids), len(state.request.block_hashes),
             )
             requests[new.req_id] = state.with_life(life)
             if (selected := self._masked(state.request, window)) is not None:
@@ -117,7 +117,7 @@ class StoreStep:
                 continue
             life, window = store_windows.cached_request_store_window(
                 life, geometry, self._boundary_groups, computed,
-                output.num_scheduled_tokens[request_id], _table(current, group_ids),
+                output.num_scheduled_tokens[request_id], block_table_of(current, group_ids),
                 request.num_prompt_tokens, len(request.block_hashes), self._save_decode_cache,
             )
             requests[request_id] = state.with_life(life)
@@ -216,10 +216,3 @@ class StoreStep:
             logger.debug("umbp boundary offloads dropped request=%s entries=%d: %s",
                          drop.request_id, drop.entries, drop.reason.value)
         return transfer_plans.transfer_batches(plans)
-
-
-def _table(block_ids: Sequence[Sequence[int]], group_ids: tuple[int, ...]) -> BlockTable:
-    """vLLM's block lists of umbp's groups, copied (vLLM appends to them)."""
-    if len(group_ids) == 1:  # the usual model: no comprehension per request
-        return (tuple(block_ids[group_ids[0]]),)
-    return tuple([tuple(block_ids[group_id]) for group_id in group_ids])
