@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Executor, Future
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -27,22 +27,16 @@ from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery, block_table_of
 from umbp.core.request_lifecycle import LookupAction
-from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+from umbp.runtime.contract import SchedulerStore
 from umbp.shell import vllm_compat
 from umbp.shell.hybrid_lookup import HybridLookup
+from umbp.shell.lookup_errors import log_failed_lookup
 from umbp.shell.request_state import PendingLookup, RequestState
 from umbp.shell.vllm_compat.objects import BlockPoolLike, KVCacheBlocksLike, RequestLike
 
 __all__ = ["Admission", "AdmissionCounters"]
 
 logger = logging.getLogger("umbp")
-
-# What a lookup is expected to raise: the contract's one exception (the back-end
-# cannot be reached) and a socket's error. Anything else breaks the store
-# contract; it is a miss too (umbp must never be the reason a request fails,
-# docs/failure-behaviour.md), logged as a warning that names it.
-_LOOKUP_FAILURES = (StoreUnavailable, OSError)
-
 
 class AdmissionCounters(Protocol):
     lookups: int
@@ -145,25 +139,21 @@ class Admission:
     def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
         try:
             return store.lookup(query.keys)
-        except Exception as error:  # noqa: BLE001 (see _LOOKUP_FAILURES)
+        except Exception as error:  # noqa: BLE001 (see umbp.shell.lookup_errors)
             self._lookup_failed(error)
             return None
 
     def _answer_of(self, answer: Future[tuple[bool, ...]]) -> tuple[bool, ...] | None:
         try:
             return answer.result()
-        except Exception as error:  # noqa: BLE001 (also CancelledError: shut down meanwhile)
+        except Exception as error:  # noqa: BLE001 (CancelledError too: shut down meanwhile)
             self._lookup_failed(error)
             return None
 
     def _lookup_failed(self, error: Exception) -> None:
         """A lookup that failed counts as a miss (docs/failure-behaviour.md)."""
         self._counters.lookup_failures += 1
-        if isinstance(error, (*_LOOKUP_FAILURES, CancelledError)):
-            logger.debug("umbp lookup failed: %s", error)
-        else:
-            logger.warning("umbp lookup raised %s (a store breaking its contract), "
-                           "counted as a miss: %s", type(error).__name__, error)
+        log_failed_lookup("lookup", error)
 
     def _match(
         self, state: RequestState, query: LookupQuery, answers: tuple[bool, ...] | None,

@@ -24,8 +24,9 @@ from umbp.core.lookup import LookupGeometry, block_table_of
 from umbp.core.store_pass import ResidencyCheck, StoreCandidates
 from umbp.core.store_plans import StoreBatch
 from umbp.core.store_windows import StoreWindow
-from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+from umbp.runtime.contract import SchedulerStore
 from umbp.shell import vllm_compat
+from umbp.shell.lookup_errors import log_failed_lookup
 from umbp.shell.request_state import UNKNOWN, RequestState
 from umbp.shell.vllm_compat.objects import RequestLike, SchedulerOutputLike
 
@@ -189,9 +190,9 @@ class StoreStep:
         self._counters.residency_lookups += 1
         try:
             return store.lookup(check.keys)
-        except (StoreUnavailable, OSError) as error:
+        except Exception as error:  # noqa: BLE001 (see umbp.shell.lookup_errors)
             self._counters.lookup_failures += 1
-            logger.debug("umbp residency lookup failed: %s", error)
+            log_failed_lookup("residency lookup", error)
             return None
 
     def _boundary_stores(
