@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.umbp-installed
 
-.PHONY: demo test test-vllm033 test-sglang lint clean
+.PHONY: demo test test-installs test-vllm033 test-sglang lint clean
 
 # vLLM 0.33.0, the version GPU machines install: its Python code (not its CUDA
 # ops) runs the version-independent tests (marker vllm_versions) inside this venv.
@@ -48,6 +48,9 @@ $(SGLANG_STAMP): requirements-sglang-cpu.txt
 	@$(SGLANG_BIN)/python -c "import site, sys; \
 		open(site.getsitepackages()[0] + '/umbp-checkout.pth', 'w').write(sys.argv[1] + '\n')" \
 		$(CURDIR)
+	@# Compiled here, while the other installs download, not by the first SGLang test.
+	@$(SGLANG_ENV) $(SGLANG_BIN)/python -c "import os, umbp.testing.sglang_engine as e; \
+		e.build_hash_extension(e.cpu_environment(os.environ['UMBP_TEST_TORCH_EXTENSIONS_DIR']))"
 	@touch $(SGLANG_STAMP)
 	@echo "umbp: SGLang installed."
 
@@ -67,7 +70,12 @@ $(VLLM033_STAMP): | $(STAMP)
 		'$(VLLM033_CACHE)/vllm-$(VLLM033)-*.whl' $(VLLM033_DIR)
 	@touch $(VLLM033_STAMP)
 
-test: $(STAMP) $(VLLM033_STAMP) $(SGLANG_STAMP)
+# The installs write separate folders (the vLLM 0.33 wheel is fetched by .venv's pip, so
+# after it): side by side, one's downloads overlap the other's unpacking and compiling.
+test-installs:
+	@$(MAKE) --no-print-directory -s -j3 $(STAMP) $(VLLM033_STAMP) $(SGLANG_STAMP)
+
+test: test-installs
 	$(BIN)/mypy --strict umbp
 	$(BIN)/python -m pytest -q tests
 	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit

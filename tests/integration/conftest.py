@@ -1,5 +1,5 @@
-"""Real vLLM engines, each scenario in its own interpreter (see
-umbp.testing.scenario). Models are written once per test session."""
+"""Real vLLM engines, each scenario in a fresh process (see umbp.testing.scenario and
+harness.py). Models are written once per test session."""
 
 from __future__ import annotations
 

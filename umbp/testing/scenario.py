@@ -1,6 +1,7 @@
 """Run engine scenarios in a fresh process and report what happened as JSON.
 
-Each integration test starts this module in its own interpreter: vLLM keeps
+Each integration test runs this module's ``main`` in a fresh process (forked from a
+forkserver that imported vLLM once, tests/integration/harness.py): vLLM keeps
 process-wide state (the KV transfer agent, distributed groups), so one process
 per scenario keeps tests independent. Usage::
 
