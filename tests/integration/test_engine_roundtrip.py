@@ -28,22 +28,48 @@ def _prompts() -> list[list[int]]:
 def _scenario(model_dir: str, *, block_size: int, dtype: str, connector: dict[str, Any],
               multiprocess: bool = False, steps: list[str] | None = None,
               prompts: list[list[int]] | None = None,
-              engine: dict[str, Any] | None = None) -> dict[str, Any]:
+              engine: dict[str, Any] | None = None, own_baseline: bool = True) -> dict[str, Any]:
+    """An engine without umbp (unless the test compares with ``fp32_baseline``), then
+    one with ``connector``."""
+    baseline = [{"connector": None, "steps": ["generate"]}] if own_baseline else []
     return {
         "model_dir": model_dir,
         "engine": {"block_size": block_size, "dtype": dtype, **(engine or {})},
         "multiprocess": multiprocess,
         "prompts": prompts or _prompts(),
         "max_tokens": 12,
-        "engines": [
-            {"connector": None, "steps": ["generate"]},
-            {"connector": connector, "steps": steps or STORE_THEN_RESTORE},
-        ],
+        "engines": [*baseline, {"connector": connector, "steps": steps or STORE_THEN_RESTORE}],
     }
 
 
-def _assert_restored_exactly(report: dict[str, Any], block_size: int, prompts: list[list[int]]) -> None:
-    (baseline,), (first, reset, restored, _stats) = report["engines"][0], report["engines"][1]
+@pytest.fixture(scope="module")
+def fp32_baseline(llama_fp32: str) -> dict[str, Any]:
+    """What an engine without umbp generates for ``_prompts()`` (float32, block 32): the
+    reference of every test of that configuration, computed once. Greedy decoding of
+    the same batch is the same arithmetic in any process, engine core in-process or not
+    (a difference would fail those tests, never pass them)."""
+    report = run_scenario({
+        "model_dir": llama_fp32, "engine": {"block_size": 32, "dtype": "float32"},
+        "prompts": _prompts(), "max_tokens": 12,
+        "engines": [{"connector": None, "steps": ["generate"]}],
+    })
+    ((baseline,),) = report["engines"]
+    return dict(baseline)
+
+
+def _baseline_and_runs(report: dict[str, Any], shared: dict[str, Any] | None
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the generate of the engine without umbp, the umbp engine's steps)."""
+    if shared is None:
+        (baseline,), runs = report["engines"]
+        return baseline, runs
+    (runs,) = report["engines"]
+    return shared, runs
+
+
+def _assert_restored_exactly(report: dict[str, Any], block_size: int, prompts: list[list[int]],
+                             shared_baseline: dict[str, Any] | None = None) -> None:
+    baseline, (first, reset, restored, _stats) = _baseline_and_runs(report, shared_baseline)
     assert reset["ok"]
     assert first["tokens"] == baseline["tokens"], "storing changed the output"
     assert restored["tokens"] == baseline["tokens"], "restored KV changed the output"
@@ -69,28 +95,36 @@ def test_in_process_engine_restores_prefixes_with_identical_tokens(
     options: dict[str, Any], engine: dict[str, Any],
 ) -> None:
     model_dir = request.getfixturevalue(model)
+    # The float32 block-32 engine is the configuration of fp32_baseline.
+    shared = (request.getfixturevalue("fp32_baseline")
+              if (model, block_size, engine) == ("llama_fp32", 32, {}) else None)
     report = run_scenario(_scenario(model_dir, block_size=block_size, dtype=dtype,
-                                    connector={**EMBEDDED, **options}, engine=engine))
-    _assert_restored_exactly(report, block_size, _prompts())
-    stats = report["engines"][1][3]
+                                    connector={**EMBEDDED, **options}, engine=engine,
+                                    own_baseline=shared is None))
+    _assert_restored_exactly(report, block_size, _prompts(), shared)
+    stats = report["engines"][-1][3]
     (pool,) = stats["pools"]
     assert pool["objects"] > 0 and pool["hits"] > 0
     assert stats["worker"]["loaded_blocks"] > 0
 
 
-def test_multi_process_engine_restores_prefixes_with_identical_tokens(llama_fp32: str) -> None:
+def test_multi_process_engine_restores_prefixes_with_identical_tokens(
+    llama_fp32: str, fp32_baseline: dict[str, Any],
+) -> None:
     # What users run: the engine core in its own process. Lookups on background threads.
     report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32",
                                     connector={**EMBEDDED, "lookup_async": True},
-                                    multiprocess=True))
-    _assert_restored_exactly(report, 32, _prompts())
+                                    multiprocess=True, own_baseline=False))
+    _assert_restored_exactly(report, 32, _prompts(), fp32_baseline)
 
 
-def test_corrupted_pool_bytes_are_detected_and_recomputed(llama_fp32: str) -> None:
+def test_corrupted_pool_bytes_are_detected_and_recomputed(
+    llama_fp32: str, fp32_baseline: dict[str, Any],
+) -> None:
     steps = ["generate", "reset", "corrupt", "generate", "stats"]
     report = run_scenario(_scenario(llama_fp32, block_size=32, dtype="float32",
-                                    connector=EMBEDDED, steps=steps))
-    (baseline,), (_first, _reset, corrupt, after, stats) = report["engines"]
+                                    connector=EMBEDDED, steps=steps, own_baseline=False))
+    baseline, (_first, _reset, corrupt, after, stats) = _baseline_and_runs(report, fp32_baseline)
     assert corrupt["flipped"] > 0
     assert after["tokens"] == baseline["tokens"], "a corrupted object was served"
     assert stats["worker"]["load_failures"].get("corrupt", 0) > 0
