@@ -78,8 +78,8 @@ test-installs:
 test: test-installs
 	$(BIN)/mypy --strict umbp
 	$(BIN)/python -m pytest -q tests
-	$(VLLM033_ENV) $(BIN)/python -m pytest -q -m vllm_versions tests/unit
-	$(SGLANG_ENV) $(SGLANG_BIN)/python -m pytest -q tests/sglang
+	@# Two venvs, two short legs: side by side, each one's output printed when it ends.
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm033 test-sglang
 
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_ENV) $(SGLANG_BIN)/python -m pytest -q tests/sglang
