@@ -21,7 +21,6 @@ BLOCK = 32
 SERVER_CAPACITY = 64 << 20
 PROMPTS = [*shared_prefix_prompts(2, prefix_tokens=200, suffix_tokens=41),
            *unique_prompts(1, 300, seed=31)]
-BASELINE = {"connector": None, "steps": ["generate"]}
 
 
 @pytest.fixture
@@ -43,13 +42,22 @@ def _spec(model_dir: str, engines: list[dict[str, Any]], **extra: Any) -> dict[s
             "prompts": PROMPTS, "max_tokens": 8, "engines": engines, **extra}
 
 
+@pytest.fixture(scope="module")
+def baseline(llama_fp32: str) -> dict[str, Any]:
+    """What an engine without umbp generates for PROMPTS: every test here compares with
+    it, so it is computed once (greedy decoding of one batch, the same in any process)."""
+    ((generated,),) = run_scenario(_spec(llama_fp32, [
+        {"connector": None, "steps": ["generate"]}]))["engines"]
+    return dict(generated)
+
+
 def _assert_hits(run: dict[str, Any]) -> None:
     for prompt, cached in zip(PROMPTS, run["cached"]):
         assert 0 < cached < len(prompt), (len(prompt), cached)
 
 
 def test_engines_in_separate_processes_share_the_server_and_only_same_layouts_meet(
-    llama_fp32: str, server: dict[str, Any], tmp_path: Path
+    llama_fp32: str, server: dict[str, Any], tmp_path: Path, baseline: dict[str, Any]
 ) -> None:
     hold, mark = tmp_path / "release-first-engine", tmp_path / "first-engine-stored"
     first = start_scenario(_spec(llama_fp32, [
@@ -59,12 +67,12 @@ def test_engines_in_separate_processes_share_the_server_and_only_same_layouts_me
         wait_for_mark(mark, first)
         # While the first engine still runs: a second engine process restores its prefixes.
         second = run_scenario(_spec(llama_fp32, [
-            BASELINE, {"connector": _connector(server), "steps": ["generate", "server_stats"]},
+            {"connector": _connector(server), "steps": ["generate", "server_stats"]},
         ], server=server))
     finally:
         hold.touch()
         first.communicate(timeout=600)
-    (baseline,), (restored, stats) = second["engines"]
+    ((restored, stats),) = second["engines"]
     assert restored["tokens"] == baseline["tokens"]
     _assert_hits(restored)
     assert stats["counters"]["hits"] > 0
@@ -89,16 +97,16 @@ def test_engines_in_separate_processes_share_the_server_and_only_same_layouts_me
 
 
 def test_server_killed_while_the_engine_runs_then_back_offloading_resumes(
-    llama_fp32: str, server: dict[str, Any]
+    llama_fp32: str, server: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
     options = _connector(server, reconnect_interval_s=0.2, io_timeout_s=1.0,
                          lookup_timeout_s=1.0)
     steps = ["generate", "reset", "server_kill", "stats", "generate", "reset", "server_start",
              "wait_reconnect", "generate", "stats", "reset", "generate", "server_stats",
              "stats"]
-    report = run_scenario(_spec(llama_fp32, [BASELINE, {"connector": options, "steps": steps}],
+    report = run_scenario(_spec(llama_fp32, [{"connector": options, "steps": steps}],
                                 server=server))
-    (baseline,), runs = report["engines"]
+    (runs,) = report["engines"]
     (stored, _, _, before, while_down, _, _, _, refilled, after_refill, _, restored,
      server_stats, stats) = runs
     for run in (stored, while_down, refilled, restored):
@@ -112,15 +120,15 @@ def test_server_killed_while_the_engine_runs_then_back_offloading_resumes(
 
 
 def test_server_stalled_requests_keep_completing_within_the_timeouts(
-    llama_fp32: str, server: dict[str, Any]
+    llama_fp32: str, server: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
     options = _connector(server, io_timeout_s=0.5, lookup_timeout_s=0.5,
                          reconnect_interval_s=0.2)
     steps = ["generate", "reset", "stats", "server_stop", "generate", "server_cont", "stats",
              "wait_reconnect", "reset", "generate", "stats"]
-    report = run_scenario(_spec(llama_fp32, [BASELINE, {"connector": options, "steps": steps}],
+    report = run_scenario(_spec(llama_fp32, [{"connector": options, "steps": steps}],
                                 server=server))
-    (baseline,), runs = report["engines"]
+    (runs,) = report["engines"]
     stored, _, before, _, stalled, _, during, _, _, after, stats = runs
     for run in (stored, stalled, after):
         assert run["tokens"] == baseline["tokens"]
@@ -131,13 +139,13 @@ def test_server_stalled_requests_keep_completing_within_the_timeouts(
 
 
 def test_no_server_at_start_is_a_clear_error_unless_auto_start_starts_one(
-    llama_fp32: str, tmp_path: Path
+    llama_fp32: str, tmp_path: Path, baseline: dict[str, Any]
 ) -> None:
     endpoint = str(tmp_path / "auto" / "umbp.sock")
     auto = {"mode": "server", "endpoint": endpoint, "auto_start": True,
             "capacity_bytes": 32 << 20}
     spec = _spec(llama_fp32, [
-        BASELINE, {"connector": auto, "steps": ["generate", "reset", "generate"]},
+        {"connector": auto, "steps": ["generate", "reset", "generate"]},
     ], bad_configs=[{"mode": "server", "endpoint": str(tmp_path / "none" / "umbp.sock")}])
     try:
         report = run_scenario(spec)
@@ -147,7 +155,7 @@ def test_no_server_at_start_is_a_clear_error_unless_auto_start_starts_one(
     assert not refused["started"]
     assert "no umbp server answers at" in refused["error"]
     assert "umbp serve --socket" in refused["error"]
-    (baseline,), (stored, _, restored) = report["engines"]
+    ((stored, _, restored),) = report["engines"]
     assert stored["tokens"] == restored["tokens"] == baseline["tokens"]
     _assert_hits(restored)
 
@@ -211,7 +219,7 @@ def test_kv_events_name_the_tier_and_announce_the_servers_own_evictions(
 
 
 def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(
-    llama_fp32: str, tmp_path: Path
+    llama_fp32: str, tmp_path: Path, baseline: dict[str, Any]
 ) -> None:
     # 32 KiB objects; DRAM holds 4, so most of the ~20 stored blocks live on the SSD.
     socket_path, ssd_dir = str(tmp_path / "run" / "umbp.sock"), str(tmp_path / "ssd")
@@ -223,10 +231,10 @@ def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(
              "reset", "generate"]
     try:
         report = run_scenario(_spec(llama_fp32, [
-            BASELINE, {"connector": _connector(server), "steps": steps}], server=server))
+            {"connector": _connector(server), "steps": steps}], server=server))
     finally:
         stop_server(process, socket_path)
-    (baseline,), (stored, _, corrupt, after, stats, tiers, _, again) = report["engines"]
+    ((stored, _, corrupt, after, stats, tiers, _, again),) = report["engines"]
     assert corrupt["flipped"] > 0
     for run in (stored, after, again):
         assert run["tokens"] == baseline["tokens"], "a corrupted object was served"
