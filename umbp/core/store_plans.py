@@ -146,9 +146,7 @@ def store_batch(
         table = block_table[position]
         limit = min(covered // block_size, len(table))
         per_block = block_size // hash_block_size
-        group_planned = planned.get(group_id)
-        if group_planned is None:
-            group_planned = planned[group_id] = set()
+        group_planned = _planned_of(planned, group_id)
         kept = _contiguous_group_stores(
             group_id, indices, table, request_hashes, limit, per_block,
             resident, reserved, group_planned,
@@ -186,23 +184,22 @@ def whole_run_batch(
     block_size = geometry.group_block_sizes[0]
     hash_block_size = geometry.hash_block_size
     table = block_table[0]
-    group_planned = planned.get(group_id)
-    if group_planned is None:
-        group_planned = planned[group_id] = set()
     kept = _contiguous_group_stores(
         group_id, selected[0][1], table, request_hashes,
         min(len(request_hashes) * hash_block_size // block_size, len(table)),
-        block_size // hash_block_size, frozenset(), frozenset(), group_planned,
+        block_size // hash_block_size, frozenset(), frozenset(), _planned_of(planned, group_id),
     )
     if kept is None:
         return None
-    _, block_ids, hashes = kept
-    group_ids, parents, tokens, block_sizes = _constant_columns(
-        group_id, block_size, len(block_ids)
-    )
-    return StoreBatch(
-        request_id, group_ids, tuple(block_ids), tuple(hashes), parents, tokens, block_sizes
-    )
+    return _one_group_batch(request_id, group_id, block_size, kept[1], kept[2])
+
+
+def _planned_of(planned: dict[int, set[bytes]], group_id: int) -> set[bytes]:
+    """The pass's record of one group's planned hashes, made on first use."""
+    group_planned = planned.get(group_id)
+    if group_planned is None:  # no set built per call, as setdefault would
+        group_planned = planned[group_id] = set()
+    return group_planned
 
 
 def _contiguous_group_stores(
@@ -306,13 +303,8 @@ def _batch_of(
     if not parts:
         return StoreBatch(request_id, (), (), (), (), (), ())
     if len(parts) == 1 and not events_enabled:
-        group_id, block_size, indices, ids, hashes = parts[0]
-        group_ids, parents, tokens, block_sizes = _constant_columns(
-            group_id, block_size, len(indices)
-        )
-        return StoreBatch(
-            request_id, group_ids, tuple(ids), tuple(hashes), parents, tokens, block_sizes
-        )
+        group_id, block_size, _, ids, hashes = parts[0]
+        return _one_group_batch(request_id, group_id, block_size, ids, hashes)
     if len(parts) == 1:
         group_id, block_size, indices, ids, hashes = parts[0]
         group_ids = _repeated_int(group_id, len(indices))
@@ -340,6 +332,20 @@ def _batch_of(
         tokens = _no_tokens(len(block_ids))
     return StoreBatch(
         request_id, group_ids, block_ids, block_hashes, parent_hashes, tokens, block_sizes
+    )
+
+
+def _one_group_batch(
+    request_id: str, group_id: int, block_size: int, block_ids: Sequence[int],
+    block_hashes: Sequence[bytes],
+) -> StoreBatch:
+    """A batch of one group's blocks without events: its constant columns shared."""
+    group_ids, parents, tokens, block_sizes = _constant_columns(
+        group_id, block_size, len(block_ids)
+    )
+    return StoreBatch(
+        request_id, group_ids, tuple(block_ids), tuple(block_hashes), parents, tokens,
+        block_sizes,
     )
 
 
