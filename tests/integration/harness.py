@@ -89,11 +89,10 @@ class ScenarioProcess:
         return self._output()
 
     def _output(self) -> tuple[str, str]:
+        """The ended process's output (read once; its folder then goes)."""
         if self._texts is None:
             out, err = (path.read_text(errors="replace") if path.exists() else ""
                         for path in (self._out, self._err))
-            if self._process.exitcode is None:
-                return out, err  # still running: read again later
             self._texts = out, err
             shutil.rmtree(self._folder, ignore_errors=True)
         return self._texts
