@@ -191,6 +191,11 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
 
 STORE_TARGET_US_PER_BLOCK = 0.35
 STORE_P90_TARGET = 1.5
+# The issue's own basis for 0.35 us per block: "the store path at a third of the
+# reference's cost". Where it was set, the reference cost ~1.1-1.3 us per block; on a
+# machine several times slower the absolute figure says more about the machine, the
+# ratio to the reference timed in the same run says what the code costs.
+STORE_TARGET_OF_REFERENCE = 1 / 3
 STORE_REQUESTS = 256
 STORE_TOKENS = 1024
 VLLM033_DIR = Path(__file__).resolve().parents[1] / ".vllm-0.33.0"
@@ -597,6 +602,11 @@ def store_step_section(quick: bool) -> dict[str, object]:
               f"{STORE_TARGET_US_PER_BLOCK}: {'met' if per_block <= STORE_TARGET_US_PER_BLOCK else 'NOT met'}"
               f"), p90 {spread:.2f}x the median (target <= {STORE_P90_TARGET}x: "
               f"{'met' if spread <= STORE_P90_TARGET else 'NOT met'})")
+        ratio = rows[0].get(f"{name}_over_reference")
+        if ratio is not None:
+            print(f"{name}, block 16, TP1: {ratio:.2f}x the reference timed in this run "
+                  f"(target <= {STORE_TARGET_OF_REFERENCE:.2f}x, a third of its cost: "
+                  f"{'met' if ratio <= STORE_TARGET_OF_REFERENCE else 'NOT met'})")
     growth = store_step_growth(max(rounds // 5, 5))
     return {"rounds": rounds, "load_average": os.getloadavg()[0], "rows": rows,
             "growth": growth, "reference_unavailable": unavailable}
