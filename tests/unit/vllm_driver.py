@@ -56,7 +56,7 @@ def step_starts(output: Any) -> dict[str, int]:
 def vllm_config_for(
     model_dir: Path, *, block_size: int = 32, max_model_len: int = 1024,
     max_num_batched_tokens: int = 512, extra: dict[str, Any] | None = None,
-    kv_events: bool = True, kv_role: str = "kv_both",
+    kv_events: bool = True, kv_role: str = "kv_both", cache: dict[str, Any] | None = None,
 ) -> Any:
     """An engine's VllmConfig with umbp as its KV connector (no weights are read)."""
     from vllm.config import (
@@ -72,7 +72,8 @@ def vllm_config_for(
                         max_model_len=max_model_len)
     return VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                 **(cache or {})),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
             max_model_len=max_model_len, is_encoder_decoder=False,
@@ -136,12 +137,12 @@ class Driver:
         extra: dict[str, Any] | None = None,
         kv_events: bool = True,
         kv_role: str = "kv_both",
+        cache: dict[str, Any] | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         import umbp
@@ -151,20 +152,12 @@ class Driver:
         self.vllm_config = vllm_config_for(
             model_dir, block_size=block_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, extra=extra, kv_events=kv_events,
-            kv_role=kv_role,
+            kv_role=kv_role, cache=cache,
         )
         self.block_size = block_size
         self.sliding_window = sliding_window
 
-        def spec(layer: int) -> Any:
-            if sliding_window is not None and layer == 0:
-                return SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS,
-                                         head_size=HEAD_SIZE, dtype=torch.float32,
-                                         sliding_window=sliding_window)
-            return FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
-                                     head_size=HEAD_SIZE, dtype=torch.float32)
-
-        specs = {name: spec(i) for i, name in enumerate(LAYERS)}
+        specs = {name: self.layer_spec(i) for i, name in enumerate(LAYERS)}
         resolve_layout(self.vllm_config, specs.values())
         page = next(iter(specs.values())).page_size_bytes
         worker_config, scheduler_config = versions.engine_kv_cache_configs(
@@ -196,6 +189,17 @@ class Driver:
         self.steps: list[StepRecord] = []
 
     # -- set-up -------------------------------------------------------------
+
+    def layer_spec(self, layer: int) -> Any:
+        """vLLM's KV cache spec of one of ``LAYERS`` (a subclass may change it)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        if self.sliding_window is not None and layer == 0:
+            return SlidingWindowSpec(block_size=self.block_size, num_kv_heads=KV_HEADS,
+                                     head_size=HEAD_SIZE, dtype=torch.float32,
+                                     sliding_window=self.sliding_window)
+        return FullAttentionSpec(block_size=self.block_size, num_kv_heads=KV_HEADS,
+                                 head_size=HEAD_SIZE, dtype=torch.float32)
 
     def new_kv_tensors(self) -> dict[str, torch.Tensor]:
         """One CPU KV tensor per layer, vLLM's CPU layout
