@@ -4,13 +4,20 @@
 
 ``git archive REV umbp/core`` is unpacked into a temporary directory as the package
 ``umbp_before.core`` (core is pure, so it needs nothing else), and both versions'
-admission (lookup keys, per-rank fold, hit window, load plan for a prompt whose
-every object hits) and lookup part (keys and fold) are timed call by call (and, for a core with
+admission (lookup query, the store's answer, per-rank fold, hit window, load plan
+for a prompt whose every object hits) and lookup part (query, answer and fold) are
+timed call by call (and, for a core with
 ``request_lookup_query``, a repeated admission of the same request, its query from
 the request's memo; against a core without it, "before" is its first admission),
 interleaved in rotating order, in this one process: CPU time of this thread per call
 (``time.thread_time_ns``), GC on, median of ``--rounds`` calls. Prints the medians
 and each case's after/before ratio.
+
+The store is this checkout's: one ``SlabPool`` per rank holding every object. A core
+whose query has ``runs`` is answered as the scheduler answers it against the embedded
+pool, by hash (``RankedLookup.lookup_hashes``: no key string); an earlier core's key
+strings are routed to the pools by position (what its ``RankedLookup`` did) and
+answered by ``SlabPool.lookup``, so each side pays what the engine paid with it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +66,37 @@ def unpack_before(rev: str, into: Path) -> None:
             (package / "core" / Path(member.name).name).write_text(source)
 
 
-def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
+def store_of(package: str, query: Any, keyspace: Any, stack: ExitStack) -> Callable[[Any], object]:
+    """How ``package``'s queries are answered: one SlabPool per rank, every object held."""
+    from umbp.runtime.lookup_service import RankedLookup
+    from umbp.runtime.pool import SlabPool
+
+    rank_keys: Any = importlib.import_module(f"{package}.core.rank_keys")
+    keys = query.runs.key_strings() if hasattr(query, "runs") else query.keys
+    pools = []
+    for rank in range(keys.layout.rank_count):
+        mine = keys.keys_of_rank(rank)
+        pool = SlabPool((len(mine) + 2) * 64, page_bytes=64, high_watermark=1.0, low_watermark=0.9)
+        stack.callback(pool.close)
+        assert all(pool.put_batch(mine, [memoryview(b"x")] * len(mine)))
+        pools.append(pool)
+    if hasattr(query, "runs"):
+        router = RankedLookup(dict(zip(rank_keys.rank_tags(keyspace), pools)))
+        return lambda built: router.lookup_hashes(built.runs)
+
+    def by_position(built: Any) -> object:
+        if len(pools) == 1:
+            return pools[0].lookup(built.keys)
+        return rank_keys.merge_rank_answers(built.keys.layout, [
+            pool.lookup(built.keys.keys_of_rank(rank)) for rank, pool in enumerate(pools)
+        ])
+
+    return by_position
+
+
+def admission_calls(
+    package: str, num_tokens: int, block_size: int, tp: int, stack: ExitStack
+) -> dict[str, Callable[[], object]]:
     identity: Any = importlib.import_module(f"{package}.core.identity")
     lookup: Any = importlib.import_module(f"{package}.core.lookup")
     # Load plans were in core.plans before that module was split.
@@ -68,15 +106,18 @@ def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> 
     keyspace = identity.KeySpace("bench-namespace-0123", identity.RankTopology(tp_size=tp))
     hashes = tuple(hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(num_tokens // block_size))
     table = (tuple(range(1, num_tokens // block_size + 1)),)
-    answers = (True,) * len(lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens).keys)
+    ask = store_of(
+        package, lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens), keyspace,
+        stack,
+    )
 
     def lookup_part() -> object:
         query = lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
-        return lookup.fold_rank_hits(query, answers)
+        return lookup.fold_rank_hits(query, ask(query))
 
     def admission() -> object:
         query = lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
-        folded = lookup.fold_rank_hits(query, answers)
+        folded = lookup.fold_rank_hits(query, ask(query))
         spec = lookup.single_group_load_spec(geometry, query, folded)
         return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
@@ -88,7 +129,7 @@ def admission_calls(package: str, num_tokens: int, block_size: int, tp: int) -> 
 
         def repeat() -> object:
             query, _ = lookup.request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, memo)
-            folded = lookup.fold_rank_hits(query, answers)
+            folded = lookup.fold_rank_hits(query, ask(query))
             spec = lookup.single_group_load_spec(geometry, query, folded)
             return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
@@ -113,9 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"median of {args.rounds} interleaved calls; every object hits")
         print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'part':>9} {'before':>9} {'after':>9} {'after/before':>12}")
         for case in CASES:
-            calls = {(package, part): call for package in ("umbp_before", "umbp")
-                     for part, call in admission_calls(package, *case).items()}
-            medians = interleaved_cpu_median_ns(calls, args.rounds)
+            with ExitStack() as pools:
+                calls = {(package, part): call for package in ("umbp_before", "umbp")
+                         for part, call in admission_calls(package, *case, pools).items()}
+                medians = interleaved_cpu_median_ns(calls, args.rounds)
             for part in ("admission", "lookup", "repeat"):
                 if ("umbp", part) not in medians:
                     continue

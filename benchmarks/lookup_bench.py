@@ -10,8 +10,10 @@ round), median of 200 rounds (20 with ``--quick``):
   process, vLLM's single-worker executor);
 * ``socket``: ``LookupClient`` -> ``LookupService`` over the Unix socket, the
   pool living in another (spawned) process;
-* ``build_query``: ``build_lookup_query`` for a 32,000-token prompt at block 32,
-  i.e. building the keys of one such batch, for scale.
+* ``build_query``: the key strings of a 32,000-token prompt's lookup at block 32
+  (``build_lookup_query(...).runs.key_strings()``), i.e. building the keys of one
+  such batch, for scale: what a store asked by string costs on top (the embedded
+  pool is asked by hash and needs none).
 
 Prints microseconds per batch and per key, and each row's ratio to ``direct``.
 
@@ -20,9 +22,11 @@ A second table is one scheduler lookup as the engine runs it at TP1 and TP4
 answer from one in-process ``SlabPool`` per rank through ``RankedLookup``, and
 ``fold_rank_hits``; three quarters of the objects are held by every rank. CPU time
 of the calling thread per call (``time.thread_time_ns``, GC on), median of the
-rounds, interleaved: ``by position`` routes the query's keys by their layout,
-``by key name`` is the baseline routing (umbp's before, and the reference's: the
-rank read from each key string, in this script), measured in the same run.
+rounds, interleaved: ``by hash`` asks the query's prefixes and raw hashes
+(``lookup_hashes``, as the scheduler asks the embedded pool; no key string), ``by
+position`` builds the key strings and routes them by their layout, ``by key name``
+is the baseline routing (umbp's before, and the reference's: the rank read from
+each key string, in this script), measured in the same run.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
-from umbp.core.lookup import LookupGeometry, LookupQuery, build_lookup_query, fold_rank_hits
-from umbp.core.rank_keys import rank_tags
+from umbp.core.lookup import LookupGeometry, build_lookup_query, fold_rank_hits
+from umbp.core.rank_keys import RankedKeys, rank_tags
 from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup
 from umbp.runtime.pool import SlabPool
 from umbp.testing.table import format_table
@@ -113,14 +117,14 @@ def serve_pool(keys: list[str], conn: Connection) -> None:
     pool.close()
 
 
-def query_builder() -> Callable[[], LookupQuery]:
+def query_builder() -> Callable[[], RankedKeys]:
     geometry = LookupGeometry(
         group_ids=(0,), group_block_sizes=(BLOCK_SIZE,), lookup_units=(BLOCK_SIZE,),
         block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
     )
     space = keyspace()
     hashes = tuple(block_hashes(PROMPT_TOKENS // BLOCK_SIZE, b"prompt"))
-    return lambda: build_lookup_query(geometry, space, hashes, 0, PROMPT_TOKENS)
+    return lambda: build_lookup_query(geometry, space, hashes, 0, PROMPT_TOKENS).runs.key_strings()
 
 
 # ------------------------------------------------------------------- timing
@@ -149,7 +153,7 @@ def measure(rounds: int) -> list[Row]:
     stored, query = stored_and_queried_keys()
     pool = filled_pool(stored)
     build = query_builder()
-    built_keys = len(build().keys)
+    built_keys = len(build())
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     server = context.Process(target=serve_pool, args=(stored, child), daemon=True)
@@ -195,6 +199,7 @@ class RankRow:
     keys: int
     by_name_us: float
     by_position_us: float
+    by_hash_us: float
     ns_per_key: float
     per_key_vs_tp1: float
 
@@ -227,7 +232,7 @@ def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[],
     held = len(query.object_hashes[0]) * 3 // 4
     pools = []
     for rank in range(ranks):
-        rank_keys = query.keys.keys_of_rank(rank)[:held]
+        rank_keys = query.runs.key_strings().keys_of_rank(rank)[:held]
         pool = SlabPool(len(rank_keys) * 2 * 512, page_bytes=512)
         if not all(pool.put_batch(rank_keys, [b"x"] * len(rank_keys))):
             raise RuntimeError("the benchmark pool rejected an object")
@@ -236,18 +241,23 @@ def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[],
 
     def by_position() -> object:
         built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
-        return fold_rank_hits(built, router.lookup(built.keys))
+        return fold_rank_hits(built, router.lookup(built.runs.key_strings()))
+
+    def by_hash() -> object:
+        built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
+        return fold_rank_hits(built, router.lookup_hashes(built.runs))
 
     stores = dict(zip(rank_tags(space), pools))
 
     def by_name() -> object:
         built = build_lookup_query(geometry, space, hashes, 0, RANK_PROMPT_TOKENS)
-        return fold_rank_hits(built, lookup_by_key_name(stores, built.keys))
+        return fold_rank_hits(built, lookup_by_key_name(stores, built.runs.key_strings()))
 
     expected = by_position()
-    if by_name() != expected or expected != ((True,) * held + (False,) * (len(hashes) - 1 - held),):
+    if by_name() != expected or by_hash() != expected or expected != ((True,) * held + (False,) * (len(hashes) - 1 - held),):
         raise RuntimeError("routing by position and by key name disagree")
-    return len(query.keys), {"by_name": by_name, "by_position": by_position}, pools
+    return query.key_count, {"by_name": by_name, "by_position": by_position,
+                             "by_hash": by_hash}, pools
 
 
 def measure_ranks(rounds: int) -> list[RankRow]:
@@ -267,22 +277,25 @@ def measure_ranks(rounds: int) -> list[RankRow]:
         finally:
             for pool in pools:
                 pool.close()
-        tp1_per_key = medians["by_position/1"] / keys[1]
+        tp1_per_key = medians["by_hash/1"] / keys[1]
         for ranks in (1, 4):
-            per_key = medians[f"by_position/{ranks}"] / keys[ranks]
+            per_key = medians[f"by_hash/{ranks}"] / keys[ranks]
             rows.append(RankRow(block_size, ranks, keys[ranks], medians[f"by_name/{ranks}"] / 1e3,
-                                medians[f"by_position/{ranks}"] / 1e3, per_key,
+                                medians[f"by_position/{ranks}"] / 1e3,
+                                medians[f"by_hash/{ranks}"] / 1e3, per_key,
                                 per_key / tp1_per_key))
     return rows
 
 
 def print_rank_table(rows: Sequence[RankRow], rounds: int) -> None:
-    print(f"one scheduler lookup, {RANK_PROMPT_TOKENS:,}-token prompt (build keys, ask one "
-          f"in-process pool per rank, fold); CPU us per call, median of {rounds} rounds, GC on")
-    header = ("block", "ranks", "keys", "by key name", "by position", "position/name",
-              "ns/key", "per key vs TP1")
+    print(f"one scheduler lookup, {RANK_PROMPT_TOKENS:,}-token prompt (query, ask one "
+          f"in-process pool per rank, fold); CPU us per call, median of {rounds} rounds, GC on; "
+          "ns/key and per key vs TP1 are by hash")
+    header = ("block", "ranks", "keys", "by key name", "by position", "by hash",
+              "position/name", "hash/position", "ns/key", "per key vs TP1")
     cells = [(str(r.block_size), str(r.ranks), str(r.keys), f"{r.by_name_us:.0f}",
-              f"{r.by_position_us:.0f}", f"{r.by_position_us / r.by_name_us:.2f}",
+              f"{r.by_position_us:.0f}", f"{r.by_hash_us:.0f}",
+              f"{r.by_position_us / r.by_name_us:.2f}", f"{r.by_hash_us / r.by_position_us:.2f}",
               f"{r.ns_per_key:.0f}", f"{r.per_key_vs_tp1:.2f}x") for r in rows]
     print(format_table(header, cells))
 

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,14 @@ from umbp.core.lookup import (
     EMPTY_LOOKUP_MEMO,
     LookupGeometry,
     LookupMemo,
+    LookupQuery,
     build_lookup_query,
     fold_rank_hits,
+    request_lookup_keys,
     request_lookup_query,
     single_group_load_spec,
 )
+from umbp.core.rank_keys import rank_tags
 from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
 from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
 from umbp.core.store_tracking import (
@@ -62,6 +65,10 @@ from umbp.core.store_tracking import (
     storable_tokens,
     store_candidate_ranges,
 )
+from umbp.runtime.contract import SchedulerStore
+from umbp.runtime.embedded import connect_to_pool, open_embedded_pool
+from umbp.runtime.lookup_service import RankedLookup
+from umbp.runtime.pool import SlabPool
 
 
 def measure_us(call: Callable[[], object], budget_s: float, repeats: int = 5) -> float:
@@ -153,12 +160,21 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
     geometry = geometry_for(block_size)
     keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=tp))
     hashes = block_hashes(num_tokens // block_size)
+    with ExitStack() as pools:
+        return _lookup_case_figures(
+            geometry, keyspace, hashes, num_tokens, block_size, tp, budget_s,
+            admission_calls(num_tokens, block_size, tp, pools),  # checks core == baseline
+        )
+
+
+def _lookup_case_figures(
+    geometry: LookupGeometry, keyspace: KeySpace, hashes: tuple[bytes, ...], num_tokens: int,
+    block_size: int, tp: int, budget_s: float, calls: dict[str, Callable[[], object]],
+) -> dict[str, float]:
     blocks = -(-num_tokens // block_size)
     table = (tuple(range(1, blocks + 1)),)
     query = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
-    answers = (True,) * len(query.keys)  # what a runtime returns: a tuple of bools
-
-    calls = admission_calls(num_tokens, block_size, tp)  # checks core == baseline
+    answers = (True,) * query.key_count  # what a runtime returns: a tuple of bools
     core_path, baseline = calls["admission"], calls["baseline"]
     folded = fold_rank_hits(query, answers)
     assert folded is not None
@@ -169,7 +185,7 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
         "block_size": block_size,
         "ranks": tp,
         "blocks": blocks,
-        "keys": len(query.keys),
+        "keys": query.key_count,
         "total_us": measure_us(core_path, budget_s),
         "build_query_us": measure_us(
             lambda: build_lookup_query(geometry, keyspace, hashes, 0, num_tokens), budget_s / 2
@@ -638,16 +654,41 @@ TP4_PER_KEY_TARGET = 1.5
 
 
 
-def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Callable[[], object]]:
+def embedded_scheduler_store(
+    keyspace: KeySpace, query: LookupQuery, stack: ExitStack
+) -> RankedLookup:
+    """What the scheduler asks in embedded mode with the workers in its process: one
+    ``SlabPool`` per rank, each holding every object of ``query`` (one byte each),
+    reached through ``connect_to_pool`` (``_Borrowed``) and ``RankedLookup``."""
+    stores: dict[str, SchedulerStore] = {}
+    for rank, tag in enumerate(rank_tags(keyspace)):
+        keys = query.runs.of_rank(rank).key_strings()
+        pool = SlabPool((len(keys) + 2) * 64, page_bytes=64, high_watermark=1.0,
+                        low_watermark=0.9)
+        embedded = open_embedded_pool(pool, serve_other_processes=False)
+        stack.callback(embedded.close)
+        assert all(pool.put_batch(keys, [memoryview(b"x")] * len(keys)))
+        stores[tag] = connect_to_pool(embedded.address, timeout_s=5.0)
+    return RankedLookup(stores)
+
+
+def admission_calls(
+    num_tokens: int, block_size: int, tp: int, stack: ExitStack
+) -> dict[str, Callable[[], object]]:
     """What the scheduler thread pays to admit a request whose every object hits:
-    its lookup (keys, per-rank fold, hit window) in ``get_num_new_matched_tokens``
-    and its load plan in ``update_state_after_alloc`` (``plan_allocated_load``),
-    from vLLM's list of block hashes. ``admission``: the request's first lookup
-    builds its keys; ``repeat``: a later lookup of the same request (vLLM asks for
-    a waiting request on every step until it is scheduled), its query taken from the
-    request's memo (``request_lookup_query``, as the scheduler calls it). Also the
-    first lookup alone (keys and fold), the reference-shaped baseline, and the floor
-    no first lookup goes below: each key string alone (prefix + hex digest)."""
+    its lookup (query, the store's answer, per-rank fold, hit window) in
+    ``get_num_new_matched_tokens`` and its load plan in ``update_state_after_alloc``
+    (``plan_allocated_load``), from vLLM's list of block hashes, against the store
+    embedded mode gives the scheduler (:func:`embedded_scheduler_store`).
+    ``admission``: the request's first lookup, asked by hash as the shell asks the
+    embedded pool (no key string built); ``repeat``: a later lookup of the same
+    request (vLLM asks for a waiting request on every step until it is scheduled),
+    its query from the request's memo (``request_lookup_query``, as the scheduler
+    calls it). ``*_strings``: the same, asked by key string (what a store without
+    ``lookup_hashes`` gets: the server, Mooncake, MORI clients; keys through the
+    request's memo). Also the first lookup alone (query, store, fold), the
+    reference-shaped baseline, and what a first lookup by string cannot go below:
+    each key string alone (prefix + hex digest)."""
     geometry = geometry_for(block_size)
     keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=tp))
     hashes = list(block_hashes(num_tokens // block_size))  # vLLM's Request.block_hashes
@@ -655,7 +696,8 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
     first_query, memo = request_lookup_query(
         geometry, keyspace, hashes, 0, num_tokens, EMPTY_LOOKUP_MEMO
     )
-    answers = (True,) * len(first_query.keys)
+    store = embedded_scheduler_store(keyspace, first_query, stack)
+    _keys, string_memo = request_lookup_keys(geometry, keyspace, first_query, memo)
     objects = hashes[: num_tokens // block_size - 1]
     prefixes = [keyspace.key(rank, 0, b"") for rank in keyspace.topology.coords()]
 
@@ -666,10 +708,9 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
         query, _ = request_lookup_query(
             geometry, keyspace, hashes, 0, num_tokens, EMPTY_LOOKUP_MEMO
         )
-        return query, fold_rank_hits(query, answers)
+        return query, fold_rank_hits(query, store.lookup_hashes(query.runs))
 
-    def admit(lookups: LookupMemo) -> BlockLoadBatch:
-        query, _ = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
+    def plan(query: LookupQuery, answers: tuple[bool, ...]) -> BlockLoadBatch:
         folded = fold_rank_hits(query, answers)
         assert folded is not None
         spec = single_group_load_spec(geometry, query, folded)
@@ -678,22 +719,36 @@ def admission_calls(num_tokens: int, block_size: int, tp: int) -> dict[str, Call
             "r", geometry, spec, table, hashes, spec.num_tokens_to_load
         ).unwrap()
 
+    def admit(lookups: LookupMemo) -> BlockLoadBatch:
+        query, _ = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
+        return plan(query, store.lookup_hashes(query.runs))
+
+    def admit_by_strings(lookups: LookupMemo) -> BlockLoadBatch:
+        query, lookups = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
+        keys, _ = request_lookup_keys(geometry, keyspace, query, lookups)
+        return plan(query, store.lookup(keys))
+
     def baseline() -> BlockLoadBatch:
         return baseline_lookup_to_load(
             geometry, keyspace, hashes, num_tokens, lambda n: (True,) * n, table[0]
         )
 
-    assert admit(EMPTY_LOOKUP_MEMO) == admit(memo) == baseline(), "baseline and core disagree"
+    assert (admit(EMPTY_LOOKUP_MEMO) == admit(memo) == admit_by_strings(EMPTY_LOOKUP_MEMO)
+            == admit_by_strings(string_memo) == baseline()), "baseline and core disagree"
     return {"admission": lambda: admit(EMPTY_LOOKUP_MEMO), "repeat": lambda: admit(memo),
+            "admission_strings": lambda: admit_by_strings(EMPTY_LOOKUP_MEMO),
+            "repeat_strings": lambda: admit_by_strings(string_memo),
             "lookup": lookup, "baseline": baseline, "key_strings": key_strings}
 
 
 def admission_section(quick: bool) -> dict[str, object]:
     rounds = 40 if quick else 300
     print(f"admission CPU time (thread CPU per call, GC on, median of {rounds} interleaved calls; "
-          f"load average {os.getloadavg()[0]:.2f})")
-    print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'keys':>6} {'admission':>10} {'repeat':>8} "
-          f"{'lookup':>9} {'ns/key':>7} {'keys alone':>10} {'baseline':>9} {'speed-up':>8}")
+          f"load average {os.getloadavg()[0]:.2f}); the store: one in-process SlabPool per rank "
+          "through RankedLookup, asked by hash (first, repeat) and by key string (*str)")
+    print(f"{'tokens':>7} {'block':>5} {'ranks':>5} {'keys':>6} {'first':>8} {'repeat':>8} "
+          f"{'first str':>9} {'repeat str':>10} {'lookup':>8} {'ns/key':>7} {'keys alone':>10} "
+          f"{'baseline':>9} {'speed-up':>8}")
     rows: list[dict[str, float]] = []
     # Cases that are compared (TP4 with TP1, prompt lengths) are timed together,
     # round by round, so their ratios see the same load on the machine.
@@ -701,16 +756,17 @@ def admission_section(quick: bool) -> dict[str, object]:
         ((32768, 32, 1), (32768, 32, 4)),
         ((2048, 16, 1), (8192, 16, 1), (32768, 16, 1), (32768, 16, 4)),
     ):
-        calls = {(case, name): call for case in group
-                 for name, call in admission_calls(*case).items()}
-        # The reference-shaped baseline makes a tuple per object: timed in a pass of
-        # its own, so the collections its garbage triggers land on its calls, not on
-        # an admission's (GC stays on for both).
-        medians = interleaved_cpu_median_ns(
-            {key: call for key, call in calls.items() if key[1] != "baseline"}, rounds)
-        medians.update(interleaved_cpu_median_ns(
-            {key: call for key, call in calls.items() if key[1] == "baseline"},
-            max(rounds // 5, 5)))
+        with ExitStack() as pools:
+            calls = {(case, name): call for case in group
+                     for name, call in admission_calls(*case, pools).items()}
+            # The reference-shaped baseline makes a tuple per object: timed in a pass of
+            # its own, so the collections its garbage triggers land on its calls, not on
+            # an admission's (GC stays on for both).
+            medians = interleaved_cpu_median_ns(
+                {key: call for key, call in calls.items() if key[1] != "baseline"}, rounds)
+            medians.update(interleaved_cpu_median_ns(
+                {key: call for key, call in calls.items() if key[1] == "baseline"},
+                max(rounds // 5, 5)))
         for num_tokens, block_size, tp in group:
             case = (num_tokens, block_size, tp)
             keys = (num_tokens // block_size - 1) * tp
@@ -718,24 +774,30 @@ def admission_section(quick: bool) -> dict[str, object]:
                    "blocks": num_tokens // block_size,
                    "admission_us": medians[(case, "admission")] / 1e3,
                    "repeat_us": medians[(case, "repeat")] / 1e3,
+                   "admission_strings_us": medians[(case, "admission_strings")] / 1e3,
+                   "repeat_strings_us": medians[(case, "repeat_strings")] / 1e3,
                    "lookup_us": medians[(case, "lookup")] / 1e3,
                    "lookup_ns_per_key": medians[(case, "lookup")] / keys,
                    "baseline_us": medians[(case, "baseline")] / 1e3,
                    "key_strings_us": medians[(case, "key_strings")] / 1e3}
             rows.append(row)
             print(f"{num_tokens:>7} {block_size:>5} {tp:>5} {keys:>6} "
-                  f"{row['admission_us']:>8.0f}us {row['repeat_us']:>6.0f}us "
-                  f"{row['lookup_us']:>7.0f}us "
+                  f"{row['admission_us']:>6.0f}us {row['repeat_us']:>6.0f}us "
+                  f"{row['admission_strings_us']:>7.0f}us {row['repeat_strings_us']:>8.0f}us "
+                  f"{row['lookup_us']:>6.0f}us "
                   f"{row['lookup_ns_per_key']:>7.0f} {row['key_strings_us']:>8.0f}us "
                   f"{row['baseline_us']:>7.0f}us {row['baseline_us'] / row['admission_us']:>7.1f}x")
     by_case = {(r["tokens"], r["block_size"], r["ranks"]): r for r in rows}
     case = by_case[(32768, 32, 1)]
-    for name, label in (("admission_us", "first admission (keys built)"),
-                        ("repeat_us", "repeated admission (keys from the memo)")):
+    for name, label in (("admission_us", "first admission (by hash, no key string)"),
+                        ("repeat_us", "repeated admission (query from the memo)"),
+                        ("admission_strings_us", "first admission by key string"),
+                        ("repeat_strings_us", "repeated admission by key string")):
         ms = case[name] / 1e3
         print(f"32K {label} at block 32, TP1: {ms:.3f} ms "
               f"(target <= {ADMISSION_TARGET_MS} ms: {'met' if ms <= ADMISSION_TARGET_MS else 'NOT met'})")
-    print(f"first admission: {case['admission_us'] / case['key_strings_us']:.2f}x its key strings alone")
+    print(f"first admission: {case['admission_us'] / case['key_strings_us']:.2f}x "
+          "the key strings alone it no longer builds")
     for block_size in (32, 16):
         ratio = (by_case[(32768, block_size, 4)]["lookup_ns_per_key"]
                  / by_case[(32768, block_size, 1)]["lookup_ns_per_key"])

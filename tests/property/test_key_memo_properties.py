@@ -20,8 +20,9 @@ from umbp.core.lookup import (
     EMPTY_LOOKUP_MEMO,
     LookupGeometry,
     build_lookup_query,
-    lookup_query,
+    lookup_keys,
     lookup_skip_reason,
+    request_lookup_keys,
     request_lookup_query,
 )
 
@@ -73,11 +74,11 @@ def test_every_query_through_the_memo_is_the_query_built_from_nothing(
     for keyspace, hashes, local, num_tokens in steps:
         if lookup_skip_reason(geometry, True, len(hashes), num_tokens, local) is not None:
             continue
-        query, memo = lookup_query(geometry, keyspace, hashes, local, num_tokens, memo)
-        assert query == build_lookup_query(geometry, keyspace, hashes, local, num_tokens)
-        assert query.layout == build_lookup_query(
-            geometry, keyspace, hashes, local, num_tokens
-        ).layout
+        query = build_lookup_query(geometry, keyspace, hashes, local, num_tokens)
+        keys, memo = lookup_keys(geometry, keyspace, query, memo)
+        fresh = query.runs.key_strings()
+        assert keys == fresh and keys.layout == fresh.layout == query.layout
+        assert keys.rank_tags == fresh.rank_tags
         assert memo_keys_are_keyspace_keys(memo, keyspace, hashes)
 
 
@@ -91,12 +92,14 @@ def test_a_repeated_lookup_builds_no_key(
     keyspace, hashes, local, num_tokens = steps[-1]
     if lookup_skip_reason(geometry, True, len(hashes), num_tokens, local) is not None:
         return
-    first, memo = lookup_query(geometry, keyspace, hashes, local, num_tokens, EMPTY_KEY_MEMO)
-    again, memo_again = lookup_query(geometry, keyspace, list(hashes), local, num_tokens, memo)
+    query = build_lookup_query(geometry, keyspace, hashes, local, num_tokens)
+    first, memo = lookup_keys(geometry, keyspace, query, EMPTY_KEY_MEMO)
+    again_query = build_lookup_query(geometry, keyspace, list(hashes), local, num_tokens)
+    again, memo_again = lookup_keys(geometry, keyspace, again_query, memo)
     if all(local % unit == 0 for unit in geometry.lookup_units):
         assert memo_again is memo
-        assert all(a is b for a, b in zip(first.keys, again.keys, strict=True))
-    assert again == first
+        assert all(a is b for a, b in zip(first, again, strict=True))
+    assert again == first and again_query == query
 
 
 @given(keyspaces(), request_hashes(48), st.data())
@@ -125,13 +128,15 @@ def test_group_keys_cover_the_asked_run_with_the_keyspace_keys(
         assert memo_keys_are_keyspace_keys(memo, keyspace, hashes)
 
 
-@given(lookup_sequences(), geometries())
+@given(lookup_sequences(), geometries(), st.data())
 def test_every_request_lookup_through_its_memo_is_the_query_built_from_nothing(
     case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
     other_geometry: LookupGeometry,
+    data: st.DataObject,
 ) -> None:
-    """The scheduler's call: the last query is reused only for the same request
-    state, geometry and keyspace; every answer equals a fresh query."""
+    """The scheduler's calls: the last query is reused only for the same request
+    state, geometry and keyspace, every answer equals a fresh query, and the keys of
+    a store that asks by string (asked or not, at any lookup) are the fresh query's."""
     geometry, steps = case
     memo = EMPTY_LOOKUP_MEMO
     for keyspace, hashes, local, num_tokens in steps + steps[-1:]:
@@ -140,8 +145,30 @@ def test_every_request_lookup_through_its_memo_is_the_query_built_from_nothing(
                 continue
             before = memo
             query, memo = request_lookup_query(shape, keyspace, list(hashes), local, num_tokens, memo)
-            assert query == build_lookup_query(shape, keyspace, hashes, local, num_tokens)
-            assert query.layout == build_lookup_query(shape, keyspace, hashes, local, num_tokens).layout
+            fresh = build_lookup_query(shape, keyspace, hashes, local, num_tokens)
+            assert query == fresh and query.layout == fresh.layout
             if before.last is not None and before.geometry == shape and before.keyspace == keyspace \
                     and before.last.describes(local, num_tokens, hashes):
                 assert query is before.last and memo is before
+            if data.draw(st.booleans()):  # a store that asks by string
+                had = memo
+                keys, memo = request_lookup_keys(shape, keyspace, query, memo)
+                assert keys == fresh.runs.key_strings() and keys.layout == fresh.layout
+                if had.last is query and had.last_keys is not None:
+                    assert keys is had.last_keys and memo is had
+                assert memo.last is query and memo.last_keys is keys
+                assert memo_keys_are_keyspace_keys(memo.keys, keyspace, hashes)
+
+
+@given(lookup_sequences())
+def test_a_lookup_by_hash_builds_no_key_string(
+    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+) -> None:
+    """Queries alone (a store that answers by hash): the memo never holds a string."""
+    geometry, steps = case
+    memo = EMPTY_LOOKUP_MEMO
+    for keyspace, hashes, local, num_tokens in steps:
+        if lookup_skip_reason(geometry, True, len(hashes), num_tokens, local) is not None:
+            continue
+        _query, memo = request_lookup_query(geometry, keyspace, hashes, local, num_tokens, memo)
+        assert memo.keys == EMPTY_KEY_MEMO and memo.last_keys is None

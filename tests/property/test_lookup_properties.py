@@ -49,7 +49,7 @@ def query_of(scenario: LookupScenario) -> LookupQuery:
 
 
 def folded_of(scenario: LookupScenario, query: LookupQuery) -> tuple[tuple[bool, ...], ...]:
-    folded = fold_rank_hits(query, scenario.pool.answers(query.keys))
+    folded = fold_rank_hits(query, scenario.pool.answers(query.runs.key_strings()))
     assert folded is not None
     return folded
 
@@ -97,7 +97,7 @@ def test_lookup_query_asks_every_rank_for_every_object_past_the_local_tokens(
             )
         for rank in keyspace.topology.coords():
             expected_keys.extend(keyspace.key(rank, group_id, h) for h in objects)
-    assert query.keys == tuple(expected_keys)
+    assert query.runs.key_strings() == tuple(expected_keys)
     assert query.rank_count == keyspace.topology.rank_count
 
 
@@ -136,8 +136,8 @@ def test_fold_rank_hits_with_a_wrong_length_answer_is_none(
     scenario: LookupScenario, delta: int
 ) -> None:
     query = query_of(scenario)
-    assume(len(query.keys) + delta >= 0)
-    assert fold_rank_hits(query, [True] * (len(query.keys) + delta)) is None
+    assume(query.key_count + delta >= 0)
+    assert fold_rank_hits(query, [True] * (query.key_count + delta)) is None
 
 
 @given(lookup_scenarios())
@@ -155,9 +155,9 @@ def test_one_missing_rank_makes_the_object_a_miss(
     scenario: LookupScenario, data: st.DataObject
 ) -> None:
     query = query_of(scenario)
-    assume(query.keys)
-    missing = data.draw(st.integers(0, len(query.keys) - 1))
-    answers = [True] * len(query.keys)
+    assume(query.key_count)
+    missing = data.draw(st.integers(0, query.key_count - 1))
+    answers = [True] * query.key_count
     answers[missing] = False
     folded = fold_rank_hits(query, answers)
     assert folded is not None
@@ -173,7 +173,7 @@ def test_one_missing_rank_makes_the_object_a_miss(
         scenario.keyspace.key(rank, group_id, block_hash)
         for rank in scenario.keyspace.topology.coords()
     }
-    assert query.keys[missing] in rank_keys
+    assert query.runs.key_strings()[missing] in rank_keys
 
 
 @given(lookup_scenarios())
@@ -181,13 +181,13 @@ def test_a_query_layout_names_the_rank_of_every_key(scenario: LookupScenario) ->
     query = query_of(scenario)
     coords = scenario.keyspace.topology.coords()
     layout = query.layout
-    assert layout.key_count == len(query.keys)
+    assert layout.key_count == query.key_count
     assert layout.segment_sizes == tuple(map(len, query.object_hashes))
-    for position, key in enumerate(query.keys):
+    for position, key in enumerate(query.runs.key_strings()):
         rank = layout.rank_of(position)
-        assert key.startswith(query.keys.rank_tags[rank] + ":g")
-        assert key.rsplit(":", 2)[0] == query.keys.rank_tags[rank]
-        assert scenario.keyspace.key(coords[rank], 0, b"").startswith(query.keys.rank_tags[rank])
+        assert key.startswith(query.runs.key_strings().rank_tags[rank] + ":g")
+        assert key.rsplit(":", 2)[0] == query.runs.key_strings().rank_tags[rank]
+        assert scenario.keyspace.key(coords[rank], 0, b"").startswith(query.runs.key_strings().rank_tags[rank])
 
 
 @st.composite
@@ -351,7 +351,7 @@ def test_contiguous_full_block_hits_all_load(geometry: LookupGeometry, data: st.
         index.to_bytes(4, "big") for index in range(num_tokens // geometry.hash_block_size)
     )
     query = build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
-    folded = fold_rank_hits(query, [True] * len(query.keys))
+    folded = fold_rank_hits(query, [True] * query.key_count)
     assert folded is not None
     hit = single_group_hit_tokens(geometry, query, folded)
     if geometry.lookup_units[0] < block_size:
@@ -562,12 +562,12 @@ def test_eagle_falls_back_to_a_block_start_rather_than_read_an_unreported_object
     hashes = tuple(bytes([index]) for index in range(16))
     query = build_lookup_query(geometry, keyspace, hashes, 0, 64)
     held = {3, 7, 9}
-    folded = fold_rank_hits(query, [index in held for index in range(len(query.keys))])
+    folded = fold_rank_hits(query, [index in held for index in range(query.key_count)])
     assert folded is not None
     assert single_group_hit_tokens(replace(geometry, use_eagle=False), query, folded) == 40
     assert single_group_hit_tokens(geometry, query, folded) == 16
     held.add(5)
-    folded = fold_rank_hits(query, [index in held for index in range(len(query.keys))])
+    folded = fold_rank_hits(query, [index in held for index in range(query.key_count)])
     assert folded is not None
     assert single_group_hit_tokens(geometry, query, folded) == 24
 

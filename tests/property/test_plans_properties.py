@@ -96,7 +96,7 @@ def single_group_loads(draw: st.DrawFn) -> PlannedLoad | None:
     query = build_lookup_query(
         geometry, scenario.keyspace, scenario.hashes, scenario.local_tokens, scenario.num_tokens
     )
-    folded = fold_rank_hits(query, scenario.pool.answers(query.keys))
+    folded = fold_rank_hits(query, scenario.pool.answers(query.runs.key_strings()))
     assert folded is not None
     spec = single_group_load_spec(geometry, query, folded)
     if spec is None:
@@ -118,7 +118,7 @@ def coordinated_loads(draw: st.DrawFn) -> PlannedLoad | None:
     query = build_lookup_query(
         geometry, scenario.keyspace, scenario.hashes, scenario.local_tokens, scenario.num_tokens
     )
-    folded = fold_rank_hits(query, scenario.pool.answers(query.keys))
+    folded = fold_rank_hits(query, scenario.pool.answers(query.runs.key_strings()))
     assert folded is not None
     reported = coordinator_hit_sets(query, folded)
     hit_end = draw(st.integers(scenario.local_tokens + 1, scenario.num_tokens - 1))

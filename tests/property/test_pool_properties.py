@@ -6,7 +6,11 @@ watermarks. After every step it checks the invariants:
 * used bytes never exceed capacity, and equal the pages owned by resident objects;
 * every page is free or owned by exactly one resident object (free + owned == total);
 * residency equals the model's; a key absent from the model is never a HIT;
-* a HIT delivers exactly the bytes last accepted under that key.
+* a HIT delivers exactly the bytes last accepted under that key;
+* a lookup by hash (``lookup_hashes``) answers what ``lookup`` answers for the same keys.
+  Keys are a mix of what core builds (a prefix ending with ':' + a lowercase hex digest,
+  the empty digest too) and keys that only look like it (upper case, odd length, no
+  colon), which the pool must never answer for a hash.
 """
 
 from __future__ import annotations
@@ -18,9 +22,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from umbp.core.rank_keys import HashRuns
 from umbp.runtime import LoadStatus, SlabPool
 
-KEYS = tuple(f"k{index}" for index in range(8))
+PREFIXES = ("umbp:f:ns:tp0:g0:", "umbp:f:ns:tp1:g0:", "p:")
+HASHES = (b"\x01\x02", b"\xab", b"", b"\xde\xad\xbe\xef")
+KEYS = (
+    "k0", "k1",  # no colon
+    "umbp:f:ns:tp0:g0:0102", "umbp:f:ns:tp0:g0:ab", "umbp:f:ns:tp0:g0:deadbeef",
+    "umbp:f:ns:tp1:g0:0102", "umbp:f:ns:tp1:g0:", "p:ab", "p:",
+    "p:AB", "p:abc", "umbp:f:ns:tp1:g0:DEADBEEF",  # look like prefix + hex: are not
+)
 
 
 def content(seed: int, size: int) -> bytes:
@@ -171,6 +183,31 @@ class SlabPoolMachine(RuleBasedStateMachine):
     @invariant()
     def residency_matches_the_model(self) -> None:
         assert self.pool.lookup(KEYS) == tuple(key in self.model.objects for key in KEYS)
+
+    @invariant()
+    def a_lookup_by_hash_answers_as_the_key_strings(self) -> None:
+        for ranks in (1, 2, 3):
+            for prefixes in ((PREFIXES[:ranks],), (PREFIXES[-ranks:], PREFIXES[:ranks])):
+                runs = HashRuns.of_segments(
+                    tuple(f"rank{rank}" for rank in range(ranks)), prefixes,
+                    tuple(HASHES[::step] for step in (1, -1)[: len(prefixes)]),
+                )
+                assert self.pool.lookup_hashes(runs) == self.pool.lookup(runs.key_strings())
+
+    @rule(data=st.data())
+    def ask_by_hash(self, data: st.DataObject) -> None:
+        ranks = data.draw(st.integers(1, 3))
+        segments = data.draw(st.integers(0, 3))
+        runs = HashRuns.of_segments(
+            tuple(f"rank{rank}" for rank in range(ranks)),
+            tuple(tuple(data.draw(st.lists(st.sampled_from(PREFIXES + ("q:",)),
+                                           min_size=ranks, max_size=ranks)))
+                  for _ in range(segments)),
+            tuple(tuple(data.draw(st.lists(st.sampled_from(HASHES + (b"\x00",)), max_size=6)))
+                  for _ in range(segments)),
+        )
+        answers = self.pool.lookup_hashes(runs)
+        assert answers == tuple(key in self.model.objects for key in runs.key_strings())
 
     @invariant()
     def recency_order_matches_the_model(self) -> None:

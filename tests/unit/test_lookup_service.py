@@ -189,10 +189,10 @@ def test_a_lookup_query_routed_by_position_matches_routing_by_the_rank_in_each_k
     # The scheduler names each rank's store with core's tag of that rank: the
     # part of each of the rank's keys before the group.
     tags = tuple(keyspace.key(rank, 0, b"").rsplit(":", 2)[0] for rank in coords)
-    assert query.keys.rank_tags == tags == rank_tags(keyspace)
-    held = {key for index, key in enumerate(query.keys) if index % 3 and index % 7}
+    assert query.runs.key_strings().rank_tags == tags == rank_tags(keyspace)
+    held = {key for index, key in enumerate(query.runs.key_strings()) if index % 3 and index % 7}
     by_position = RankedLookup({tag: _Known(held) for tag in tags})
-    assert by_position.lookup(query.keys) == tuple(k in held for k in query.keys)
+    assert by_position.lookup(query.runs.key_strings()) == tuple(k in held for k in query.runs.key_strings())
     for tag, store in zip(tags, by_position._stores.values()):
         assert isinstance(store, _Known) and all(key.startswith(tag + ":") for key in store.asked)
 

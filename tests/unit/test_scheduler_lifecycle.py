@@ -301,7 +301,10 @@ def test_a_store_whose_lookup_raises_is_a_miss(
     def broken(keys: Any) -> tuple[bool, ...]:
         raise RuntimeError("binding exploded")
 
+    # Admission asks the embedded pool by hash, the store step's residency check by
+    # key string: both break.
     monkeypatch.setattr(store, "lookup", broken)
+    monkeypatch.setattr(store, "lookup_hashes", broken)
     with caplog.at_level("WARNING", logger="umbp"):
         driver.add("b", tokens + [9], max_tokens=2)
         records = driver.run(["b"])

@@ -51,7 +51,14 @@ from umbp.core.lookup_geometry import (
     lookup_unit,
     object_hash_at_token_end,
 )
-from umbp.core.rank_keys import KeyLayout, RankedKeys, fold_ranks, rank_tags
+from umbp.core.rank_keys import (
+    HashRuns,
+    KeyLayout,
+    RankedKeys,
+    fold_ranks,
+    rank_prefixes,
+    rank_tags,
+)
 
 __all__ = [
     "EMPTY_LOOKUP_MEMO",
@@ -71,11 +78,12 @@ __all__ = [
     "load_runs_async",
     "load_spec_from_hits",
     "local_object_hashes",
+    "lookup_keys",
     "lookup_limit",
-    "lookup_query",
     "lookup_skip_reason",
     "lookup_unit",
     "object_hash_at_token_end",
+    "request_lookup_keys",
     "request_lookup_query",
     "single_group_hit_tokens",
     "single_group_load_spec",
@@ -86,11 +94,14 @@ class LookupQuery:
     """What one lookup asks the pool, and what it needs to read the answer.
 
     ``object_hashes[g][i]`` is group ``g``'s object ending at token
-    ``local_tokens + units[g] * (i + 1)``. ``keys`` are ordered group-major, then
-    rank (``topology.coords()`` order), then object: each (group, rank) run is one
-    prefix glued to every object's hex digest. They carry that order as their
-    :class:`~umbp.core.rank_keys.KeyLayout` (one rank-major segment per group), so
-    answers fold and keys route to ranks by position. ``request_hashes`` lets the
+    ``local_tokens + units[g] * (i + 1)``. ``runs`` are the keys to ask, without
+    strings (:class:`~umbp.core.rank_keys.HashRuns`): group-major, then rank
+    (``topology.coords()`` order), then object, each (group, rank) run one prefix
+    and every object's hash. A store that answers by hash reads them as they are;
+    for one that needs strings, :func:`lookup_keys` builds them (through the
+    request's memo), in the same order. Their
+    :class:`~umbp.core.rank_keys.KeyLayout` (one rank-major segment per group) folds
+    the answers and routes keys to ranks by position. ``request_hashes`` lets the
     caller tell whether an asynchronous lookup still describes the request.
     """
 
@@ -99,15 +110,20 @@ class LookupQuery:
     request_hashes: tuple[bytes, ...]
     units: tuple[int, ...]
     object_hashes: tuple[tuple[bytes, ...], ...]
-    keys: RankedKeys
+    runs: HashRuns
 
     @property
     def layout(self) -> KeyLayout:
-        return self.keys.layout
+        return self.runs.layout
 
     @property
     def rank_count(self) -> int:
-        return self.keys.layout.rank_count
+        return self.runs.layout.rank_count
+
+    @property
+    def key_count(self) -> int:
+        """Keys asked (objects times ranks): the length of every answer."""
+        return self.runs.layout.key_count
 
     @property
     def max_hit_end(self) -> int:
@@ -134,66 +150,70 @@ def build_lookup_query(
     local_tokens: int,
     num_tokens: int,
 ) -> LookupQuery:
-    """Every object past the local tokens, up to :func:`lookup_limit`, for every rank.
+    """Every object past the local tokens, up to :func:`lookup_limit`, for every rank:
+    strided slices of the hashes and each group's cached rank prefixes, no key string.
 
     Call only when :func:`lookup_skip_reason` is None.
     """
-    return lookup_query(geometry, keyspace, hashes, local_tokens, num_tokens, EMPTY_KEY_MEMO)[0]
-
-
-def lookup_query(
-    geometry: LookupGeometry,
-    keyspace: KeySpace,
-    hashes: Sequence[bytes],
-    local_tokens: int,
-    num_tokens: int,
-    memo: KeyMemo,
-) -> tuple[LookupQuery, KeyMemo]:
-    """:func:`build_lookup_query` with the request's :class:`~umbp.core.key_memo.KeyMemo`:
-    the query (equal to a fresh one) and the memo holding its keys. Keys the memo
-    already has are sliced out of it, not built again."""
     request_hashes = tuple(hashes)
     limit = lookup_limit(geometry, num_tokens, len(request_hashes))
     hash_block_size = geometry.hash_block_size
-    runs: list[Sequence[str]] = []  # group-major, then rank: the query's key order
-    objects: list[tuple[bytes, ...]] = []
-    for group_id, unit in zip(geometry.group_ids, geometry.lookup_units):
-        if local_tokens % unit:
-            # Only a coordinated group can start between its objects: no memo run.
-            group_objects = hashes_at_token_ends(
-                request_hashes, local_tokens + unit, limit, unit, hash_block_size
-            )
-            objects.append(group_objects)
-            runs.extend(keys_per_rank(keyspace, group_id, group_objects))
-            continue
-        first, stop = local_tokens // unit, max(local_tokens // unit, limit // unit)
-        entry, memo = group_keys(
-            memo, keyspace, group_id, unit, hash_block_size, request_hashes, first, stop
-        )
-        objects.append(entry.object_hashes(first, stop))
-        runs.extend(entry.rank_keys(rank, first, stop) for rank in range(len(entry.per_rank)))
+    objects = tuple([
+        hashes_at_token_ends(request_hashes, local_tokens + unit, limit, unit, hash_block_size)
+        for unit in geometry.lookup_units
+    ])
+    prefixes = tuple([rank_prefixes(keyspace, group_id) for group_id in geometry.group_ids])
     layout = KeyLayout.rank_major(tuple(map(len, objects)), keyspace.topology.rank_count)
-    query = LookupQuery(
+    return LookupQuery(
         local_tokens=local_tokens,
         num_tokens=num_tokens,
         request_hashes=request_hashes,
         units=geometry.lookup_units,
-        object_hashes=tuple(objects),
-        keys=RankedKeys(_concatenated(runs), layout, rank_tags(keyspace)),
+        object_hashes=objects,
+        runs=HashRuns(layout, rank_tags(keyspace), prefixes, objects),
     )
-    return query, memo
+
+
+def lookup_keys(
+    geometry: LookupGeometry, keyspace: KeySpace, query: LookupQuery, memo: KeyMemo
+) -> tuple[RankedKeys, KeyMemo]:
+    """The query's key strings (equal to ``query.runs.key_strings()``) for a store that asks
+    by string, and the request's :class:`~umbp.core.key_memo.KeyMemo` holding them:
+    keys the memo already has are sliced out of it, not built again.
+
+    ``geometry`` and ``keyspace`` must be the ones the query was built with.
+    """
+    if query.units != geometry.lookup_units or query.runs.rank_tags != rank_tags(keyspace):
+        raise ValueError("lookup_keys needs the geometry and keyspace the query was built with")
+    request_hashes = query.request_hashes
+    local_tokens = query.local_tokens
+    runs: list[Sequence[str]] = []  # group-major, then rank: the query's key order
+    for group_id, unit, objects in zip(geometry.group_ids, geometry.lookup_units, query.object_hashes):
+        if local_tokens % unit:
+            # Only a coordinated group can start between its objects: no memo run.
+            runs.extend(keys_per_rank(keyspace, group_id, objects))
+            continue
+        first = local_tokens // unit
+        stop = first + len(objects)
+        entry, memo = group_keys(
+            memo, keyspace, group_id, unit, geometry.hash_block_size, request_hashes, first, stop
+        )
+        runs.extend(entry.rank_keys(rank, first, stop) for rank in range(len(entry.per_rank)))
+    return RankedKeys(_concatenated(runs), query.layout, query.runs.rank_tags), memo
 
 
 @dataclass(frozen=True, slots=True)
 class LookupMemo:
-    """What one request's lookups keep between calls: its key strings (``keys``)
-    and its last query, which a lookup of the same request state (vLLM asking again
-    for a waiting request) reuses whole, for the same geometry and keyspace."""
+    """What one request's lookups keep between calls: its last query, which a lookup
+    of the same request state (vLLM asking again for a waiting request) reuses whole,
+    for the same geometry and keyspace; and, only for a store that asks by string,
+    its key strings (``keys``) and the last query's keys (``last_keys``)."""
 
     keys: KeyMemo = EMPTY_KEY_MEMO
     last: LookupQuery | None = None
     geometry: LookupGeometry | None = None
     keyspace: KeySpace | None = None
+    last_keys: RankedKeys | None = None
 
 
 EMPTY_LOOKUP_MEMO: Final = LookupMemo()
@@ -209,8 +229,8 @@ def request_lookup_query(
     memo: LookupMemo,
 ) -> tuple[LookupQuery, LookupMemo]:
     """The request's lookup query (equal to :func:`build_lookup_query`'s) and its new
-    memo: the last query while it still describes the request, else one built with
-    the memo's keys (:func:`lookup_query`)."""
+    memo: the last query while it still describes the request, else a new one (its
+    key strings, if a store needs them, come from :func:`request_lookup_keys`)."""
     last = memo.last
     if (
         last is not None
@@ -219,8 +239,20 @@ def request_lookup_query(
         and last.describes(local_tokens, num_tokens, hashes)
     ):
         return last, memo
-    query, keys = lookup_query(geometry, keyspace, hashes, local_tokens, num_tokens, memo.keys)
-    return query, LookupMemo(keys, query, geometry, keyspace)
+    query = build_lookup_query(geometry, keyspace, hashes, local_tokens, num_tokens)
+    return query, LookupMemo(memo.keys, query, geometry, keyspace)
+
+
+def request_lookup_keys(
+    geometry: LookupGeometry, keyspace: KeySpace, query: LookupQuery, memo: LookupMemo
+) -> tuple[RankedKeys, LookupMemo]:
+    """The key strings of the request's ``query`` for a store that asks by string,
+    and the memo that keeps them: the last query's keys when it is that query, else
+    built through the memo's :class:`~umbp.core.key_memo.KeyMemo` (:func:`lookup_keys`)."""
+    if memo.last is query and memo.last_keys is not None:
+        return memo.last_keys, memo
+    keys, key_memo = lookup_keys(geometry, keyspace, query, memo.keys)
+    return keys, LookupMemo(key_memo, query, geometry, keyspace, keys)
 
 
 def _concatenated(runs: Sequence[Sequence[str]]) -> Sequence[str]:
@@ -239,7 +271,7 @@ def fold_rank_hits(
 ) -> tuple[tuple[bool, ...], ...] | None:
     """Per group, per object: did every rank hit? None for an answer of the wrong
     length (the caller treats it as a miss, never as an exception)."""
-    return fold_ranks(query.keys.layout, answers)
+    return fold_ranks(query.runs.layout, answers)
 
 
 def single_group_hit_tokens(

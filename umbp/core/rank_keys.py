@@ -9,6 +9,13 @@ it (:func:`fold_ranks`), and a router that keeps one store per rank sends each r
 its keys and puts the answers back by position (:meth:`RankedKeys.keys_of_rank`,
 :func:`merge_rank_answers`), so no key string is ever parsed to find its rank.
 
+A lookup query's keys also exist without strings, as :class:`HashRuns`: per
+segment, each rank's key prefix and the objects' raw hashes (every key of one
+(segment, rank) run is that prefix plus a hash in hex). A store that indexes its
+keys by prefix and hash answers from them (``HashLookup`` in
+:mod:`umbp.runtime.contract`); :meth:`HashRuns.key_strings` builds the strings for a
+store that needs them.
+
 Two orders exist:
 
 * rank-major segments (a lookup query): segment ``s`` (one cache group) holds
@@ -29,6 +36,7 @@ from typing import Any, Self
 from umbp.core.identity import KeySpace, RankTopology, key_prefix
 
 __all__ = [
+    "HashRuns",
     "KeyLayout",
     "RankedKeys",
     "fold_ranks",
@@ -207,6 +215,85 @@ class RankedKeys(tuple[str, ...]):
         if len(slices) == 1:
             return self[slices[0]]
         return tuple(chain.from_iterable(self[part] for part in slices))
+
+
+@dataclass(frozen=True, slots=True)
+class HashRuns:
+    """A rank-major batch of keys as prefixes and raw hashes: segment ``s``'s keys on
+    rank ``r`` are ``prefixes[s][r]`` plus each of ``hashes[s]`` in hex, in that order,
+    so position ``i`` of ``key_strings()`` is position ``i`` of any answer to them.
+
+    Every prefix ends with ``:`` (as :func:`rank_prefixes` builds them): a key is then
+    its prefix and hex digest split at its last colon, which is how a store indexes
+    its keys by hash (the split is unambiguous, so an answer by hash is the answer
+    for the key string).
+    """
+
+    layout: KeyLayout
+    rank_tags: tuple[str, ...]
+    prefixes: tuple[tuple[str, ...], ...]
+    hashes: tuple[tuple[bytes, ...], ...]
+
+    def __post_init__(self) -> None:
+        layout = self.layout
+        if layout.object_major or tuple(map(len, self.hashes)) != layout.segment_sizes:
+            raise ValueError(
+                f"hash runs of {tuple(map(len, self.hashes))} objects for a layout of "
+                f"{layout.segment_sizes} (rank-major)"
+            )
+        if len(self.rank_tags) != layout.rank_count or len(self.prefixes) != len(self.hashes):
+            raise ValueError(
+                f"{len(self.rank_tags)} rank tags and {len(self.prefixes)} prefix runs for "
+                f"{layout.rank_count} ranks and {len(self.hashes)} segments"
+            )
+        for prefixes in self.prefixes:
+            if len(prefixes) != layout.rank_count or not all(p.endswith(":") for p in prefixes):
+                raise ValueError(
+                    f"each segment needs {layout.rank_count} key prefixes ending with ':', "
+                    f"got {prefixes}"
+                )
+
+    @classmethod
+    def of_segments(
+        cls,
+        rank_tags: tuple[str, ...],
+        prefixes: tuple[tuple[str, ...], ...],
+        hashes: tuple[tuple[bytes, ...], ...],
+    ) -> HashRuns:
+        return cls(
+            KeyLayout.rank_major(tuple(map(len, hashes)), len(rank_tags)),
+            rank_tags, prefixes, hashes,
+        )
+
+    @property
+    def key_count(self) -> int:
+        return self.layout.key_count
+
+    def key_strings(self) -> RankedKeys:
+        """The key strings, in position order (built here: a store that answers by
+        hash never needs them)."""
+        keys: list[str] = []
+        for prefixes, hashes in zip(self.prefixes, self.hashes):
+            if len(prefixes) == 1:
+                prefix = prefixes[0]
+                keys += [prefix + block_hash.hex() for block_hash in hashes]
+                continue
+            digests = list(map(bytes.hex, hashes))
+            for prefix in prefixes:
+                keys += [prefix + digest for digest in digests]
+        return RankedKeys(keys, self.layout, self.rank_tags)
+
+    def of_rank(self, rank: int) -> HashRuns:
+        """Rank ``rank``'s runs alone (what a router asks that rank's store); its
+        answers go back with :func:`merge_rank_answers`, as keys of that rank do."""
+        if not 0 <= rank < self.layout.rank_count:
+            raise ValueError(f"rank {rank} is not one of {self.layout.rank_count} ranks")
+        return HashRuns(
+            KeyLayout.rank_major(self.layout.segment_sizes, 1),
+            (self.rank_tags[rank],),
+            tuple((prefixes[rank],) for prefixes in self.prefixes),
+            self.hashes,
+        )
 
 
 def rank_tags(keyspace: KeySpace) -> tuple[str, ...]:

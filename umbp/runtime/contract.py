@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from umbp.core.load_outcomes import LoadStatus
+from umbp.core.rank_keys import HashRuns
 
 __all__ = [
+    "HashLookup",
     "LoadStatus",
     "Medium",
     "PoolStats",
@@ -139,6 +141,19 @@ class WorkerStore(Protocol):
 
     def close(self) -> None:
         """Release the handle and its memory (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class HashLookup(Protocol):
+    """Optional: a store that answers a lookup from the keys' prefixes and raw hashes
+    (`umbp.core.rank_keys.HashRuns`), so the scheduler builds no key string for it. The
+    answer must be exactly `lookup(runs.key_strings())`'s, in the same order; a resident key that
+    is not a prefix plus a lowercase hex digest is simply never named by a `HashRuns`."""
+
+    def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
+        """Residency of each key of `runs`, in position order. Raises `StoreUnavailable`
+        like `lookup`."""
         ...
 
 

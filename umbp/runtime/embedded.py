@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from umbp.core.rank_keys import HashRuns
 from umbp.runtime.contract import SchedulerStore
 from umbp.runtime.lookup_service import LookupClient, LookupService
 from umbp.runtime.pool import SlabPool
@@ -72,13 +73,16 @@ def connect_to_pool(address: PoolAddress, timeout_s: float) -> SchedulerStore:
 
 class _Borrowed:
     """The scheduler's view of a pool its worker owns: closing the view must not
-    close the pool."""
+    close the pool. Answers by hash too (`HashLookup`), as the pool does."""
 
     def __init__(self, pool: SlabPool) -> None:
         self._pool = pool
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
         return self._pool.lookup(keys)
+
+    def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
+        return self._pool.lookup_hashes(runs)
 
     def clear(self) -> bool:
         return self._pool.clear()

@@ -18,10 +18,10 @@ import socketserver
 import struct
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from umbp.core.rank_keys import RankedKeys, merge_rank_answers
-from umbp.runtime.contract import SchedulerStore, StoreUnavailable
+from umbp.core.rank_keys import HashRuns, RankedKeys, merge_rank_answers
+from umbp.runtime.contract import HashLookup, SchedulerStore, StoreUnavailable
 
 _HEADER = struct.Struct("<cI")
 _LOOKUP = b"L"
@@ -159,12 +159,22 @@ class RankedLookup:
     rank's keys are sliced out by position and the answers put back the same way;
     no key is ever parsed to find its rank. With several ranks, plain key strings
     are refused (a TypeError): every caller in umbp hands over core's keys.
+
+    A lookup query asked by hash (:meth:`lookup_hashes`, core's
+    :class:`~umbp.core.rank_keys.HashRuns`) is routed the same way: each rank's runs
+    go to its store by hash, or as that rank's key strings to a store that only
+    reads strings.
     """
 
     def __init__(self, stores: Mapping[str, SchedulerStore]) -> None:
         """``stores`` maps a rank tag (a key up to its ``:pp<r>`` field, as
         :func:`umbp.core.rank_keys.rank_tags` names ranks) to its store."""
         self._stores = dict(stores)
+        # Per rank, how its store is asked a HashRuns (decided once: an isinstance
+        # check of a Protocol costs microseconds, a TP1 lookup by hash tens of them).
+        self._by_hash: dict[str, Callable[[HashRuns], tuple[bool, ...]]] = {
+            tag: _asker(store) for tag, store in self._stores.items()
+        }
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
         if isinstance(keys, RankedKeys):
@@ -186,9 +196,30 @@ class RankedLookup:
             for rank, store in enumerate(stores)
         ])
 
+    def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
+        askers = [self._by_hash.get(tag) for tag in runs.rank_tags]
+        if len(askers) == 1 and askers[0] is not None:
+            return askers[0](runs)
+        return merge_rank_answers(runs.layout, [
+            None if ask is None else ask(runs.of_rank(rank))
+            for rank, ask in enumerate(askers)
+        ])
+
     def clear(self) -> bool:
         return all([store.clear() for store in self._stores.values()])  # noqa: C419 (clear every store)
 
     def close(self) -> None:
         for store in self._stores.values():
             store.close()
+
+
+def _asker(store: SchedulerStore) -> Callable[[HashRuns], tuple[bool, ...]]:
+    """How one store is asked a ``HashRuns``: by hash where it answers so, else as
+    its key strings."""
+    if isinstance(store, HashLookup):
+        return store.lookup_hashes
+
+    def by_strings(runs: HashRuns) -> tuple[bool, ...]:
+        return store.lookup(runs.key_strings())
+
+    return by_strings

@@ -11,6 +11,9 @@ Invariants (checked by tests/property/test_pool_properties.py):
 * every page is either on the free list or owned by exactly one resident object;
 * used pages never exceed the slab, and a put that crosses the high watermark first evicts
   least-recently-used objects until the usage it will reach is at or below the low one;
+* `lookup_hashes(runs)` answers exactly what `lookup(runs.key_strings())` does: beside the
+  resident keys the pool keeps, per key prefix, the raw hashes of its resident keys that
+  are that prefix plus a lowercase hex digest, changed wherever a key comes or goes;
 * a load that answers HIT delivered exactly the bytes last stored under that key: every
   object carries an xxh3-64 checksum, computed on put over the slab pages just written
   (hot in cache, and it covers what was actually stored) and verified on every load over
@@ -29,8 +32,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from umbp.core.rank_keys import HashRuns
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
+    HashLookup,
     LoadStatus,
     PoolStats,
     SchedulerStore,
@@ -50,11 +55,25 @@ __all__ = ["SlabPool"]
 DEFAULT_PAGE_BYTES = 256 * 1024
 
 
+def _hash_identity(key: str) -> tuple[str, bytes] | None:
+    """``(prefix, raw hash)`` of a key that is a prefix ending with ``:`` plus a lowercase
+    hex digest (every key core builds), else None: such a key is asked only as a string.
+    The round trip makes it exact: ``fromhex`` also reads upper case and spaces."""
+    prefix, colon, digest = key.rpartition(":")
+    if not colon:
+        return None
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        return None
+    return (prefix + colon, raw) if raw.hex() == digest else None
+
+
 class _StoredObject(Resident):
     """Where one object lives and what it must hash to. A slotted class whose __init__
     sets every field itself: one is built per put, and a frozen dataclass costs ~1 us."""
 
-    __slots__ = ("checksum", "nbytes", "regions")
+    __slots__ = ("checksum", "identity", "nbytes", "regions")
 
     def __init__(
         self,
@@ -63,6 +82,7 @@ class _StoredObject(Resident):
         regions: tuple[tuple[int, int], ...],
         nbytes: int,
         checksum: int,
+        identity: tuple[str, bytes] | None,
     ) -> None:
         self.key = key
         self.pages = pages
@@ -73,10 +93,12 @@ class _StoredObject(Resident):
         """(slab offset, length) of each page-sized piece, in object order."""
         self.nbytes = nbytes
         self.checksum = checksum
+        self.identity = identity
+        """``_hash_identity(key)``: where the object sits in the pool's hash index."""
 
 
 class SlabPool(ClosesOnExit):
-    """The embedded DRAM tier; implements both `SchedulerStore` and `WorkerStore`.
+    """The embedded DRAM tier; implements `SchedulerStore`, `WorkerStore` and `HashLookup`.
 
     `capacity_bytes` is rounded down to whole pages. Watermarks are fractions of the page
     count: when a put would take usage above `high_watermark`, LRU objects are evicted until
@@ -108,6 +130,10 @@ class SlabPool(ClosesOnExit):
         self._slab = allocate_prefaulted_slab(self._total_pages * page_bytes)
         self._slab_bytes = memoryview(self._slab)
         self._evicted: dict[str, None] = {}  # insertion-ordered set
+        # Per key prefix, the raw hashes of its resident keys (see _hash_identity): what
+        # lookup_hashes reads. Kept exact by _admit and _forget, the only two places a key
+        # becomes or stops being resident (clear and close reset it with the pages).
+        self._hashes_by_prefix: dict[str, set[bytes]] = {}
         self._counters = StoreCounters()
         self._lock = threading.Lock()
         self._closed = False
@@ -120,6 +146,24 @@ class SlabPool(ClosesOnExit):
             self._require_open()
             pages = self._pages
             return tuple([key in pages for key in keys])
+
+    def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
+        """`lookup(runs.key_strings())`'s answer without the key strings: one set probe per
+        hash (a whole run resident: one C-level `issuperset`)."""
+        with self._lock:
+            self._require_open()
+            index = self._hashes_by_prefix
+            answers: list[bool] = []
+            for prefixes, hashes in zip(runs.prefixes, runs.hashes):
+                for prefix in prefixes:
+                    held = index.get(prefix)
+                    if held is None:
+                        answers += [False] * len(hashes)
+                    elif held.issuperset(hashes):
+                        answers += [True] * len(hashes)
+                    else:
+                        answers += map(held.__contains__, hashes)
+            return tuple(answers)
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload (any C-contiguous buffer); one result per key.
@@ -244,13 +288,16 @@ class SlabPool(ClosesOnExit):
                 return False
             if pages.needs_room(pages_needed):
                 for victim in pages.evict(pages_needed):
+                    self._forget(victim)
                     self._evicted[victim.key] = None
                     self._counters.evictions += 1
             taken = pages.take_pages(pages_needed)
             assert taken is not None, "eviction left too few free pages"
             regions = self._regions(taken, source.nbytes)
             checksum = write_regions(self._slab_bytes, regions, source)
-            pages.admit(_StoredObject(key, taken, regions, source.nbytes, checksum))
+            self._admit(_StoredObject(
+                key, taken, regions, source.nbytes, checksum, _hash_identity(key)
+            ))
             self._evicted.pop(key, None)
             self._counters.puts += 1
             self._counters.bytes_written += source.nbytes
@@ -269,6 +316,7 @@ class SlabPool(ClosesOnExit):
             if read_regions(self._slab_bytes, stored.regions, destination) != stored.checksum:
                 # Can no longer be trusted: dropped, and reported as evicted.
                 self._pages.retire(stored)
+                self._forget(stored)
                 self._evicted[key] = None
                 self._counters.corrupt_loads += 1
                 return LoadStatus.CORRUPT
@@ -288,8 +336,29 @@ class SlabPool(ClosesOnExit):
             for index, page in enumerate(pages)
         )
 
+    def _admit(self, stored: _StoredObject) -> None:
+        self._pages.admit(stored)
+        if stored.identity is not None:
+            prefix, raw = stored.identity
+            held = self._hashes_by_prefix.get(prefix)
+            if held is None:
+                self._hashes_by_prefix[prefix] = {raw}
+            else:
+                held.add(raw)
+
+    def _forget(self, stored: _StoredObject) -> None:
+        """A key left (evicted, dropped as corrupt): out of the hash index too, and a
+        prefix with no resident key left goes with it."""
+        if stored.identity is not None:
+            prefix, raw = stored.identity
+            held = self._hashes_by_prefix[prefix]
+            held.discard(raw)
+            if not held:
+                del self._hashes_by_prefix[prefix]
+
     def _forget_everything(self) -> None:
         self._pages.reset()
+        self._hashes_by_prefix.clear()
         self._evicted.clear()
 
     def _require_open(self) -> None:
@@ -331,6 +400,8 @@ def _validate_watermarks(high_watermark: float, low_watermark: float) -> None:
 
 if TYPE_CHECKING:
 
-    def _slab_pool_honours_the_contract(pool: SlabPool) -> tuple[SchedulerStore, WorkerStore]:
-        """Never called: makes mypy prove that SlabPool satisfies both protocols."""
-        return pool, pool
+    def _slab_pool_honours_the_contract(
+        pool: SlabPool,
+    ) -> tuple[SchedulerStore, WorkerStore, HashLookup]:
+        """Never called: makes mypy prove that SlabPool satisfies the protocols."""
+        return pool, pool, pool

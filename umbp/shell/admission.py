@@ -6,7 +6,9 @@ core picks the lookup's next action (:func:`umbp.core.request_lifecycle.next_loo
 answer nothing, look up now, submit to the lookup threads, wait, read the answer),
 the hit window (core's for one full-attention group, vLLM's own coordinator through
 :class:`~umbp.shell.hybrid_lookup.HybridLookup` otherwise) and the load planned for
-what vLLM allocated. It keeps no per-request state: each call takes the request's
+what vLLM allocated. A store that answers by hash (``HashLookup``: the embedded pool)
+is asked the query's prefixes and raw hashes; any other gets the key strings, built
+through the request's memo. It keeps no per-request state: each call takes the request's
 :class:`~umbp.shell.request_state.RequestState` and returns the next one, which the
 scheduler keeps.
 """
@@ -17,7 +19,8 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, cast
 
 from returns.result import Failure, Success
 
@@ -27,7 +30,7 @@ from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery, block_table_of
 from umbp.core.request_lifecycle import LookupAction
-from umbp.runtime.contract import SchedulerStore
+from umbp.runtime.contract import HashLookup, SchedulerStore
 from umbp.shell import vllm_compat
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.lookup_errors import log_failed_lookup
@@ -68,6 +71,10 @@ class Admission:
         self._executor = executor
         self._counters = counters
         self._gpu_block_pool: BlockPoolLike | None = None
+        # Whether the bound store answers by hash, found once per store object (an
+        # isinstance check of a Protocol costs microseconds on every admission).
+        self._probed_store: SchedulerStore | None = None
+        self._by_hash = False
 
     def bind_gpu_block_pool(self, pool: BlockPoolLike) -> None:
         self._gpu_block_pool = pool
@@ -94,11 +101,13 @@ class Admission:
                 return None, False, state
             case LookupAction.SUBMIT:
                 query, state = self._query(keyspace, request, local_tokens, state)
-                answer = self._executor.submit(store.lookup, query.keys)
+                ask, state = self._asking(store, keyspace, query, state)
+                answer = self._executor.submit(ask)
                 return None, False, replace(state, lookup=PendingLookup(request, query, answer))
             case LookupAction.LOOKUP_NOW:
                 query, state = self._query(keyspace, request, local_tokens, state)
-                return self._match(state, query, self._lookup(store, query))
+                ask, state = self._asking(store, keyspace, query, state)
+                return self._match(state, query, self._lookup(ask))
             case LookupAction.READ_ANSWER:
                 assert pending is not None
                 answers = self._answer_of(pending.answer)
@@ -136,9 +145,23 @@ class Admission:
         )
         return query, state.with_lookups(lookups)
 
-    def _lookup(self, store: SchedulerStore, query: LookupQuery) -> tuple[bool, ...] | None:
+    def _asking(
+        self, store: SchedulerStore, keyspace: KeySpace, query: LookupQuery, state: RequestState
+    ) -> tuple[Callable[[], tuple[bool, ...]], RequestState]:
+        """The store call that answers ``query``: by hash where the store answers so
+        (no key string built), else with the key strings from the request's memo."""
+        if store is not self._probed_store:
+            self._probed_store, self._by_hash = store, isinstance(store, HashLookup)
+        if self._by_hash:
+            return partial(cast(HashLookup, store).lookup_hashes, query.runs), state
+        keys, lookups = core_lookup.request_lookup_keys(
+            self._geometry, keyspace, query, state.lookups
+        )
+        return partial(store.lookup, keys), state.with_lookups(lookups)
+
+    def _lookup(self, ask: Callable[[], tuple[bool, ...]]) -> tuple[bool, ...] | None:
         try:
-            return store.lookup(query.keys)
+            return ask()
         except Exception as error:  # noqa: BLE001 (see umbp.shell.lookup_errors)
             self._lookup_failed(error)
             return None

@@ -35,9 +35,8 @@ class RequestState:
     """``request``: vLLM's request, from its first allocation (None before);
     ``lookup``: a running asynchronous lookup; ``life``: everything core decides
     from; ``lookups``: core's :class:`~umbp.core.lookup.LookupMemo`, the request's
-    object keys built so far and its last query, so a repeated lookup of a waiting
-    or resumed request (and the store step's residency check, through
-    ``lookups.keys``) builds no key twice."""
+    last query (a repeated lookup of a waiting request reuses it whole) and, only
+    for a store asked by key string, the keys built so far, so none is built twice."""
 
     request: RequestLike | None = None
     lookup: PendingLookup | None = None
