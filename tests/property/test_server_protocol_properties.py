@@ -17,6 +17,7 @@ After each sequence the attacker disconnects, and a good client checks that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -401,20 +402,40 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _hello(path: str) -> tuple[socket.socket, int, bytes]:
+    """Connect, say HELLO and read the answer. A refused connection may be closed before
+    the HELLO is written (a broken pipe): its reason is read all the same."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20.0)
+    sock.connect(path)
+    with contextlib.suppress(BrokenPipeError):
+        sock.sendall(protocol.encode_json(protocol.HELLO, {}))
+    op, body = protocol.read_frame(sock, protocol.Deadline(20.0))
+    return sock, op, body
+
+
+def _held_connection(path: str, attempts: int = 200) -> socket.socket:
+    """A served connection (HELLO answered OK). A client that closed its connection
+    holds its slot until the server's thread for it has seen the close (start_server's
+    readiness probe, just before): the server says so, and the client tries again."""
+    for _ in range(attempts):
+        sock, op, body = _hello(path)
+        if op == protocol.OK:
+            return sock
+        sock.close()
+        assert op == protocol.ERROR and "limit of 4 connections" in json.loads(body), body
+        time.sleep(0.05)
+    raise AssertionError(f"no slot came free in {attempts} attempts")
+
+
 def test_connections_beyond_the_limit_are_refused_with_a_reason() -> None:
     directory = Path(tempfile.mkdtemp(prefix="umbp-c-", dir="/tmp"))
     path = str(directory / "umbp.sock")
     process = start_server(path, 1 << 20, page_bytes=PAGE, max_connections=4,
                            log_path=str(directory / "serve.log"))
     try:
-        held = []
-        for _ in range(4):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(20.0)
-            sock.connect(path)
-            sock.sendall(protocol.encode_json(protocol.HELLO, {}))
-            assert protocol.read_frame(sock, protocol.Deadline(20.0))[0] == protocol.OK
-            held.append(sock)
+        held = [_held_connection(path) for _ in range(4)]
+        # Four served connections hold all four slots: the fifth is refused for sure.
         extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         extra.settimeout(20.0)
         extra.connect(path)
