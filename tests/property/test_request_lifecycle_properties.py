@@ -238,7 +238,13 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
     async_loads = data.draw(st.frozensets(st.sampled_from(ids)))
     storing = {r: (tuple(t),) for r, t in
                data.draw(st.dictionaries(st.sampled_from(ids + ["s"]), blocks)).items()}
-    got = lifecycle.stores_over_sync_loads(loads, async_loads, unplanned, storing)
+    step = lifecycle.StepLoads(tuple(loads), unplanned, async_loads, {})
+    # What the scheduler keeps of a step: the synchronous loads only.
+    kept = lifecycle.sync_loads_of(step)
+    assert [load.request_id for load in kept.loads] == [
+        load.request_id for load in loads if load.request_id not in async_loads]
+    assert kept.unplanned == {r: b for r, b in unplanned.items() if r not in async_loads}
+    got = lifecycle.stores_over_sync_loads(kept, storing)
     sync_blocks = [(load.request_id, set(load.block_ids)) for load in loads
                    if load.request_id not in async_loads]
     sync_blocks += [(r, set(b)) for r, b in unplanned.items() if r not in async_loads]
@@ -247,12 +253,6 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
         for r, table in storing.items()
     }
     assert got == {r: deps for r, deps in expected.items() if deps}
-    # What the scheduler keeps for the next step: the synchronous loads only.
-    kept = lifecycle.sync_loads_of(lifecycle.StepLoads(tuple(loads), unplanned, async_loads, {}))
-    assert [load.request_id for load in kept.loads] == [
-        load.request_id for load in loads if load.request_id not in async_loads]
-    assert kept.unplanned == {r: b for r, b in unplanned.items() if r not in async_loads}
-    assert lifecycle.stores_over_sync_loads(kept.loads, frozenset(), kept.unplanned, storing) == got
 
 
 LOADING = ["r0", "r1", "r2", "r3"]
@@ -287,18 +287,16 @@ def test_a_steps_stores_depend_on_its_own_and_the_last_steps_sync_loads_exactly(
     of this step or of the last one (whose failure vLLM's async scheduling may not
     have reported yet), exactly as if each step were asked alone; and the tables
     are skipped (None) exactly when neither step has a synchronous load."""
-    previous = lifecycle.sync_loads_of(last)
+    previous, current = lifecycle.sync_loads_of(last), lifecycle.sync_loads_of(step)
     storing = {r: (tuple(t),) for r, t in tables.items()}
 
-    def depends(loads: lifecycle.StepLoads) -> dict[str, frozenset[str]]:
-        return lifecycle.stores_over_sync_loads(
-            loads.loads, loads.async_loads, loads.unplanned, storing
-        )
+    def depends(loads: lifecycle.SyncLoads) -> dict[str, frozenset[str]]:
+        return lifecycle.stores_over_sync_loads(loads, storing)
 
-    alone = [depends(previous), depends(step)]
+    alone = [depends(previous), depends(current)]
     expected = {r: deps for r in storing
                 if (deps := frozenset().union(*(d.get(r, frozenset()) for d in alone)))}
-    in_reach = lifecycle.loads_in_reach(previous, step)
+    in_reach = lifecycle.loads_in_reach(previous, current)
     sync_now = [r for r in (*(b.request_id for b in step.loads), *step.unplanned)
                 if r not in step.async_loads]
     assert (in_reach is None) == (not previous.loads and not previous.unplanned and not sync_now)

@@ -2,9 +2,9 @@
 leave exposed, and what vLLM's report of a failed load rewinds.
 
 vLLM's async scheduling plans the next step before a step's failures are known,
-so the scheduler keeps a step's synchronous loads (:func:`sync_loads_of`), joins
-them to the next step's (:func:`loads_in_reach`) and tells workers which stores
-depend on them (:func:`stores_over_sync_loads`); once
+so the scheduler keeps a step's synchronous loads (:func:`sync_loads_of`, a
+:class:`SyncLoads`), joins them to the next step's (:func:`loads_in_reach`) and
+tells workers which stores depend on them (:func:`stores_over_sync_loads`); once
 vLLM reports a failure, each request it concerns (:func:`hit_by_failed_load`)
 gets its store watermark rewound to where vLLM recomputes from
 (:func:`after_failed_load`).
@@ -12,15 +12,17 @@ gets its store watermark rewound to where vLLM recomputes from
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from umbp.core.load_plans import BlockLoadBatch
 from umbp.core.lookup import BlockTable
 from umbp.core.request_lifecycle import RequestLifecycle, StepLoads
 
 __all__ = [
+    "NO_SYNC_LOADS",
+    "SyncLoads",
     "after_failed_load",
     "hit_by_failed_load",
     "loads_in_reach",
@@ -30,41 +32,50 @@ __all__ = [
 ]
 
 
-def sync_loads_of(step: StepLoads) -> StepLoads:
+@dataclass(frozen=True, slots=True)
+class SyncLoads:
+    """Synchronous loads: the planned batches and, per request, the block ids of
+    loads that could not be planned (reported failed by the worker)."""
+
+    loads: tuple[BlockLoadBatch, ...]
+    unplanned: Mapping[str, tuple[int, ...]]
+
+
+NO_SYNC_LOADS = SyncLoads((), {})
+
+
+def sync_loads_of(step: StepLoads) -> SyncLoads:
     """The step's synchronous loads only (planned and unplanned), kept by the
     scheduler for one more step: vLLM's async scheduling plans the next step
     before this one's failures are known, and a request it admits may hit these
-    blocks (:func:`stores_over_sync_loads` then counts them too)."""
-    return StepLoads(
+    blocks (:func:`loads_in_reach` then counts them too). An asynchronous load
+    lands before its request is scheduled, so no store reads over it."""
+    return SyncLoads(
         tuple(b for b in step.loads if b.request_id not in step.async_loads),
         {r: ids for r, ids in step.unplanned.items() if r not in step.async_loads},
-        frozenset(), {},
     )
 
 
-def loads_in_reach(previous: StepLoads, step: StepLoads) -> StepLoads | None:
-    """The synchronous loads a step's stores may read over: the step's own and
-    the last step's (``previous``, :func:`sync_loads_of` it), as one; None when
-    there are none, so no store depends on a load and the caller need not read
-    the storing requests' block tables. A request unplanned in both steps keeps
-    both steps' blocks."""
-    current = sync_loads_of(step)
+def loads_in_reach(previous: SyncLoads, current: SyncLoads) -> SyncLoads | None:
+    """The synchronous loads a step's stores may read over: the step's own
+    (``current``) and the last step's (``previous``), both :func:`sync_loads_of`
+    their steps, as one; None when there are none, so no store depends on a load
+    and the caller need not read the storing requests' block tables. A request
+    unplanned in both steps keeps both steps' blocks."""
     if not (previous.loads or previous.unplanned or current.loads or current.unplanned):
         return None
     unplanned = dict(previous.unplanned)
     for request_id, block_ids in current.unplanned.items():
         unplanned[request_id] = (*unplanned.get(request_id, ()), *block_ids)
-    return StepLoads((*previous.loads, *current.loads), unplanned, frozenset(), {})
+    return SyncLoads((*previous.loads, *current.loads), unplanned)
 
 
 def stores_over_sync_loads(
-    loads: Sequence[BlockLoadBatch],
-    async_loads: AbstractSet[str],
-    unplanned: Mapping[str, tuple[int, ...]],
-    storing: Mapping[str, BlockTable],
+    sync: SyncLoads, storing: Mapping[str, BlockTable]
 ) -> dict[str, frozenset[str]]:
     """For each request storing this step whose table holds a block a synchronous
-    load fills this step, the requests loading those blocks (itself included).
+    load (``sync``, :func:`loads_in_reach`) fills, the requests loading those
+    blocks (itself included).
 
     A synchronous load lands before the step's forward pass, and vLLM lets other
     requests of the same step hit its blocks (they are cached at allocation): if
@@ -72,10 +83,10 @@ def stores_over_sync_loads(
     must not store what it computed (``umbp.core.load_outcomes.stores_past_failed_loads``).
     Block ids are compared across groups: synchronous loads exist only for one-group
     models (``effective_load_async``), and a false match only drops a store."""
-    sync = [(b.request_id, b.block_ids) for b in loads if b.request_id not in async_loads]
-    sync += [(r, ids) for r, ids in unplanned.items() if r not in async_loads]
     filled: dict[int, set[str]] = {}
-    for request_id, block_ids in sync:
+    for request_id, block_ids in (
+        *((b.request_id, b.block_ids) for b in sync.loads), *sync.unplanned.items()
+    ):
         for block in block_ids:
             filled.setdefault(block, set()).add(request_id)
     if not filled:

@@ -105,7 +105,7 @@ class UMBPScheduler:
         # Requests whose failed load was acted on since the last step's metadata.
         self._settled_load_failures: set[str] = set()
         # The last step's synchronous loads (its failures may not be known yet).
-        self._previous_sync_loads = lifecycle.StepLoads((), {}, frozenset(), {})
+        self._previous_sync_loads = failed_loads.NO_SYNC_LOADS
         self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
         self._kv_events = (
             KVEventPublisher(config.kv_event_max_objects, self._lookup_executor)
@@ -186,12 +186,13 @@ class UMBPScheduler:
         meta.loads = list(loads.loads)
         meta.unplanned_loads = dict(loads.unplanned)
         meta.async_loads = loads.async_loads
-        in_reach = failed_loads.loads_in_reach(self._previous_sync_loads, loads)
+        sync_loads = failed_loads.sync_loads_of(loads)
+        in_reach = failed_loads.loads_in_reach(self._previous_sync_loads, sync_loads)
         if stores and in_reach is not None:
             meta.stores_over_loads = failed_loads.stores_over_sync_loads(
-                in_reach.loads, in_reach.async_loads, in_reach.unplanned, self._tables_of(stores)
+                in_reach, self._tables_of(stores)
             )
-        self._previous_sync_loads = failed_loads.sync_loads_of(loads)
+        self._previous_sync_loads = sync_loads
         self._apply({r: lifecycle.after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
