@@ -11,12 +11,20 @@ import time
 from collections.abc import Iterator, Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
 from umbp.core.lookup import LookupGeometry, build_lookup_query
-from umbp.core.rank_keys import KeyLayout, RankedKeys, object_major_keys, rank_tags
-from umbp.runtime.contract import StoreUnavailable
-from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup
+from umbp.core.rank_keys import HashRuns, KeyLayout, RankedKeys, object_major_keys, rank_tags
+from umbp.runtime.contract import HashLookup, StoreUnavailable
+from umbp.runtime.lookup_service import (
+    LookupClient,
+    LookupService,
+    RankedLookup,
+    decode_hash_runs,
+    encode_hash_runs,
+)
 from umbp.runtime.pool import SlabPool
 
 
@@ -218,3 +226,125 @@ def test_a_killed_owner_leaves_nothing_behind() -> None:
     with pytest.raises(StoreUnavailable):
         LookupClient(path, timeout_s=5.0).lookup(["k"])
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "umbp-lookup-*"))) == before
+
+
+def _hash_runs(tags: tuple[str, ...], segments: int, per_segment: int) -> HashRuns:
+    return HashRuns.of_segments(
+        tags,
+        tuple(tuple(f"umbp:f:{tag}:g{group}:" for tag in tags) for group in range(segments)),
+        tuple(tuple(bytes([group, index]) * 16 for index in range(per_segment * (group + 1)))
+              for group in range(segments)),
+    )
+
+
+def test_a_lookup_by_hash_crosses_the_socket_as_hashes_and_answers_as_the_keys(
+    pool: SlabPool,
+) -> None:
+    runs = _hash_runs(("r0", "r1"), segments=3, per_segment=4)
+    keys = runs.key_strings()
+    held = [key for index, key in enumerate(keys) if index % 3]
+    assert all(pool.put_batch(held, [memoryview(b"x")] * len(held)))
+    service = LookupService(pool)
+    client = LookupClient(service.path, timeout_s=5.0)
+    try:
+        assert isinstance(client, HashLookup)
+        assert encode_hash_runs(runs) is not None  # sent as hashes, not as strings
+        assert client.lookup_hashes(runs) == pool.lookup(keys) == tuple(k in held for k in keys)
+        assert client.lookup_hashes(_hash_runs(("r0",), segments=0, per_segment=1)) == ()
+        # Hashes of several lengths in one segment go as key strings, same answer.
+        mixed = HashRuns.of_segments(("r0",), (("umbp:f:r0:g0:",),), ((b"\x00" * 16, b"\x01"),))
+        assert encode_hash_runs(mixed) is None
+        assert client.lookup_hashes(mixed) == pool.lookup(mixed.key_strings())
+    finally:
+        client.close()
+        service.close()
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=4),
+       st.integers(1, 3), st.sampled_from(["", "α", "tag"]))
+def test_hash_runs_decode_to_what_was_encoded(
+    segments: list[tuple[int, int]], ranks: int, name: str
+) -> None:
+    tags = tuple(f"{name}{rank}" for rank in range(ranks))
+    runs = HashRuns.of_segments(
+        tags,
+        tuple(tuple(f"p{name}:{group}:{tag}:" for tag in tags) for group in range(len(segments))),
+        tuple(tuple(bytes([index]) * length for index in range(count))
+              for length, count in segments),
+    )
+    payload = encode_hash_runs(runs)
+    assert payload is not None
+    assert decode_hash_runs(payload) == runs
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\x05\x00\x00\x00{}", b"\x02\x00\x00\x00{}",
+    b"\x3c\x00\x00\x00" + b'{"tags": ["a"], "prefixes": [["a:"]], "counts": [2], "hash_bytes": [4]}'[:60],
+    b"\x02\x00\x00\x00[]",
+])
+def test_a_lookup_by_hash_that_does_not_decode_reaches_no_store(payload: bytes) -> None:
+    with pytest.raises(ConnectionError):
+        decode_hash_runs(payload)
+
+
+def test_malformed_lookups_by_hash_are_refused_and_the_service_keeps_serving(
+    pool: SlabPool,
+) -> None:
+    header = b'{"tags": ["a"], "prefixes": [["nocolon"]], "counts": [1], "hash_bytes": [2]}'
+    bad = [
+        len(header).to_bytes(4, "little") + header + b"\x01\x02",  # prefix without ':'
+        len(header).to_bytes(4, "little") + header + b"\x01",  # a byte short
+        b"\xff\x00\x00\x00not json",
+    ]
+    assert pool.put_batch(["nocolon0102", "a:0102"], [memoryview(b"x")] * 2) == (True, True)
+    service = LookupService(pool)
+    try:
+        for payload in bad:
+            client = LookupClient(service.path, timeout_s=5.0)
+            with pytest.raises(StoreUnavailable):
+                client._call(b"H", payload, 1)
+            client.close()
+        client = LookupClient(service.path, timeout_s=5.0)
+        runs = HashRuns.of_segments(("a",), (("a:",),), ((b"\x01\x02", b"\x03\x04"),))
+        assert client.lookup_hashes(runs) == (True, False)
+        client.close()
+    finally:
+        service.close()
+
+
+class _OpsRecorded(LookupClient):
+    """A real client that records the op of every request it sends."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        super().__init__(path, timeout_s)
+        self.ops: list[bytes] = []
+
+    def _call(self, op: bytes, payload: bytes, answer_size: int) -> bytes:
+        self.ops.append(op)
+        return super()._call(op, payload, answer_size)
+
+
+def test_ranked_lookup_over_sockets_asks_by_hash() -> None:
+    """TP>1 with the scheduler in another process: every rank's pool is asked its
+    prefixes and hashes over its socket, and answers as its key strings."""
+    runs = _hash_runs(("r0", "r1"), segments=2, per_segment=3)
+    keys = runs.key_strings()
+    pools = [SlabPool(1 << 16, page_bytes=64) for _ in range(2)]
+    services = [LookupService(p) for p in pools]
+    clients = [_OpsRecorded(s.path, timeout_s=5.0) for s in services]
+    try:
+        for rank, p in enumerate(pools):
+            mine = keys.keys_of_rank(rank)[rank:]  # rank 1 lacks its first object
+            assert all(p.put_batch(mine, [memoryview(b"x")] * len(mine)))
+        ranked = RankedLookup(dict(zip(("r0", "r1"), clients, strict=True)))
+        by_hash = ranked.lookup_hashes(runs)
+        assert [client.ops for client in clients] == [[b"H"], [b"H"]]
+        assert by_hash == ranked.lookup(keys)
+        assert by_hash.count(False) == 1
+    finally:
+        for client in clients:
+            client.close()
+        for service in services:
+            service.close()
+        for p in pools:
+            p.close()

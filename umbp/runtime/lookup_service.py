@@ -5,13 +5,19 @@ scheduler runs in a different process (several workers, or an executor that
 spawns them) it asks each worker's pool over a Unix socket (abstract namespace,
 same user only). Only existence answers cross the socket, never KV bytes.
 
-Wire format (little-endian): request = op (1 byte: ``L`` lookup, ``C`` clear) +
-payload length (u32) + payload (keys joined by newlines, UTF-8); the answer to
-a lookup is one byte per key (0/1), to a clear one byte.
+Wire format (little-endian): request = op (1 byte: ``L`` lookup, ``H`` lookup by
+hash, ``C`` clear) + payload length (u32) + payload; the answer to a lookup is one
+byte per key (0/1), to a clear one byte. A lookup's payload is its keys joined by
+newlines (UTF-8). A lookup by hash (a ``HashRuns``, so the scheduler builds no key
+string) is a JSON header's length (u32), the header (``tags``, ``prefixes``,
+per-segment ``hash_bytes``: every hash of a segment has that length) and every
+segment's hashes back to back. A payload that does not decode closes the
+connection unanswered (the client raises ``StoreUnavailable``: a miss).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import socketserver
@@ -24,7 +30,9 @@ from umbp.core.rank_keys import HashRuns, RankedKeys, merge_rank_answers
 from umbp.runtime.contract import HashLookup, SchedulerStore, StoreUnavailable
 
 _HEADER = struct.Struct("<cI")
+_LENGTH = struct.Struct("<I")
 _LOOKUP = b"L"
+_LOOKUP_HASHES = b"H"
 _CLEAR = b"C"
 _PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -61,6 +69,11 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == _LOOKUP:
             keys = payload.decode().split("\n") if payload else []
             return bytes(store.lookup(keys))
+        if op == _LOOKUP_HASHES:
+            runs = decode_hash_runs(payload)
+            if isinstance(store, HashLookup):
+                return bytes(store.lookup_hashes(runs))
+            return bytes(store.lookup(runs.key_strings()))
         if op == _CLEAR:
             return b"\x01" if store.clear() else b"\x00"
         raise ConnectionError(f"unknown lookup op {op!r}")
@@ -104,8 +117,52 @@ def peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
+def encode_hash_runs(runs: HashRuns) -> bytes | None:
+    """The ``H`` payload of ``runs`` (see the module docstring); None when a segment's
+    hashes differ in length (then the keys go as strings)."""
+    lengths = []
+    for hashes in runs.hashes:
+        sizes = set(map(len, hashes))
+        if len(sizes) > 1:
+            return None
+        lengths.append(sizes.pop() if sizes else 0)
+    header = json.dumps({
+        "tags": runs.rank_tags, "prefixes": runs.prefixes,
+        "counts": runs.layout.segment_sizes, "hash_bytes": lengths,
+    }).encode()
+    return b"".join([_LENGTH.pack(len(header)), header, *map(b"".join, runs.hashes)])
+
+
+def decode_hash_runs(payload: bytes) -> HashRuns:
+    """The ``HashRuns`` an ``H`` payload holds; ConnectionError for one that does not
+    decode, so nothing malformed reaches the store."""
+    try:
+        (size,) = _LENGTH.unpack_from(payload)
+        header = json.loads(payload[_LENGTH.size : _LENGTH.size + size])
+        tags = tuple(str(tag) for tag in header["tags"])
+        prefixes = tuple(tuple(str(p) for p in segment) for segment in header["prefixes"])
+        counts = [int(count) for count in header["counts"]]
+        lengths = [int(length) for length in header["hash_bytes"]]
+        body = payload[_LENGTH.size + size :]
+        if len(counts) != len(lengths) or any(n < 0 or n and m < 0 for n, m in zip(counts, lengths)):
+            raise ValueError(f"segment counts {counts} and hash lengths {lengths}")
+        if sum(n * m for n, m in zip(counts, lengths)) != len(body):
+            raise ValueError(f"{len(body)} hash bytes for {counts} hashes of {lengths} bytes")
+        hashes: list[tuple[bytes, ...]] = []
+        offset = 0
+        for count, length in zip(counts, lengths):
+            end = offset + count * length
+            hashes.append(tuple([body[at : at + length] for at in range(offset, end, length)])
+                          if length else (b"",) * count)
+            offset = end
+        return HashRuns.of_segments(tags, prefixes, tuple(hashes))
+    except (ValueError, KeyError, TypeError, struct.error) as error:
+        raise ConnectionError(f"undecodable lookup by hash: {error}") from None
+
+
 class LookupClient:
-    """A ``SchedulerStore`` that asks a ``LookupService`` in another process."""
+    """A ``SchedulerStore`` that asks a ``LookupService`` in another process; a lookup
+    by hash (``HashLookup``) sends the prefixes and raw hashes, no key string."""
 
     def __init__(self, path: str, timeout_s: float) -> None:
         self._path = path
@@ -117,6 +174,15 @@ class LookupClient:
         if not keys:
             return ()
         answer = self._call(_LOOKUP, "\n".join(keys).encode(), len(keys))
+        return tuple(byte == 1 for byte in answer)
+
+    def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
+        if not runs.key_count:
+            return ()
+        payload = encode_hash_runs(runs)
+        if payload is None:
+            return self.lookup(runs.key_strings())
+        answer = self._call(_LOOKUP_HASHES, payload, runs.key_count)
         return tuple(byte == 1 for byte in answer)
 
     def clear(self) -> bool:
