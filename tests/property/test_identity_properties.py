@@ -15,20 +15,17 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
+from tests.property.key_format import KeyParts, parse_key
 from umbp.core.identity import (
     FORMAT_VERSION,
     CacheGroupShape,
-    KeyParts,
     KeySpace,
     NamespaceInputs,
     RankCoord,
     RankTopology,
     bound_keyspace,
     check_namespace_override,
-    make_topology,
     namespace_fingerprint,
-    object_key,
-    parse_key,
     resolve_namespace,
 )
 
@@ -85,6 +82,11 @@ namespace_inputs = st.builds(
 # ------------------------------------------------------------------ keys
 
 
+def object_key(namespace: str, rank: RankCoord, group_id: int, block_hash: bytes) -> str:
+    """One rank's key as umbp builds it (the worker's ``KeySpace.key``)."""
+    return KeySpace(namespace, RankTopology()).key(rank, group_id, block_hash)
+
+
 @given(key_components)
 def test_parse_key_inverts_object_key_so_keys_are_injective(
     components: tuple[str, RankCoord, int, bytes],
@@ -120,14 +122,12 @@ def test_parse_key_rejects_text_that_is_not_a_key(text: str) -> None:
 
 
 @given(namespaces, ranks, group_ids, block_hashes)
-def test_key_space_builds_the_same_keys_as_object_key(
+def test_a_key_space_gives_the_same_key_every_time(
     namespace: str, rank: RankCoord, group_id: int, block_hash: bytes
 ) -> None:
     space = KeySpace(namespace, RankTopology())
-    assert space.key(rank, group_id, block_hash) == object_key(
-        namespace, rank, group_id, block_hash
-    )
     # Memoised prefixes must not change later answers.
+    assert space.key(rank, group_id, block_hash) == space.key(rank, group_id, block_hash)
     assert space.key(rank, group_id, block_hash) == object_key(
         namespace, rank, group_id, block_hash
     )
@@ -135,34 +135,11 @@ def test_key_space_builds_the_same_keys_as_object_key(
 
 # ------------------------------------------------------------------ topology
 
-sizes = st.integers(1, 16)
-
-
-@given(sizes, sizes, sizes, sizes)
-def test_make_topology_rejects_dcp_not_dividing_tp_and_accepts_the_rest(
-    tp: int, pcp: int, dcp: int, pp: int
-) -> None:
-    result = make_topology(tp, pcp, dcp, pp)
-    if tp % dcp:
-        assert isinstance(result, Failure)
-        assert "dcp" in result.failure()
-    else:
-        assert result == Success(RankTopology(tp, pcp, dcp, pp))
-
-
-@given(st.integers(-4, 4), st.integers(-4, 4), st.integers(-4, 4), st.integers(-4, 4))
-def test_make_topology_rejects_any_size_below_one(tp: int, pcp: int, dcp: int, pp: int) -> None:
-    assume(min(tp, pcp, dcp, pp) < 1)
-    assert isinstance(make_topology(tp, pcp, dcp, pp), Failure)
-
-
 @st.composite
 def topologies(draw: st.DrawFn) -> RankTopology:
     tp = draw(st.integers(1, 8))
     dcp = draw(st.sampled_from([d for d in range(1, tp + 1) if tp % d == 0]))
-    result = make_topology(tp, draw(st.integers(1, 4)), dcp, draw(st.integers(1, 4)))
-    assert isinstance(result, Success)
-    return result.unwrap()
+    return RankTopology(tp, draw(st.integers(1, 4)), dcp, draw(st.integers(1, 4)))
 
 
 @given(topologies(), namespaces, group_ids, block_hashes)
@@ -203,13 +180,13 @@ def test_workers_bind_exactly_when_every_rank_reported_one_namespace(
 
 
 def test_binding_errors_name_the_namespaces_or_the_missing_ranks() -> None:
-    topology = make_topology(2, 1, 1, 1).unwrap()
+    topology = RankTopology(2, 1, 1, 1)
     rank0, rank1 = topology.coords()
     assert bound_keyspace(topology, {rank0: "b", rank1: "a"}) == Failure(
         "umbp workers disagree on the namespace: ['a', 'b']"
     )
     # A disagreement is reported even while ranks are missing: it is the worse problem.
-    three = make_topology(3, 1, 1, 1).unwrap()
+    three = RankTopology(3, 1, 1, 1)
     assert bound_keyspace(three, dict(zip(three.coords(), "ab"))) == Failure(
         "umbp workers disagree on the namespace: ['a', 'b']"
     )

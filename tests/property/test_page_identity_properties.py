@@ -13,7 +13,8 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from umbp.core.identity import check_namespace_override, namespace_fingerprint, parse_key
+from tests.property.key_format import parse_key
+from umbp.core.identity import check_namespace_override, namespace_fingerprint
 from umbp.core.page_identity import (
     SGLANG_STACK,
     PageRank,

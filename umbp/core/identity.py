@@ -25,7 +25,6 @@ __all__ = [
     "RESERVED_NAMESPACE_PREFIXES",
     "CacheGroupShape",
     "Identity",
-    "KeyParts",
     "KeySpace",
     "NamespaceInputs",
     "RankCoord",
@@ -33,10 +32,7 @@ __all__ = [
     "bound_keyspace",
     "check_namespace_override",
     "key_prefix",
-    "make_topology",
     "namespace_fingerprint",
-    "object_key",
-    "parse_key",
     "rank_coord",
     "resolve_namespace",
 ]
@@ -51,10 +47,6 @@ _NAMESPACE_OVERRIDE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # Namespaces of other serving stacks (core.page_identity) start with these; an explicit
 # namespace may not, so no stack's keys can ever name another stack's bytes.
 RESERVED_NAMESPACE_PREFIXES: Final = ("sglang.",)
-_KEY = re.compile(
-    r"umbp:(?P<fmt>\d+):(?P<ns>[A-Za-z0-9._-]+):tp(?P<tp>\d+):pcp(?P<pcp>\d+)"
-    r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>(?:[0-9a-f]{2})+)"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +129,8 @@ class RankCoord:
 
 @dataclass(frozen=True, slots=True)
 class RankTopology:
-    """The parallel layout whose ranks each hold their own shard of a block."""
+    """The parallel layout whose ranks each hold their own shard of a block. Its
+    sizes are vLLM's, which its ParallelConfig checks (each >= 1, dcp divides tp)."""
 
     tp_size: int = 1
     pcp_size: int = 1
@@ -158,53 +151,15 @@ class RankTopology:
         )
 
 
-def make_topology(tp_size: int, pcp_size: int, dcp_size: int, pp_size: int) -> Result[RankTopology, str]:
-    sizes = {"tp": tp_size, "pcp": pcp_size, "dcp": dcp_size, "pp": pp_size}
-    for name, size in sizes.items():
-        if size < 1:
-            return Failure(f"{name} size must be >= 1, got {size}")
-    if tp_size % dcp_size:
-        return Failure(f"dcp size {dcp_size} must divide tp size {tp_size}")
-    return Success(RankTopology(tp_size, pcp_size, dcp_size, pp_size))
-
-
 def rank_coord(topology: RankTopology, tp_rank: int, pcp_rank: int, pp_rank: int) -> RankCoord:
     """A worker's coordinates; its DCP rank is its position inside its TP group's DCP split."""
     return RankCoord(tp_rank, pcp_rank, tp_rank % topology.dcp_size, pp_rank)
-
-
-@dataclass(frozen=True, slots=True)
-class KeyParts:
-    format_version: int
-    namespace: str
-    rank: RankCoord
-    group_id: int
-    block_hash: bytes
-
-
-def object_key(namespace: str, rank: RankCoord, group_id: int, block_hash: bytes) -> str:
-    return key_prefix(namespace, rank, group_id) + block_hash.hex()
 
 
 def key_prefix(namespace: str, rank: RankCoord, group_id: int) -> str:
     return (
         f"{KEY_PREFIX}:{FORMAT_VERSION}:{namespace}:tp{rank.tp}:pcp{rank.pcp}"
         f":dcp{rank.dcp}:pp{rank.pp}:g{group_id}:"
-    )
-
-
-def parse_key(key: str) -> Result[KeyParts, str]:
-    match = _KEY.fullmatch(key)
-    if match is None:
-        return Failure(f"not a umbp object key: {key!r}")
-    return Success(
-        KeyParts(
-            format_version=int(match["fmt"]),
-            namespace=match["ns"],
-            rank=RankCoord(int(match["tp"]), int(match["pcp"]), int(match["dcp"]), int(match["pp"])),
-            group_id=int(match["group"]),
-            block_hash=bytes.fromhex(match["hash"]),
-        )
     )
 
 
