@@ -42,7 +42,6 @@ from umbp.core.store_events import (
     merge_store_results,
     pinned_block_ids,
     reserved_identities,
-    stored_identities,
 )
 from umbp.core.store_pass import (
     StoreCandidates,
@@ -817,10 +816,9 @@ def test_reserved_identities_are_every_identity_of_every_in_flight_event(
     for e in (event, *others):
         for batch in e.batches:
             assert set(identities_of(batch)) <= reserved
-    every = {identity for e in (event, *others) for identity in e.identities()}
+    every = {identity for e in (event, *others) for b in e.batches for identity in identities_of(b)}
     assert set(reserved) == every and bool(reserved) == bool(every)
     assert (9, b"never planned") not in reserved
-    assert len(event.identities()) == len(set(event.identities()))
     assert event.hashes_by_group() is event.hashes_by_group()  # built once per event
 
 
@@ -840,15 +838,6 @@ def test_an_event_is_acknowledged_only_when_every_worker_reported(
         assert result.failed == frozenset().union(*failures[:reported])
     if not failures:
         assert not event_acknowledged(result, num_workers)
-
-
-@given(store_events(), st.frozensets(st.tuples(st.integers(0, 2), st.sampled_from([b"a", b"b"]))))
-def test_stored_identities_exclude_every_failed_identity(
-    event: StoreEvent, failed: frozenset[tuple[int, bytes]]
-) -> None:
-    stored = stored_identities(event, StoreEventResult(1, failed))
-    assert not set(stored) & failed
-    assert set(stored) | (set(event.identities()) & failed) == set(event.identities())
 
 
 @given(

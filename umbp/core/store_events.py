@@ -24,7 +24,6 @@ __all__ = [
     "merge_store_results",
     "pinned_block_ids",
     "reserved_identities",
-    "stored_identities",
 ]
 
 
@@ -53,12 +52,6 @@ class StoreEvent:
         assert self._reserved is not None
         return self._reserved
 
-    def identities(self) -> tuple[Identity, ...]:
-        """Every identity the event writes, unique, in first-seen order."""
-        seen: dict[Identity, None] = {}
-        for batch in self.batches:
-            seen.update(dict.fromkeys(zip(batch.group_ids, batch.block_hashes)))
-        return tuple(seen)
 
 
 def pinned_block_ids(event: StoreEvent | StoreBatch) -> tuple[int, ...]:
@@ -113,11 +106,6 @@ def merge_store_results(first: StoreEventResult, second: StoreEventResult) -> St
 def event_acknowledged(result: StoreEventResult, num_workers: int) -> bool:
     """Every worker reported: the pins can go."""
     return result.completed_workers >= num_workers
-
-
-def stored_identities(event: StoreEvent, result: StoreEventResult) -> tuple[Identity, ...]:
-    """The event's identities that no worker failed to store, first-seen order."""
-    return tuple(identity for identity in event.identities() if identity not in result.failed)
 
 
 def acknowledge_reports(
