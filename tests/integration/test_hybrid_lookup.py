@@ -162,7 +162,7 @@ def _folded(
     hybrid: HybridLookup, query: LookupQuery, pool_has: Predicate
 ) -> tuple[tuple[bool, ...], ...]:
     answers = [
-        pool_has(group_id, query.object_token_end(position, index))
+        pool_has(group_id, query.local_tokens + query.units[position] * (index + 1))
         for position, group_id in enumerate(hybrid.geometry.group_ids)
         for _ in range(query.rank_count)
         for index in range(len(query.object_hashes[position]))

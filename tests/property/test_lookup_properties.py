@@ -48,6 +48,26 @@ def query_of(scenario: LookupScenario) -> LookupQuery:
     )
 
 
+def _object_token_end(query: LookupQuery, group_position: int, index: int) -> int:
+    """The token where object ``index`` of the query's group ``group_position`` ends
+    (what ``object_hashes`` means, stated independently of the code under test)."""
+    return query.local_tokens + query.units[group_position] * (index + 1)
+
+
+def _rank_at(layout: KeyLayout, position: int) -> int:
+    """The rank whose key sits at ``position``, walked position by position: the
+    oracle :meth:`KeyLayout.rank_slices` is checked against."""
+    offset = 0
+    for count in layout.segment_sizes:
+        size = count * layout.rank_count
+        if position < offset + size:
+            inside = position - offset
+            return inside % layout.rank_count if layout.object_major else inside // count
+        offset += size
+    raise ValueError(f"position {position} is outside {layout.key_count} keys")
+
+
+
 def folded_of(scenario: LookupScenario, query: LookupQuery) -> tuple[tuple[bool, ...], ...]:
     folded = fold_rank_hits(query, scenario.pool.answers(query.runs.key_strings()))
     assert folded is not None
@@ -91,7 +111,7 @@ def test_lookup_query_asks_every_rank_for_every_object_past_the_local_tokens(
         objects = query.object_hashes[position]
         assert len(objects) == len(ends)
         for index, token_end in enumerate(ends):
-            assert query.object_token_end(position, index) == token_end
+            assert _object_token_end(query, position, index) == token_end
             assert objects[index] == object_hash_at_token_end(
                 scenario.hashes, token_end, geometry.hash_block_size
             )
@@ -114,7 +134,7 @@ def test_lookup_query_never_probes_the_last_prompt_token_without_eagle_coordinat
     )
     for position, objects in enumerate(query.object_hashes):
         for index in range(len(objects)):
-            assert scenario.local_tokens < query.object_token_end(position, index) <= ceiling
+            assert scenario.local_tokens < _object_token_end(query, position, index) <= ceiling
 
 
 @given(lookup_scenarios())
@@ -184,7 +204,7 @@ def test_a_query_layout_names_the_rank_of_every_key(scenario: LookupScenario) ->
     assert layout.key_count == query.key_count
     assert layout.segment_sizes == tuple(map(len, query.object_hashes))
     for position, key in enumerate(query.runs.key_strings()):
-        rank = layout.rank_of(position)
+        rank = _rank_at(layout, position)
         assert key.startswith(query.runs.key_strings().rank_tags[rank] + ":g")
         assert key.rsplit(":", 2)[0] == query.runs.key_strings().rank_tags[rank]
         assert scenario.keyspace.key(coords[rank], 0, b"").startswith(query.runs.key_strings().rank_tags[rank])
@@ -217,7 +237,7 @@ def test_the_fold_is_the_per_rank_and_over_positions_for_every_layout(
 ) -> None:
     answers = data.draw(st.lists(st.booleans(), min_size=layout.key_count, max_size=layout.key_count))
     cells = objects_by_position(layout)
-    assert [rank for _, _, rank in cells] == [layout.rank_of(p) for p in range(layout.key_count)]
+    assert [rank for _, _, rank in cells] == [_rank_at(layout, p) for p in range(layout.key_count)]
     every = fold_ranks(layout, answers)
     some = fold_ranks(layout, answers, any)
     assert every is not None and some is not None
@@ -245,7 +265,7 @@ def test_routing_by_position_gives_each_rank_exactly_its_keys(
     keys = data.draw(st.lists(st.sampled_from(["", "x", "k:1", "??"]),
                               min_size=layout.key_count, max_size=layout.key_count))
     ranked = RankedKeys(keys, layout, [f"rank{r}" for r in range(layout.rank_count)])
-    positions = {rank: [p for p in range(layout.key_count) if layout.rank_of(p) == rank]
+    positions = {rank: [p for p in range(layout.key_count) if _rank_at(layout, p) == rank]
                  for rank in range(layout.rank_count)}
     for rank, owned in positions.items():
         assert ranked.keys_of_rank(rank) == tuple(keys[p] for p in owned)

@@ -130,9 +130,6 @@ class LookupQuery:
         """The furthest token a hit may reach (the coordinator's max length)."""
         return self.num_tokens - 1
 
-    def object_token_end(self, group_position: int, index: int) -> int:
-        return self.local_tokens + self.units[group_position] * (index + 1)
-
     def describes(self, local_tokens: int, num_tokens: int, hashes: Sequence[bytes]) -> bool:
         """Whether this query still matches the request's current state."""
         return (

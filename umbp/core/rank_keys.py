@@ -94,18 +94,6 @@ class KeyLayout:
             offset += count * ranks
         return tuple(slices)
 
-    def rank_of(self, position: int) -> int:
-        """The rank whose key sits at ``position`` (one position at a time: for
-        checks and tests; bulk work uses :meth:`rank_slices`)."""
-        offset = 0
-        for count in self.segment_sizes:
-            size = count * self.rank_count
-            if position < offset + size:
-                inside = position - offset
-                return inside % self.rank_count if self.object_major else inside // count
-            offset += size
-        raise ValueError(f"position {position} is outside {self.key_count} keys")
-
 
 @lru_cache(maxsize=1024)
 def _rank_major_layout(segment_sizes: tuple[int, ...], rank_count: int) -> KeyLayout:
