@@ -49,7 +49,6 @@ from umbp.core.lookup_geometry import (
     lookup_limit,
     lookup_skip_reason,
     lookup_unit,
-    object_hash_at_token_end,
 )
 from umbp.core.rank_keys import (
     HashRuns,
@@ -82,7 +81,6 @@ __all__ = [
     "lookup_limit",
     "lookup_skip_reason",
     "lookup_unit",
-    "object_hash_at_token_end",
     "request_lookup_keys",
     "request_lookup_query",
     "single_group_hit_tokens",

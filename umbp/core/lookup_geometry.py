@@ -25,7 +25,6 @@ __all__ = [
     "lookup_limit",
     "lookup_skip_reason",
     "lookup_unit",
-    "object_hash_at_token_end",
 ]
 
 NULL_BLOCK_ID: Final = 0
@@ -173,16 +172,6 @@ def lookup_limit(geometry: LookupGeometry, num_tokens: int, num_hashes: int) -> 
     if geometry.use_eagle and geometry.coordinated:
         return min(num_tokens, covered)
     return min(num_tokens - 1, covered)
-
-
-def object_hash_at_token_end(
-    hashes: Sequence[bytes], token_end: int, hash_block_size: int
-) -> bytes:
-    """The hash that identifies the prefix ``[0, token_end)``."""
-    index = token_end // hash_block_size - 1
-    if index < 0 or index >= len(hashes):
-        raise ValueError(f"request has {len(hashes)} hashes, needs index {index}")
-    return hashes[index]
 
 
 def hashes_at_token_ends(
