@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.rank_keys import rank_prefixes
+from umbp.core.rank_keys import glued_keys, rank_prefixes
 
 __all__ = ["EMPTY_KEY_MEMO", "GroupKeys", "KeyMemo", "group_keys", "keys_per_rank"]
 
@@ -166,12 +166,4 @@ def keys_per_rank(
     keyspace: KeySpace, group_id: int, objects: tuple[bytes, ...]
 ) -> tuple[tuple[str, ...], ...]:
     """Every rank's key of each of ``objects`` (``topology.coords()`` order)."""
-    prefixes = rank_prefixes(keyspace, group_id)
-    # The key strings are the floor of a lookup's cost: a comprehension per rank
-    # glues them faster than map(prefix.__add__, ...), and with several ranks
-    # each hex digest is made once.
-    if len(prefixes) == 1:
-        prefix = prefixes[0]
-        return (tuple([prefix + block_hash.hex() for block_hash in objects]),)
-    digests = list(map(bytes.hex, objects))
-    return tuple(tuple([prefix + digest for digest in digests]) for prefix in prefixes)
+    return glued_keys(rank_prefixes(keyspace, group_id), objects)

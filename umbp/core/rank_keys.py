@@ -40,6 +40,7 @@ __all__ = [
     "KeyLayout",
     "RankedKeys",
     "fold_ranks",
+    "glued_keys",
     "merge_rank_answers",
     "object_major_keys",
     "rank_prefixes",
@@ -262,13 +263,8 @@ class HashRuns:
         hash never needs them)."""
         keys: list[str] = []
         for prefixes, hashes in zip(self.prefixes, self.hashes):
-            if len(prefixes) == 1:
-                prefix = prefixes[0]
-                keys += [prefix + block_hash.hex() for block_hash in hashes]
-                continue
-            digests = list(map(bytes.hex, hashes))
-            for prefix in prefixes:
-                keys += [prefix + digest for digest in digests]
+            for rank_keys in glued_keys(prefixes, hashes):
+                keys += rank_keys
         return RankedKeys(keys, self.layout, self.rank_tags)
 
     def of_rank(self, rank: int) -> HashRuns:
@@ -282,6 +278,20 @@ class HashRuns:
             tuple((prefixes[rank],) for prefixes in self.prefixes),
             self.hashes,
         )
+
+
+def glued_keys(
+    prefixes: Sequence[str], hashes: Sequence[bytes]
+) -> tuple[tuple[str, ...], ...]:
+    """Per prefix (one per rank), the key of each hash: the prefix glued to its hex digest."""
+    # The key strings are the floor of a lookup by string: a comprehension per rank
+    # glues them faster than map(prefix.__add__, ...), and with several ranks each
+    # hex digest is made once.
+    if len(prefixes) == 1:
+        prefix = prefixes[0]
+        return (tuple([prefix + block_hash.hex() for block_hash in hashes]),)
+    digests = list(map(bytes.hex, hashes))
+    return tuple(tuple([prefix + digest for digest in digests]) for prefix in prefixes)
 
 
 def rank_tags(keyspace: KeySpace) -> tuple[str, ...]:

@@ -70,10 +70,7 @@ class _Handler(socketserver.BaseRequestHandler):
             keys = payload.decode().split("\n") if payload else []
             return bytes(store.lookup(keys))
         if op == _LOOKUP_HASHES:
-            runs = decode_hash_runs(payload)
-            if isinstance(store, HashLookup):
-                return bytes(store.lookup_hashes(runs))
-            return bytes(store.lookup(runs.key_strings()))
+            return bytes(self.server.ask_by_hash(decode_hash_runs(payload)))
         if op == _CLEAR:
             return b"\x01" if store.clear() else b"\x00"
         raise ConnectionError(f"unknown lookup op {op!r}")
@@ -84,6 +81,7 @@ class _LookupServer(socketserver.ThreadingUnixStreamServer):
 
     def __init__(self, path: str, store: SchedulerStore) -> None:
         self.store = store
+        self.ask_by_hash = _asker(store)
         super().__init__(path, _Handler)
 
 
