@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import measure
 
-from umbp.runtime.mooncake import MooncakeStore
+from umbp.runtime.mooncake.store import MooncakeStore
 from umbp.testing.mooncake_master import MooncakeMaster
 
 BATCH = 32
@@ -227,7 +227,7 @@ def print_table(copies: list[CopyFigure], lookups: list[LookupFigure]) -> None:
 
 HOLDER = """
 import sys
-from umbp.runtime.mooncake import MooncakeStore
+from umbp.runtime.mooncake.store import MooncakeStore
 store = MooncakeStore(sys.argv[1], local_hostname="127.0.0.1",
                       global_segment_bytes=int(sys.argv[2]), local_buffer_bytes=0)
 print("ready", flush=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import measure
 
 from umbp.runtime import LoadStatus
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.tier import SsdTier
 
 SLOT_BYTES = 64 << 10  # the tier's default
 ALIGNMENT = 4096  # page-aligned buffers: neither side pays first-touch faults in the loops

@@ -102,7 +102,7 @@ gets a fresh one next time; `backend` empties it before every test."""
 
 
 def open_mooncake(master_address: str, segment_bytes: int = POOL_BYTES) -> Any:
-    from umbp.runtime.mooncake import MooncakeStore
+    from umbp.runtime.mooncake.store import MooncakeStore
 
     # A bounce buffer smaller than the large-batch tests, so that they cut batches into
     # several Mooncake calls; objects above it take the per-call registration path.
@@ -144,7 +144,7 @@ def _mori(request: pytest.FixtureRequest) -> Backend:
     """MoriStore, unchanged, over umbp.testing.fake_mori in the distributed deployment
     (clients of one address share objects) and the 1.2.4 flavour, whose clear() defect
     the adapter must work around: `backend` clears before every test."""
-    from umbp.runtime.mori import MoriStore
+    from umbp.runtime.mori.store import MoriStore
     from umbp.testing.fake_mori import corrupt_object, make_module
 
     module = make_module("1.2.4")

@@ -32,7 +32,7 @@ SIZES = (100, 64 << 10, 3 * MIB + 1)
 NODE = """
 import random, sys
 from umbp.runtime.contract import LoadStatus
-from umbp.runtime.mooncake import MooncakeStore
+from umbp.runtime.mooncake.store import MooncakeStore
 
 def content(seed, size):
     return random.Random(seed).randbytes(size)
@@ -66,7 +66,7 @@ def master(tmp_path: Path) -> Iterator[Any]:
 
 
 def open_store(address: str, segment_bytes: int) -> Any:
-    from umbp.runtime.mooncake import MooncakeStore
+    from umbp.runtime.mooncake.store import MooncakeStore
 
     return MooncakeStore(
         address,
@@ -134,7 +134,7 @@ def test_a_dead_master_gives_contract_failures_not_exceptions_or_hangs(master: A
 
 @pytest.mark.timeout(60)  # Mooncake alone retries for ~90 s; the probe answers at once
 def test_setup_against_no_master_fails_fast_naming_the_address() -> None:
-    from umbp.runtime.mooncake import MooncakeSetupError
+    from umbp.runtime.mooncake.store import MooncakeSetupError
     from umbp.testing.mooncake_master import free_port
 
     address = f"127.0.0.1:{free_port()}"
@@ -143,7 +143,7 @@ def test_setup_against_no_master_fails_fast_naming_the_address() -> None:
 
 
 def test_the_lookup_client_contributes_nothing_and_sees_everything(master: Any) -> None:
-    from umbp.runtime.mooncake import MooncakeStore
+    from umbp.runtime.mooncake.store import MooncakeStore
 
     worker = open_store(master.address, segment_bytes=32 * MIB)
     scheduler = MooncakeStore.lookup_only(master.address, local_hostname="127.0.0.1")

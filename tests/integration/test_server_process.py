@@ -33,7 +33,7 @@ from umbp.runtime.server import (
     start_server,
 )
 from umbp.runtime.server.launch import serve_command
-from umbp.runtime.ssd_format import SLOT_FILE_NAME
+from umbp.runtime.ssd.format import SLOT_FILE_NAME
 
 pytestmark = pytest.mark.integration
 

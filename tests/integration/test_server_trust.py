@@ -28,7 +28,7 @@ import pytest
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore
 from umbp.runtime.server.launch import server_reachable, start_server, stop_server
-from umbp.runtime.ssd_format import RECORD_BYTES, SLOT_FILE_NAME, SUPERBLOCK_BYTES
+from umbp.runtime.ssd.format import RECORD_BYTES, SLOT_FILE_NAME, SUPERBLOCK_BYTES
 from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from umbp.runtime import LoadStatus
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.tier import SsdTier
 
 KEYS = tuple(f"k{index}" for index in range(8))
 

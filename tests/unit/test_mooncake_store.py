@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from umbp.runtime.mooncake import MooncakeSetupError, MooncakeStore, parse_address
+from umbp.runtime.mooncake.store import MooncakeSetupError, MooncakeStore, parse_address
 from umbp.runtime.registered_memory import HostArea, RegisteredRanges, buffer_address, plan_chunks
 
 

@@ -17,7 +17,7 @@ from umbp.runtime.server.cold import ColdTier
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.sessions import Session
 from umbp.runtime.server.state import StoreCore
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.tier import SsdTier
 
 PAGE = 4096
 

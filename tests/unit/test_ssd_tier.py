@@ -1,4 +1,4 @@
-"""Example-based tests of SsdTier, the disk tier (umbp/runtime/ssd_tier.py): round trips,
+"""Example-based tests of SsdTier, the disk tier (umbp/runtime/ssd/tier.py): round trips,
 LRU, reopen, damage found at open and at read, crashes at every write, full disks."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from umbp.runtime import LoadStatus, StoreUnavailable
-from umbp.runtime.ssd_format import MAX_KEY_BYTES, RECORD_BYTES
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.format import MAX_KEY_BYTES, RECORD_BYTES
+from umbp.runtime.ssd.tier import SsdTier
 from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -648,7 +648,7 @@ def test_crash_at_every_write_serves_only_complete_objects(tmp_path: Path) -> No
 
 KILL_SCRIPT = """
 import random, sys
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.tier import SsdTier
 tier = SsdTier(sys.argv[1], 24 * 4096, 4096)
 for index in range(10**9):
     size = 4096 * (1 + index % 5) - index % 7
@@ -688,7 +688,7 @@ def test_kill_9_mid_puts_then_reopen_serves_only_exact_objects(tmp_path: Path) -
 
 FSIZE_SCRIPT = """
 import json, resource, signal, sys
-from umbp.runtime.ssd_tier import SsdTier
+from umbp.runtime.ssd.tier import SsdTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so writes past the limit fail with EFBIG
 directory, slot = sys.argv[1], 4096
 resource.setrlimit(resource.RLIMIT_FSIZE, (5 * slot, resource.RLIM_INFINITY))

@@ -139,7 +139,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
 
 
 def _open_mooncake_store(config: ConnectorConfig, lookup_only: bool) -> _SharedStore:
-    from umbp.runtime.mooncake import MooncakeStore
+    from umbp.runtime.mooncake.store import MooncakeStore
 
     master = config.mooncake_master
     assert master is not None, "validated: mode 'mooncake' needs mooncake_master"
@@ -162,7 +162,7 @@ def _open_mooncake_store(config: ConnectorConfig, lookup_only: bool) -> _SharedS
 
 
 def _open_mori_store(config: ConnectorConfig) -> _SharedStore:
-    from umbp.runtime.mori import MoriStore
+    from umbp.runtime.mori.store import MoriStore
 
     try:
         return MoriStore(deployment=config.mori_deployment, address=config.mori_address,

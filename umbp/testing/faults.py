@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from umbp.runtime.pool import SlabPool
-from umbp.runtime.ssd_format import (
+from umbp.runtime.ssd.format import (
     RECORD_MAGIC,
     SLOT_FILE_NAME,
     SUPERBLOCK_BYTES,

@@ -60,7 +60,7 @@ class ColdTier(Protocol):
 def open_cold_tier(directory: str, capacity_bytes: int) -> ColdTier:
     """The SSD tier in `directory` (created if missing), rebuilt from what a previous
     server left there."""
-    from umbp.runtime.ssd_tier import SsdTier  # only servers with an SSD tier need it
+    from umbp.runtime.ssd.tier import SsdTier  # only servers with an SSD tier need it
 
     tier: ColdTier = SsdTier(directory, capacity_bytes)
     return tier

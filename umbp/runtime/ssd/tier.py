@@ -6,16 +6,16 @@ one slot file driven by `pwrite`/`preadv` beats one file per key and LMDB, so th
 design here. Bytes move straight between the caller's buffer and the file (no
 intermediate `bytes`).
 
-On-disk format: `umbp.runtime.ssd_format` (superblock, one checksummed header record per
+On-disk format: `umbp.runtime.ssd.format` (superblock, one checksummed header record per
 slot, data slots). The slot file's I/O, its safe opening and its preallocation:
-`umbp.runtime.ssd_file`.
+`umbp.runtime.ssd.file`.
 
-Write ordering and what a crash leaves behind (kill -9, power loss): `umbp.runtime.ssd_index`,
+Write ordering and what a crash leaves behind (kill -9, power loss): `umbp.runtime.ssd.index`,
 which opens the file again. A put writes over the records of the objects it evicts, then
-`ssd_file.write_object` writes its payload and its header records, last.
+`umbp.runtime.ssd.file.write_object` writes its payload and its header records, last.
 
 Preallocation: the whole file is reserved at open, for real, or the tier does not open
-(`ssd_file.preallocate` says what it needs). A write that still fails (EIO; ENOSPC or
+(`umbp.runtime.ssd.file.preallocate` says what it needs). A write that still fails (EIO; ENOSPC or
 EFBIG when the file was cut short underneath) makes that put answer False (nothing of
 the object is readable: its records were never written) and retires only the slot the
 write failed in, so that later puts do not fail there again; `stats().capacity_bytes`
@@ -49,7 +49,7 @@ from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
 from umbp.runtime.paging import PagedLru, pages_for
-from umbp.runtime.ssd_file import (
+from umbp.runtime.ssd.file import (
     WriteFailed,
     open_slot_file,
     preallocate,
@@ -58,9 +58,9 @@ from umbp.runtime.ssd_file import (
     write_object,
     zero_records,
 )
-from umbp.runtime.ssd_format import SLOT_FILE_NAME, SlotGeometry, encode_key
-from umbp.runtime.ssd_index import OpenedFile, StoredObject, load_or_format
-from umbp.runtime.ssd_stats import SsdCounters, SsdStats
+from umbp.runtime.ssd.format import SLOT_FILE_NAME, SlotGeometry, encode_key
+from umbp.runtime.ssd.index import OpenedFile, StoredObject, load_or_format
+from umbp.runtime.ssd.stats import SsdCounters, SsdStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -315,7 +315,7 @@ class SsdTier(ClosesOnExit):
     def _write_object(
         self, key: str, encoded_key: bytes, source: memoryview, slots: tuple[int, ...]
     ) -> bool:
-        """Write the object (`ssd_file.write_object`: payload first, header records last)
+        """Write the object (`umbp.runtime.ssd.file.write_object`: payload first, header records last)
         and admit it; on a failed write nothing of it stays readable."""
         nbytes = source.nbytes
         checksum = xxhash.xxh3_64_intdigest(source)

@@ -4,7 +4,7 @@ file holds whole, or start it empty.
 
 A file whose superblock matches the tier's geometry is kept: every complete,
 self-consistent object its header records describe is recovered
-(`ssd_format.recover`), the records of everything else are zeroed, and each damaged
+(`umbp.runtime.ssd.format.recover`), the records of everything else are zeroed, and each damaged
 record, incomplete or inconsistent object and lost tail counts in `dropped_at_open`. A
 file cut short keeps what lies before the cut. Any other file (a damaged superblock,
 another slot size or capacity) is emptied and formatted, its objects counted as lost.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umbp.runtime.paging import Resident
-from umbp.runtime.ssd_file import WriteFailed, pwrite_all, zero_records
-from umbp.runtime.ssd_format import Extents, SlotGeometry, count_objects_in_place, recover
+from umbp.runtime.ssd.file import WriteFailed, pwrite_all, zero_records
+from umbp.runtime.ssd.format import Extents, SlotGeometry, count_objects_in_place, recover
 
 __all__ = ["OpenedFile", "StoredObject", "load_or_format"]
 

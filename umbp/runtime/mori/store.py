@@ -4,7 +4,7 @@ embedded, standalone (node-local server) and distributed deployments.
 MORI ships only for ROCm (docs/backends.md), so this adapter is exercised here against
 `umbp.testing.fake_mori`, a fake of the documented API; pass `module=` to choose the
 module (the fake in tests), else `mori.umbp` is imported on construction. Creating,
-registering with and releasing a client: `umbp.runtime.mori_binding`.
+registering with and releasing a client: `umbp.runtime.mori.binding`.
 
 How the contract is met with the documented API (batch calls answer `list[bool]`):
 
@@ -22,7 +22,7 @@ How the contract is met with the documented API (batch calls answer `list[bool]`
   that key is accepted. Other clients detect the corruption on their own, by checksum.
 * A sidecar may be evicted apart from its payload (the store evicts objects, not pairs):
   a load then answers MISSING though `lookup` said resident, as any eviction race does.
-* Known defects (docs/backends.md, `mori_binding`): in 1.2.4 every put after `clear()`
+* Known defects (docs/backends.md, `umbp.runtime.mori.binding`): in 1.2.4 every put after `clear()`
   fails, so on that version `clear()` replaces the client by a fresh one (re-registering
   memory); nightly builds have no `close()`, so the client is then left to its destructor.
 * Failures: a MORI call that raises (a stopped server, a transport error) becomes a
@@ -53,7 +53,7 @@ from umbp.runtime.contract import (
 )
 from umbp.runtime.counters import StoreCounters
 from umbp.runtime.host_memory import byte_views
-from umbp.runtime.mori_binding import (
+from umbp.runtime.mori.binding import (
     DEPLOYMENTS,
     MoriSetupError,
     clear_breaks_puts,

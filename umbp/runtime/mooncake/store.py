@@ -10,7 +10,7 @@ checked against `mooncake-transfer-engine-non-cuda==0.3.13.post1`):
   internal registered bounce buffer of `local_buffer_bytes`, allocated and prefaulted once.
   An object larger than the bounce buffer is registered for the duration of the call.
 * No integrity check: every object travels with an xxh3-64 trailer, verified on every
-  load, and a wrong-sized buffer answers SIZE_MISMATCH untouched (`mooncake_transfer`).
+  load, and a wrong-sized buffer answers SIZE_MISMATCH untouched (`umbp.runtime.mooncake.transfer`).
   Over TCP a trailer as a second piece costs about one more transfer, which for 100 KiB
   objects between processes cost more than a copy, so registered payloads below
   `stage_below_bytes` are staged too.
@@ -18,7 +18,7 @@ checked against `mooncake-transfer-engine-non-cuda==0.3.13.post1`):
   resident key answers True without being rewritten".
 * Every code and every exception from the binding becomes a contract value: put False,
   a `LoadStatus`, or `StoreUnavailable` from `lookup`; calls fail at once while the
-  master is known to be gone (`mooncake_binding`).
+  master is known to be gone (`umbp.runtime.mooncake.binding`).
 * Calling the binding after its `close()` crashes the process, so every call runs under
   one lock and checks the closed flag first: one batch at a time per store (the binding
   releases the GIL and parallelises a batch internally).
@@ -51,7 +51,7 @@ from umbp.runtime.contract import (
 )
 from umbp.runtime.counters import StoreCounters
 from umbp.runtime.host_memory import byte_views
-from umbp.runtime.mooncake_binding import (
+from umbp.runtime.mooncake.binding import (
     RPC_FAIL,
     MasterHealth,
     MooncakeClient,
@@ -61,7 +61,7 @@ from umbp.runtime.mooncake_binding import (
     probe_master,
     quietly,
 )
-from umbp.runtime.mooncake_transfer import TRAILER_BYTES, TRAILER_SLOTS, TrailerTransfers
+from umbp.runtime.mooncake.transfer import TRAILER_BYTES, TRAILER_SLOTS, TrailerTransfers
 from umbp.runtime.registered_memory import HostArea, Piece, RegisteredRanges, plan_chunks
 
 if TYPE_CHECKING:

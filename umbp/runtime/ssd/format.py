@@ -23,7 +23,7 @@ generation, matching key, size, part count and checksum, valid record checksums,
 inside the file. When two complete objects claim one key (only possible after a lost
 write), the newer generation wins.
 
-This module knows bytes and offsets only; the tier (`umbp.runtime.ssd_tier`) decides
+This module knows bytes and offsets only; the tier (`umbp.runtime.ssd.tier`) decides
 what to write when.
 """
 

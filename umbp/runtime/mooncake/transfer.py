@@ -24,7 +24,7 @@ from typing import Any
 
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.counters import StoreCounters
-from umbp.runtime.mooncake_binding import (
+from umbp.runtime.mooncake.binding import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,

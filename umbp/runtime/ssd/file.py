@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from umbp.runtime.private_files import open_private_file, prepare_directory
-from umbp.runtime.ssd_format import (
+from umbp.runtime.ssd.format import (
     RECORD_BYTES,
     Extents,
     SlotGeometry,
