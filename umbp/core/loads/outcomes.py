@@ -12,10 +12,10 @@ of "loaded" or "failed"; nothing outside the plan is ever reported.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from umbp.core.plans import LoadPlan
+from umbp.core.plans import GroupBlocks, LoadPlan
 
 __all__ = [
     "LOAD_FAILURES",
@@ -27,7 +27,9 @@ __all__ = [
     "failure_reporting",
     "failure_unreportable",
     "group_load_outcome",
+    "merged_groups",
     "plan_load_outcome",
+    "split_statuses",
     "report_load",
     "unplanned_load_outcome",
 ]
@@ -172,6 +174,52 @@ def plan_load_outcome(
         for index, group in enumerate(plan.groups)
     )
     return RequestLoadOutcome(plan.request_id, is_async, groups)
+
+
+def merged_groups(plans: Sequence[LoadPlan]) -> tuple[GroupBlocks, ...]:
+    """Every plan's blocks of each cache group as one group (plans in order, groups
+    in first-seen order): a step's loads read with one call and one staging buffer
+    per group. :func:`split_statuses` gives each plan its share of the answers."""
+    merged: dict[int, list[GroupBlocks]] = {}
+    for plan in plans:
+        for group in plan.groups:
+            merged.setdefault(group.group_id, []).append(group)
+    return tuple(
+        GroupBlocks(
+            group_id, parts[0].block_size,
+            tuple(b for part in parts for b in part.block_ids),
+            tuple(h for part in parts for h in part.block_hashes),
+        )
+        for group_id, parts in merged.items()
+    )
+
+
+def split_statuses(
+    plans: Sequence[LoadPlan], merged: Mapping[int, Sequence[LoadStatus] | None]
+) -> tuple[tuple[Sequence[LoadStatus] | None, ...], ...]:
+    """Each plan's share of the :func:`merged_groups` reads' statuses (``merged``:
+    per group id), one entry per group of the plan, as :func:`plan_load_outcome`
+    takes them. A group that was not read, or whose answer has another length than
+    its merged keys (a store breaking its contract), is None for every plan: each
+    fails it whole, nothing is guessed."""
+    totals: dict[int, int] = {}
+    for plan in plans:
+        for group in plan.groups:
+            totals[group.group_id] = totals.get(group.group_id, 0) + len(group)
+    offsets: dict[int, int] = {}
+    shares: list[tuple[Sequence[LoadStatus] | None, ...]] = []
+    for plan in plans:
+        plan_shares: list[Sequence[LoadStatus] | None] = []
+        for group in plan.groups:
+            start = offsets.get(group.group_id, 0)
+            offsets[group.group_id] = start + len(group)
+            answer = merged.get(group.group_id)
+            if answer is None or len(answer) != totals[group.group_id]:
+                plan_shares.append(None)
+            else:
+                plan_shares.append(answer[start : start + len(group)])
+        shares.append(tuple(plan_shares))
+    return tuple(shares)
 
 
 def unplanned_load_outcome(
