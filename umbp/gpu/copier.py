@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from operator import index as as_index
 from typing import TypeAlias
 
@@ -96,7 +97,7 @@ class BlockCopier:
         self._object_bytes = sum(layout.block_bytes for layout in self._layouts)
         self._parts = _place_parts(tensors, self._layouts, self._object_bytes)
         self._layer_parts = tuple(
-            self._parts[start:stop] for start, stop in zip(bounds, bounds[1:])
+            self._parts[start:stop] for start, stop in pairwise(bounds)
         )
         self._chunk_objects = max(1, device_staging_bytes // max(1, self._object_bytes))
         self._stream = (

@@ -13,6 +13,7 @@ are reported, and vLLM recomputes them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -48,8 +49,11 @@ class LayerwiseLoads:
         self._handles: dict[tuple[int, int], list[CopyHandle]] = {}
         self._done = threading.Event()
         self._outcomes: tuple[RequestLoadOutcome, ...] = ()
+        self.seconds = 0.0
+        """The lane's time on the job (read after :meth:`outcomes`)."""
 
     def run(self) -> None:
+        started = time.perf_counter()
         try:
             staged: list[tuple[GroupLoadOutcome, torch.Tensor]] = []
             statuses: dict[int, tuple[LoadStatus, ...] | None] = {}
@@ -68,6 +72,7 @@ class LayerwiseLoads:
         finally:
             for event in self._ready.values():
                 event.set()
+            self.seconds = time.perf_counter() - started
             self._done.set()
 
     def _scatter_by_layer(self, staged: Sequence[tuple[GroupLoadOutcome, torch.Tensor]]) -> None:

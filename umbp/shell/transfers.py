@@ -84,7 +84,7 @@ class Lane:
         while (job := self._jobs.get()) is not None:
             try:
                 job()
-            except Exception:  # noqa: BLE001 - a job's own failure is already reported
+            except Exception:
                 logger.exception("umbp: a job on %s raised", self._name)
             finally:
                 with self._idle:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from umbp.core.plans import GroupBlocks, LoadPlan
 
@@ -29,8 +29,8 @@ __all__ = [
     "group_load_outcome",
     "merged_groups",
     "plan_load_outcome",
-    "split_statuses",
     "report_load",
+    "split_statuses",
     "unplanned_load_outcome",
 ]
 
@@ -231,22 +231,32 @@ def unplanned_load_outcome(
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """What vLLM has not been told yet about past loads."""
+    """What vLLM has not been told yet about past loads.
+
+    An asynchronous load's failed blocks are told in the step vLLM hears the load
+    finished, never before: vLLM takes the transfer results, then the failed
+    block ids, and an asynchronous load may end between the two calls."""
 
     finished_requests: frozenset[str] = frozenset()
     """Asynchronous loads that ended, failed or not: vLLM waits for each."""
     failed_requests: frozenset[str] = frozenset()
     """Request-level failures (`FailureReporting.REQUEST_IDS` only)."""
     failed_block_ids: frozenset[int] = frozenset()
-    """Block-level failures (`FailureReporting.BLOCK_IDS` only)."""
+    """Block-level failures (`FailureReporting.BLOCK_IDS` only) to report now."""
+    finishing_block_ids: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    """Block-level failures of asynchronous loads in ``finished_requests``: they
+    join ``failed_block_ids`` once vLLM took the finished requests."""
 
     def without_requests(self) -> LoadReport:
-        """After vLLM took the transfer results."""
-        return LoadReport(failed_block_ids=self.failed_block_ids)
+        """After vLLM took the transfer results: their failed blocks are due now."""
+        return LoadReport(
+            failed_block_ids=self.failed_block_ids.union(*self.finishing_block_ids.values())
+        )
 
     def without_blocks(self) -> LoadReport:
         """After vLLM took the failed block ids."""
-        return LoadReport(self.finished_requests, self.failed_requests)
+        return LoadReport(self.finished_requests, self.failed_requests,
+                          finishing_block_ids=self.finishing_block_ids)
 
 
 def report_load(
@@ -254,16 +264,21 @@ def report_load(
 ) -> LoadReport:
     """Add one request's outcome to what vLLM is owed: an asynchronous load is
     finished whatever happened (vLLM requires failed ones among the finished), and
-    its failure goes out in the model's one form of failure report."""
+    its failure goes out in the model's one form of failure report (an
+    asynchronous load's failed blocks with its finish)."""
     finished = report.finished_requests | (
         {outcome.request_id} if outcome.is_async else set()
     )
     failed_requests, failed_blocks = report.failed_requests, report.failed_block_ids
+    finishing = report.finishing_block_ids
     if outcome.failed and reporting is FailureReporting.BLOCK_IDS:
-        failed_blocks = failed_blocks | outcome.failed_block_ids
+        if outcome.is_async:
+            finishing = {**finishing, outcome.request_id: outcome.failed_block_ids}
+        else:
+            failed_blocks = failed_blocks | outcome.failed_block_ids
     if outcome.failed and reporting is FailureReporting.REQUEST_IDS and outcome.is_async:
         failed_requests = failed_requests | {outcome.request_id}
-    return LoadReport(frozenset(finished), failed_requests, failed_blocks)
+    return LoadReport(frozenset(finished), failed_requests, failed_blocks, finishing)
 
 
 def failure_unreportable(outcome: RequestLoadOutcome, reporting: FailureReporting) -> bool:
