@@ -63,7 +63,7 @@ def serve_engine(name: str, model_dir: str, endpoint: str, conn: Connection) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from umbp.testing.engine import make_llm
+    from umbp.testing.engine import empty_vllm_cache, make_llm
 
     llm = make_llm(model_dir, connector={"mode": "server", "endpoint": endpoint},
                    block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -74,7 +74,8 @@ def serve_engine(name: str, model_dir: str, endpoint: str, conn: Connection) -> 
         if message[0] == "stop":
             break
         if message[0] == "reset":  # empty this engine's own prefix cache
-            conn.send(llm.reset_prefix_cache())
+            empty_vllm_cache(llm)
+            conn.send(True)
             continue
         _, prompt, max_tokens, recompute = message
         params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False,

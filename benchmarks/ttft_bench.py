@@ -135,8 +135,9 @@ class Bench:
         return 0 if self._worker is None else int(self._worker.counters.loaded_bytes)
 
     def empty_vllm_cache(self) -> None:
-        if not self._llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache")
+        from umbp.testing.engine import empty_vllm_cache
+
+        empty_vllm_cache(self._llm)
 
     def time_mode(self, mode: str, prompt: Sequence[int]) -> tuple[float, Any]:
         """Seconds to the first token in ``mode``, and the output."""

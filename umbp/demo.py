@@ -76,12 +76,14 @@ def _generate(llm: Any, prompt: Sequence[int], max_tokens: int, recompute: bool 
 
 def _measure(llm: Any, prompt: Sequence[int]) -> PromptResult:
     """TTFT recomputed, on vLLM's own hit and restored from umbp; outputs compared."""
+    from umbp.testing.engine import empty_vllm_cache
+
     reference = _generate(llm, prompt, 16, recompute=True)  # also stores it in umbp
     ttft_cold = _median_seconds(partial(_generate, llm, prompt, 1, recompute=True))
     ttft_hit = _median_seconds(partial(_generate, llm, prompt, 1))
     ttft_restored = _median_seconds(partial(_generate, llm, prompt, 1),
-                                    before=llm.reset_prefix_cache)
-    llm.reset_prefix_cache()
+                                    before=partial(empty_vllm_cache, llm))
+    empty_vllm_cache(llm)
     restored = _generate(llm, prompt, 16)
     return PromptResult(
         tokens=len(prompt),

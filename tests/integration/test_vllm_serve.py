@@ -57,10 +57,19 @@ def _complete(client: Any, prompt: list[int]) -> tuple[int, list[int], int]:
     return 200, list(body["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
 
 
-def _reset_vllm_prefix_cache(client: Any) -> None:
-    """vLLM's own cache only (dev-mode endpoint): the next hits can come from umbp alone."""
-    answer = client.post("/reset_prefix_cache")
-    assert answer.status_code == 200 and answer.json() == {"success": True}
+def _reset_vllm_prefix_cache(client: Any, wait_s: float = 30.0) -> None:
+    """vLLM's own cache only (dev-mode endpoint): the next hits can come from umbp alone.
+    Refused while umbp's last stores are in flight (their blocks stay pinned until
+    stored; the engine steps by itself meanwhile), so asked again until it succeeds,
+    as an operator would."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        answer = client.post("/reset_prefix_cache")
+        assert answer.status_code == 200, answer.text
+        if answer.json() == {"success": True}:
+            return
+        assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
+        time.sleep(0.05)
 
 
 def _metric(text: str, name: str) -> float:

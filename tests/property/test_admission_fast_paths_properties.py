@@ -82,7 +82,8 @@ def load_block_by_block(
         if mine:
             groups.append(GroupBlocks(group_id, size, tuple(row[1] for row in mine),
                                       tuple(row[2] for row in mine)))
-    return Success(LoadPlan("r", tuple(groups)))
+    ends_mid_block = any(end % size for size in geometry.group_block_sizes)
+    return Success(LoadPlan("r", tuple(groups), ends_mid_block))
 
 
 @st.composite

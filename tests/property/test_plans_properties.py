@@ -225,6 +225,10 @@ def test_a_partial_tail_loads_the_hash_at_the_window_end_into_the_split_block() 
     hashes = tuple(bytes([index]) for index in range(10))
     batch = load_plan("r", geometry, LoadSpec(0, 24), ((3, 9),), hashes, 24).unwrap()
     assert batch.groups == (GroupBlocks(0, 16, (3, 9), (hashes[3], hashes[5])),)
+    # The step that loads it computes the rest of block 9: it must land whole first.
+    assert batch.ends_mid_block
+    assert not load_plan("r", geometry, LoadSpec(0, 32), ((3, 9),), hashes, 32).unwrap(
+    ).ends_mid_block
     without_partial = CacheGeometry((0,), (16,), (16,), block_size=16, hash_block_size=4)
     assert isinstance(
         load_plan("r", without_partial, LoadSpec(0, 24), ((3, 9),), hashes, 24), Failure

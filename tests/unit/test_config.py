@@ -251,3 +251,15 @@ def test_a_huge_integer_is_reported_not_raised(name: str) -> None:
     huge = -(10**5000) if name in ("lookup_workers", "page_bytes") else 10**5000
     assert set(errors_of({name: huge})) == {name}
     assert name in format_config_errors(parse_connector_config({name: huge}).failure())
+
+
+def test_synchronous_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """A full CUDA graph's replay skips wait_for_layer_load, where synchronous loads
+    are waited for layer by layer: only load_async false asks for piecewise graphs
+    (a bad config asks nothing here; the connector's constructor names its errors)."""
+    from umbp.shell.connector import UMBPStoreConnector
+
+    assert UMBPStoreConnector.requires_piecewise_for_cudagraph({"load_async": False})
+    assert not UMBPStoreConnector.requires_piecewise_for_cudagraph({})
+    assert not UMBPStoreConnector.requires_piecewise_for_cudagraph({"load_async": True})
+    assert not UMBPStoreConnector.requires_piecewise_for_cudagraph({"load_async": "no"})

@@ -572,3 +572,50 @@ def test_cuda_rows_on_the_device_need_no_bounce() -> None:
     copier.gather([1, 3], rows)
     dims = [layout.block_dim for layout in copier.layouts]
     assert torch.equal(rows[1].cpu(), expected_row(flat_parts(case.build(source)), dims, 3))
+
+
+@needs_cuda
+def test_cuda_gather_from_another_thread_reads_what_the_forward_marked() -> None:
+    """The store thread enqueues its gather after the event the forward thread
+    recorded (its own current stream knows nothing of the forward pass)."""
+    import threading
+
+    from umbp.gpu.copier import mark_forward_end
+
+    case = cpu_attention_case(torch.float32)
+    kv = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
+    layers = case.build(kv)
+    copier = BlockCopier(layers, case.num_blocks)
+    out = allocate_staging(1, copier.object_bytes, copier.device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the "forward pass" is still running on its stream
+    for layer in flat_parts(layers):
+        layer[2].fill_(3.5)
+    mark = mark_forward_end(copier.device)
+    gathered: list[bool] = []
+
+    def store_thread() -> None:
+        copier.gather_async([2], out, mark).wait()
+        gathered.append(bool((out.view(torch.float32) == 3.5).all()))
+
+    thread = threading.Thread(target=store_thread)
+    thread.start()
+    thread.join()
+    assert gathered == [True]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_layer_by_layer_scatter_restores_every_layer(name: str) -> None:
+    case = CASES[name]
+    source = random_base(case.base_bytes, seed=5)
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    rows = allocate_staging(2, copier.object_bytes, torch.device("cuda"))
+    copier.gather([1, 0], rows)
+    restored = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    handles = [restorer.scatter_layer_async(layer, [1, 0], rows)
+               for layer in range(restorer.num_layers)]
+    for handle in handles:
+        handle.make_stream_wait()
+    assert torch.equal(restored.cpu(), expected_restore(case, source, [1, 0]))

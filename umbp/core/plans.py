@@ -41,10 +41,13 @@ class GroupBlocks:
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
     """Objects to read from the pool into one request's blocks, a group at most
-    once."""
+    once. ``ends_mid_block``: the window ends inside its last block (a partial
+    tail), whose remaining tokens the request computes in the step that loads it:
+    that block must be whole before the step's forward pass writes into it."""
 
     request_id: str
     groups: tuple[GroupBlocks, ...]
+    ends_mid_block: bool = False
 
     def __len__(self) -> int:
         return sum(map(len, self.groups))

@@ -13,8 +13,11 @@ through `.numpy()`). Back-ends read payloads and write into `outs` through the b
 protocol, so the runtime never imports torch.
 
 The contract is deliberately synchronous. Asynchronous scheduling (tickets, poll, wait,
-cancel) is not part of it: the worker layer wraps a synchronous `WorkerStore` in its own
-thread, which keeps every back-end simple and lets the overlap policy live in one place.
+cancel) is not part of it: the worker calls a `WorkerStore` from its transfer threads
+(`umbp.shell.transfers`: synchronous loads, asynchronous loads and stores, each its own
+thread), which keeps every back-end simple and lets the overlap policy live in one place.
+So a `WorkerStore` is called from several threads at once and must be thread-safe (every
+back-end here serialises what it must with a lock of its own).
 
 Expected failures are values, not exceptions: a rejected put is `False`, a failed load is a
 `LoadStatus`. The one exception is `StoreUnavailable`, raised by `lookup` when the back-end

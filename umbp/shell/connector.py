@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from returns.result import Failure
+from returns.result import Failure, Success
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -91,6 +91,15 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Synchronous loads (``load_async: false``) are waited for layer by layer in
+        ``wait_for_layer_load``, which a full CUDA graph's replay never calls: vLLM
+        then captures piecewise graphs, whose attention runs eagerly. Asynchronous
+        loads (the default) need no layer hook."""
+        parsed = parse_connector_config(dict(extra_config or {}))
+        return isinstance(parsed, Success) and not parsed.unwrap().load_async
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -257,6 +257,12 @@ class UMBPWorker:
             loads = LayerwiseLoads(sync, self._io[LANES[0]], self._layers)
             self._step_loads = loads
             self._submit(LANES[0], loads.run)
+            if any(plan.ends_mid_block for plan in sync):
+                # vLLM writes the step's new tokens into that block before the
+                # layer's attention (and its wait) runs: the whole load lands first.
+                started = time.perf_counter()
+                loads.outcomes()
+                self._count_wait("load_wait_seconds", time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Only this layer's copies of this step's synchronous loads."""

@@ -97,6 +97,24 @@ def unique_prompts(count: int, tokens: int, vocab: int = 500, seed: int = 11) ->
     return [[rng.randrange(1, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
+def empty_vllm_cache(llm: Any, timeout_s: float = 60.0) -> None:
+    """vLLM's ``reset_prefix_cache()``, until it succeeds. umbp's stores run after
+    the step that computed their blocks, which stay pinned until the store is
+    acknowledged; vLLM refuses to reset while a block is in use. An engine core in
+    this process is stepped meanwhile (nothing else steps it between two
+    ``generate`` calls), one in its own process steps itself."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    in_process = isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM did not empty its prefix cache within {timeout_s} s")
+        if in_process:
+            llm.llm_engine.step()
+        time.sleep(0.005)
+
+
 def local_connector() -> Any:
     """The worker-role connector of an engine running in this process."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

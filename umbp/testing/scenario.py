@@ -204,7 +204,7 @@ def _guard_llvmlite_dunder_lookup() -> None:
 
 def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                 server: _ServerControl) -> list[dict[str, Any]]:
-    from umbp.testing.engine import generate, make_llm
+    from umbp.testing.engine import empty_vllm_cache, generate, make_llm
 
     engine_args = dict(spec.get("engine", {}))
     engine_args.update(engine.get("engine", {}))
@@ -229,7 +229,8 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                     "cached": [c.num_cached_tokens for c in completions],
                 })
             elif step == "reset":
-                results.append({"step": step, "ok": bool(llm.reset_prefix_cache())})
+                empty_vllm_cache(llm)
+                results.append({"step": step, "ok": True})
             elif step == "corrupt":
                 results.append({"step": step, "flipped": _corrupt_local_pools()})
             elif step == "clear_tp_rank_1":

@@ -63,7 +63,7 @@ def load_plan(
         return Failure(f"request {request_id}: {groups}")
     # One set answers both checks, across groups (vLLM's groups share one block
     # pool); it is most of a plan's cost.
-    block_ids = plan_block_ids(LoadPlan(request_id, groups))
+    block_ids = plan_block_ids(LoadPlan(request_id, groups))  # every group's, in order
     destinations = set(block_ids)
     if NULL_BLOCK_ID in destinations:
         group_id = next(g.group_id for g in groups if NULL_BLOCK_ID in g.block_ids)
@@ -73,7 +73,10 @@ def load_plan(
         )
     if len(destinations) != len(block_ids):
         return Failure(f"request {request_id}: a destination block is written twice")
-    return Success(LoadPlan(request_id, groups))
+    ends_mid_block = not spec.block_hashes_by_group and any(
+        spec.external_tokens % size for size in geometry.group_block_sizes
+    )
+    return Success(LoadPlan(request_id, groups, ends_mid_block))
 
 
 @dataclass(frozen=True, slots=True)
