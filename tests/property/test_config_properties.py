@@ -29,6 +29,7 @@ DEFAULTS: dict[str, object] = {
     "enable_lookup": True,
     "lookup_async": False,
     "save_decode_cache": False,
+    "store_inflight_bytes": 1 << 30,
     "enable_partial_hash_hits": False,
     "lookup_workers": 2,
     "kv_event_max_objects": 65536,
@@ -38,6 +39,7 @@ DEFAULTS: dict[str, object] = {
     "high_watermark": 0.95,
     "low_watermark": 0.85,
     "lookup_timeout_s": 5.0,
+    "announced_wait_s": 10.0,
     "endpoint": None,
     "auto_start": False,
     "ssd_dir": None,
@@ -70,9 +72,9 @@ BOOLEAN_OPTIONS = (
     "auto_start",
 )
 INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "page_bytes",
-                   "ssd_capacity_bytes", "mooncake_buffer_bytes")
+                   "ssd_capacity_bytes", "mooncake_buffer_bytes", "store_inflight_bytes")
 FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s", "io_timeout_s",
-                 "reconnect_interval_s")
+                 "reconnect_interval_s", "announced_wait_s")
 STRING_OPTIONS = ("endpoint", "ssd_dir", "mooncake_master", "mooncake_protocol",
                   "mooncake_device", "mooncake_local_hostname", "mooncake_metadata_server",
                   "mori_deployment", "mori_address")
@@ -111,6 +113,9 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "low_watermark": _number(0, 1, low_open=True, high_open=True),
     "lookup_timeout_s": st.floats(min_value=0, exclude_min=True, allow_infinity=False)
     | st.integers(1, 10**9),
+    "announced_wait_s": st.floats(min_value=0, exclude_min=True, allow_infinity=False)
+    | st.integers(1, 10**9),
+    "store_inflight_bytes": st.integers(1 << 20, 1 << 44),
 }
 
 WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
@@ -152,6 +157,10 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy[Any]] = {
     "lookup_timeout_s": st.floats(max_value=0)
     | st.sampled_from([math.nan, math.inf])
     | st.integers(max_value=0),
+    "announced_wait_s": st.floats(max_value=0)
+    | st.sampled_from([math.nan, math.inf])
+    | st.integers(max_value=0),
+    "store_inflight_bytes": st.integers(max_value=(1 << 20) - 1),
     "mode": st.sampled_from(["Embedded", "local", "redis", ""]) | st.text(max_size=12),
 }
 
@@ -177,8 +186,10 @@ def _valid_alone(name: str, value: object) -> bool:
         return number and math.isfinite(value) and 0 < value <= 1  # type: ignore[operator,arg-type]
     if name == "low_watermark":
         return number and math.isfinite(value) and 0 < value < 1  # type: ignore[operator,arg-type]
-    if name == "lookup_timeout_s":
+    if name in ("lookup_timeout_s", "announced_wait_s"):
         return number and math.isfinite(value) and value > 0  # type: ignore[operator,arg-type]
+    if name == "store_inflight_bytes":
+        return type(value) is int and value >= 1 << 20
     return isinstance(value, bool)
 
 

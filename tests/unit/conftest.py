@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.unit.vllm_driver import write_model_config  # imports vLLM: only when used
 
     return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    """A real ``umbp serve`` process on a short socket path (Unix sockets allow 108 bytes)."""
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    directory = Path(tempfile.mkdtemp(prefix="umbp-w-", dir="/tmp"))
+    socket_path = str(directory / "umbp.sock")
+    process = start_server(socket_path, 16 << 20, page_bytes=4096,
+                           log_path=str(directory / "serve.log"))
+    process.socket_path = socket_path  # type: ignore[attr-defined]
+    yield process
+    stop_server(process, socket_path)
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

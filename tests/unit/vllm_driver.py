@@ -225,11 +225,16 @@ class Driver:
             for name in LAYERS
         }
 
-    def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
+    def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1,
+            kv_transfer_params: dict[str, Any] | None = None) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+            extra_args=None if kv_transfer_params is None
+            else {"kv_transfer_params": kv_transfer_params},
+        )
         request = Request(request_id, list(tokens), params, None, block_hasher=self._hasher)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -465,6 +470,16 @@ class Driver:
                 )
                 checked += 1
         return checked
+
+    def kv_transfer_params(self, request_id: str) -> Any:
+        """The ``kv_transfer_params`` vLLM put in the request's final output (what
+        ``vllm serve`` returns to the client), from the steps so far."""
+        for record in reversed(self.steps):
+            for outputs in record.engine_outputs.values():
+                for out in outputs.outputs:
+                    if out.request_id == request_id and out.finish_reason is not None:
+                        return out.kv_transfer_params
+        raise AssertionError(f"no final output for request {request_id}")
 
     def cached_tokens(self, request_id: str) -> int:
         """``num_cached_tokens`` vLLM reported for the request (local + external

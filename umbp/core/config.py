@@ -75,6 +75,7 @@ class ConnectorConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     lookup_timeout_s: float = 5.0
+    announced_wait_s: float = 10.0
     endpoint: str | None = None
     auto_start: bool = False
     ssd_dir: str | None = None
@@ -123,6 +124,9 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "low_watermark": "fill fraction eviction brings the pool back down to (0 < low < high)",
         "lookup_timeout_s": "seconds the scheduler waits for a lookup answer from a pool in "
         "another process before counting it a miss (> 0)",
+        "announced_wait_s": "longest a request waits for blocks its prefill engine "
+        "announced (disaggregated prefill, kv_transfer_params) to reach the pool before "
+        "the rest is computed (> 0)",
         "endpoint": "server: path of the `umbp serve` Unix socket (required)",
         "auto_start": "server: start `umbp serve` at endpoint when none answers there "
         "(it outlives the engine, so others and later engines share it)",
@@ -200,6 +204,7 @@ _CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
         "high_watermark": check_number("in (0, 1]", lambda x: 0.0 < x <= 1.0),
         "low_watermark": check_number("in (0, 1)", lambda x: 0.0 < x < 1.0),
         "lookup_timeout_s": check_number("> 0", lambda x: x > 0.0),
+        "announced_wait_s": check_number("> 0", lambda x: x > 0.0),
         "endpoint": check_text("a non-empty socket path", bool, nullable=True),
         "auto_start": check_boolean,
         "ssd_dir": check_text("a non-empty directory path", bool, nullable=True),

@@ -32,6 +32,7 @@ VLLM_ONLY_OPTIONS = (
     "lookup_workers",
     "kv_event_max_objects",
     "lookup_timeout_s",
+    "announced_wait_s",
 )
 
 

@@ -14,6 +14,7 @@ returns the next one, which the scheduler keeps.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
@@ -33,8 +34,10 @@ from umbp.core.lookup import (
     admission_answer,
     admission_step,
 )
+from umbp.core.lookup.admission import announced_reach, awaits_announced
 from umbp.core.lookup.query import LookupQuery
 from umbp.core.lookup.windows import LoadSpec
+from umbp.core.request_params import request_params
 from umbp.core.requests import after_allocation
 from umbp.runtime.contract import HashLookup, SchedulerStore
 from umbp.shell import vllm_compat
@@ -54,6 +57,9 @@ class AdmissionCounters(Protocol):
     hit_tokens: int
     queried_tokens: int
     planned_load_blocks: int
+    announced_waits: int
+    announced_wait_seconds: float
+    announced_short: int
 
 
 class Admission:
@@ -70,6 +76,7 @@ class Admission:
         if warning is not None:
             logger.warning("umbp: %s", warning)
         self._rules = LookupRules(geometry, config.enable_lookup, config.lookup_async, load_async)
+        self._announced_wait_s = config.announced_wait_s
         self._hybrid = hybrid
         self._executor = executor
         self._counters = counters
@@ -109,13 +116,47 @@ class Admission:
             case LookupAction.READ_ANSWER:
                 assert pending is not None and step.query is not None
                 answers = self._answer_of(pending.answer)
-                return self._matched(replace(state, lookup=None), step.query, answers)
+                matched = self._matched(replace(state, lookup=None), step.query, answers)
+                return self._announced(request, local_tokens, *matched)
         assert step.query is not None
         ask = self._asking(store, step.query, step.keys)
         if step.action is LookupAction.SUBMIT:
             answer = self._executor.submit(ask)
             return None, False, replace(state, lookup=PendingLookup(request, step.query, answer))
-        return self._matched(state, step.query, self._lookup(ask))
+        matched = self._matched(state, step.query, self._lookup(ask))
+        return self._announced(request, local_tokens, *matched)
+
+    def _announced(
+        self, request: RequestLike, local_tokens: int, tokens: int, load_async: bool,
+        state: RequestState,
+    ) -> tuple[int | None, bool, RequestState]:
+        """A request whose prefill engine announced its blocks (disaggregated
+        prefill) waits, asked again each step, until the pool holds them or
+        ``announced_wait_s`` passed: the producer's stores may still be in flight."""
+        params = request_params(request.kv_transfer_params)
+        if isinstance(params, Failure):
+            logger.warning("umbp: request %s: %s; served as if it asked nothing",
+                           request.request_id, params.failure())
+            return tokens, load_async, state
+        announced = params.unwrap().announced_tokens
+        if announced is None:
+            return tokens, load_async, state
+        reach = announced_reach(self._rules.geometry, announced, request.num_tokens)
+        now = time.monotonic()
+        since = now if state.awaiting_since is None else state.awaiting_since
+        if awaits_announced(local_tokens + tokens, reach, now - since, self._announced_wait_s):
+            if state.awaiting_since is None:
+                self._counters.announced_waits += 1
+            return None, False, replace(state, awaiting_since=since)
+        self._counters.announced_wait_seconds += now - since
+        if local_tokens + tokens < reach:
+            self._counters.announced_short += 1
+            logger.warning(
+                "umbp: request %s: its prefill engine announced %d tokens; after %.1f s the "
+                "pool holds %d of the %d reachable, vLLM computes the rest",
+                request.request_id, announced, now - since, local_tokens + tokens, reach,
+            )
+        return tokens, load_async, replace(state, awaiting_since=None)
 
     def allocated(
         self, request: RequestLike, blocks: KVCacheBlocksLike, num_external_tokens: int,

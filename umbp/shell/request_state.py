@@ -37,12 +37,16 @@ class RequestState:
     ``lookup``: a running asynchronous lookup; ``life``: everything core decides
     from; ``lookups``: core's :class:`~umbp.core.lookup.query.LookupMemo`, the request's
     last query (a repeated lookup of a waiting request reuses it whole) and, only
-    for a store asked by key string, the keys built so far, so none is built twice."""
+    for a store asked by key string, the keys built so far, so none is built twice.
+    ``awaiting_since``: when it started waiting for announced blocks (disaggregated
+    prefill), None when it does not wait."""
 
     request: RequestLike | None = None
     lookup: PendingLookup | None = None
     life: RequestLifecycle = field(default_factory=RequestLifecycle)
     lookups: LookupMemo = EMPTY_LOOKUP_MEMO
+    awaiting_since: float | None = None
+    """When the request started waiting for blocks its prefill engine announced."""
 
     @property
     def lookup_progress(self) -> LookupProgress:
@@ -56,12 +60,13 @@ class RequestState:
     def with_life(self, life: RequestLifecycle) -> RequestState:
         if life is self.life:
             return self
-        return RequestState(self.request, self.lookup, life, self.lookups)  # hot: no replace
+        return RequestState(self.request, self.lookup, life, self.lookups,
+                            self.awaiting_since)  # hot: no replace
 
     def with_lookups(self, lookups: LookupMemo) -> RequestState:
         if lookups is self.lookups:
             return self
-        return RequestState(self.request, self.lookup, self.life, lookups)
+        return RequestState(self.request, self.lookup, self.life, lookups, self.awaiting_since)
 
     def without_lookup(self) -> RequestState:
         """The running lookup is dropped (its answer is not wanted any more)."""

@@ -34,8 +34,10 @@ from umbp.core.loads.failures import (
     stores_over_sync_loads,
     sync_loads_of,
 )
+from umbp.core.lookup.admission import stored_prompt_tokens
 from umbp.core.plans import StorePlan
 from umbp.core.rank_keys import rank_tags
+from umbp.core.request_params import announcement
 from umbp.core.requests import (
     RequestLifecycle,
     after_cache_reset,
@@ -45,7 +47,11 @@ from umbp.core.requests import (
     take_step_loads,
 )
 from umbp.core.stores.handoffs import finished_partial_tail_plans, transfer_store_plan
-from umbp.core.stores.tracking import eagle_store_groups, stores_under_role
+from umbp.core.stores.tracking import (
+    announces_under_role,
+    eagle_store_groups,
+    stores_under_role,
+)
 from umbp.runtime.backends import open_scheduler_store
 from umbp.runtime.contract import SchedulerStore
 from umbp.shell import vllm_compat
@@ -81,6 +87,11 @@ class SchedulerCounters:
     residency_lookups: int = 0
     kv_events_suppressed: int = 0
     kv_events_published: int = 0
+    # Requests that waited for blocks their prefill engine announced, the seconds
+    # they waited in all, and those that went on short of them.
+    announced_waits: int = 0
+    announced_wait_seconds: float = 0.0
+    announced_short: int = 0
 
 
 class UMBPScheduler:
@@ -109,6 +120,7 @@ class UMBPScheduler:
             kv_cache_config, self._geometry.group_ids
         )
         self._store_enabled = stores_under_role(active, vllm_compat.kv_role(vllm_config))
+        self._announces = announces_under_role(active, vllm_compat.kv_role(vllm_config))
         self._num_workers = vllm_compat.world_size(vllm_config)
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -305,8 +317,16 @@ class UMBPScheduler:
         return False
 
     def request_finished(self, request: RequestLike) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays vLLM's freeing (the pins keep a store's blocks). A prefill
+        engine (``kv_producer``) announces the prompt tokens whose blocks it stores,
+        for the decode engine's lookup to wait for (vLLM puts them in the response's
+        ``kv_transfer_params``)."""
         self._forget(request.request_id)
-        return False, None
+        if not self._announces:
+            return False, None
+        return False, announcement(stored_prompt_tokens(
+            self._geometry, request.num_prompt_tokens, len(request.block_hashes)
+        ))
 
     def take_events(self) -> list[Any]:
         if self._kv_events is None:

@@ -177,6 +177,11 @@ COUNTER_DOCS: dict[str, str] = {
     "blocks to store are already in the umbp pool",
     "scheduler_kv_events_suppressed": "umbp KV events not published (tracking bound reached)",
     "scheduler_kv_events_published": "BlockStored/BlockRemoved events umbp published",
+    "scheduler_announced_waits": "requests that waited for blocks their prefill engine "
+    "announced (disaggregated prefill) to reach the pool",
+    "scheduler_announced_wait_seconds": "seconds requests waited for announced blocks",
+    "scheduler_announced_short": "requests that went on without every announced block "
+    "(announced_wait_s passed): vLLM computed the rest",
     "worker_pool_evictions": "objects the umbp pool evicted to make room",
 }
 # Levels rather than counts: their reported deltas move a Prometheus gauge up and down.

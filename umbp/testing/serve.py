@@ -35,9 +35,10 @@ def free_port() -> int:
 def serve_args(
     model: str, port: int, *, extra_config: dict[str, Any] | None, dtype: str = "float32",
     kv_cache_bytes: int = 64 << 20, max_model_len: int = 2048, more: tuple[str, ...] = (),
+    kv_role: str = "kv_both",
 ) -> list[str]:
     """``vllm serve`` for a local random-weight model on 127.0.0.1; with umbp when
-    ``extra_config`` is given."""
+    ``extra_config`` is given (in ``kv_role``)."""
     args = [
         vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "m", "--dtype", dtype, "--load-format", "safetensors",
@@ -46,7 +47,7 @@ def serve_args(
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", *more,
     ]
     if extra_config is not None:
-        config = {**CONNECTOR, "kv_connector_extra_config": extra_config}
+        config = {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra_config}
         args += ["--kv-transfer-config", json.dumps(config)]
     return args
 

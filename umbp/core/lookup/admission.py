@@ -43,8 +43,11 @@ __all__ = [
     "admission_step",
     "after_lookup_skip",
     "after_match",
+    "announced_reach",
+    "awaits_announced",
     "lookup_still_current",
     "next_lookup_action",
+    "stored_prompt_tokens",
 ]
 
 
@@ -234,3 +237,31 @@ def admission_answer(
     return AdmissionAnswer(
         spec.num_tokens_to_load, load_async, spec, after_match(life, spec, load_async)
     )
+
+
+# --------------------------------------------- disaggregated prefill (announced)
+
+
+def stored_prompt_tokens(geometry: CacheGeometry, num_prompt_tokens: int, num_hashes: int) -> int:
+    """The prompt tokens whose blocks a prefill engine stores for a request it
+    finished: its whole blocks that have a hash (what it announces to the decode
+    engine)."""
+    covered = min(num_prompt_tokens, num_hashes * geometry.hash_block_size)
+    return covered - covered % geometry.block_size
+
+
+def announced_reach(geometry: CacheGeometry, announced_tokens: int, num_tokens: int) -> int:
+    """How far a hit can reach for a request whose prefill engine announced
+    ``announced_tokens``: those tokens, but never the last prompt token's block
+    (vLLM computes at least one token), and one block less with EAGLE."""
+    block = geometry.block_size
+    reach = min(announced_tokens, (num_tokens - 1) // block * block)
+    return max(0, reach - block) if geometry.use_eagle else reach
+
+
+def awaits_announced(reached: int, reach: int, waited_s: float, bound_s: float) -> bool:
+    """Whether to ask again next step rather than answer now: the pool does not
+    yet hold every block the prefill engine announced (its stores are still in
+    flight) and the request has waited less than ``bound_s``. ``reached``: local
+    plus matched tokens."""
+    return reached < reach and waited_s < bound_s

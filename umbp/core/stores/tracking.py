@@ -15,6 +15,7 @@ from umbp.core.geometry import BlockTable, CacheGeometry
 
 __all__ = [
     "StoreTracker",
+    "announces_under_role",
     "eagle_store_groups",
     "is_prefill",
     "save_watermark",
@@ -92,6 +93,12 @@ def stores_under_role(active: bool, kv_role: str | None) -> bool:
     """A consumer (``kv_role="kv_consumer"``) only loads; an inactive umbp does
     neither."""
     return active and kv_role != "kv_consumer"
+
+
+def announces_under_role(active: bool, kv_role: str | None) -> bool:
+    """A prefill engine (``kv_role="kv_producer"``) tells, with each finished
+    request, which of its blocks it stores (disaggregated prefill)."""
+    return active and kv_role == "kv_producer"
 
 
 def eagle_store_groups(
