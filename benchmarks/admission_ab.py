@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -63,7 +64,9 @@ def unpack_before(rev: str, into: Path) -> None:
             extracted = tar.extractfile(member)
             assert extracted is not None
             source = _IMPORT.sub(r"\1umbp_before", extracted.read().decode())
-            (package / "core" / Path(member.name).name).write_text(source)
+            target = package / Path(member.name).relative_to("umbp")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(source)
 
 
 def store_of(package: str, query: Any, keyspace: Any, stack: ExitStack) -> Callable[[Any], object]:
@@ -94,15 +97,34 @@ def store_of(package: str, query: Any, keyspace: Any, stack: ExitStack) -> Calla
     return by_position
 
 
+def core_names(package: str) -> tuple[Any, Any]:
+    """The lookup and load-plan functions of ``package``'s core, under today's names,
+    whichever layout that core has: one ``core.lookup`` module (with ``core.plans``,
+    later ``core.load_plans``) before the core was grouped into packages, the
+    ``core.lookup``, ``core.geometry`` and ``core.loads`` packages after."""
+    if importlib.util.find_spec(f"{package}.core.geometry") is None:
+        lookup: Any = importlib.import_module(f"{package}.core.lookup")
+        old = "load_plans" if importlib.util.find_spec(f"{package}.core.load_plans") else "plans"
+        plans: Any = importlib.import_module(f"{package}.core.{old}")
+        return (
+            types.SimpleNamespace(**vars(lookup), CacheGeometry=lookup.LookupGeometry),
+            types.SimpleNamespace(load_plan=plans.load_batch),
+        )
+    names: dict[str, Any] = {}
+    for module in ("geometry", "lookup.query", "lookup.windows"):
+        names.update(vars(importlib.import_module(f"{package}.core.{module}")))
+    return (
+        types.SimpleNamespace(**names),
+        importlib.import_module(f"{package}.core.loads.plans"),
+    )
+
+
 def admission_calls(
     package: str, num_tokens: int, block_size: int, tp: int, stack: ExitStack
 ) -> dict[str, Callable[[], object]]:
     identity: Any = importlib.import_module(f"{package}.core.identity")
-    lookup: Any = importlib.import_module(f"{package}.core.lookup")
-    # Load plans were in core.plans before that module was split.
-    plans_module = "load_plans" if importlib.util.find_spec(f"{package}.core.load_plans") else "plans"
-    plans: Any = importlib.import_module(f"{package}.core.{plans_module}")
-    geometry = lookup.LookupGeometry((0,), (block_size,), (block_size,), block_size, block_size)
+    lookup, plans = core_names(package)
+    geometry = lookup.CacheGeometry((0,), (block_size,), (block_size,), block_size, block_size)
     keyspace = identity.KeySpace("bench-namespace-0123", identity.RankTopology(tp_size=tp))
     hashes = tuple(hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(num_tokens // block_size))
     table = (tuple(range(1, num_tokens // block_size + 1)),)
@@ -119,7 +141,7 @@ def admission_calls(
         query = lookup.build_lookup_query(geometry, keyspace, hashes, 0, num_tokens)
         folded = lookup.fold_rank_hits(query, ask(query))
         spec = lookup.single_group_load_spec(geometry, query, folded)
-        return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
+        return plans.load_plan("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
     calls = {"admission": admission, "lookup": lookup_part}
     if hasattr(lookup, "request_lookup_query"):
@@ -131,7 +153,7 @@ def admission_calls(
             query, _ = lookup.request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, memo)
             folded = lookup.fold_rank_hits(query, ask(query))
             spec = lookup.single_group_load_spec(geometry, query, folded)
-            return plans.load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
+            return plans.load_plan("r", geometry, spec, table, hashes, spec.num_tokens_to_load).unwrap()
 
         assert repeat() == admission()
         calls["repeat"] = repeat

@@ -47,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
+from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
-from umbp.core.lookup import LookupGeometry, build_lookup_query, fold_rank_hits
+from umbp.core.lookup.query import build_lookup_query
+from umbp.core.lookup.windows import fold_rank_hits
 from umbp.core.rank_keys import RankedKeys, rank_tags
 from umbp.runtime.lookup_service import LookupClient, LookupService, RankedLookup
 from umbp.runtime.pool import SlabPool
@@ -118,7 +120,7 @@ def serve_pool(keys: list[str], conn: Connection) -> None:
 
 
 def query_builder() -> Callable[[], RankedKeys]:
-    geometry = LookupGeometry(
+    geometry = CacheGeometry(
         group_ids=(0,), group_block_sizes=(BLOCK_SIZE,), lookup_units=(BLOCK_SIZE,),
         block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
     )
@@ -222,7 +224,7 @@ def lookup_by_key_name(stores: dict[str, SlabPool], keys: Sequence[str]) -> tupl
 
 def rank_calls(block_size: int, ranks: int) -> tuple[int, dict[str, Callable[[], object]], list[SlabPool]]:
     """(keys asked, the lookup routed by key name and by position, the pools to close)."""
-    geometry = LookupGeometry(
+    geometry = CacheGeometry(
         group_ids=(0,), group_block_sizes=(block_size,), lookup_units=(block_size,),
         block_size=block_size, hash_block_size=block_size,
     )

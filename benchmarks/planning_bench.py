@@ -43,27 +43,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import interleaved_cpu_median_ns  # benchmarks/, this script's folder
 
+from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.load_plans import BlockLoadBatch, load_batch, plan_allocated_load
-from umbp.core.lookup import (
+from umbp.core.loads.plans import load_plan, plan_allocated_load
+from umbp.core.lookup.query import (
     EMPTY_LOOKUP_MEMO,
-    LookupGeometry,
     LookupMemo,
     LookupQuery,
     build_lookup_query,
-    fold_rank_hits,
     request_lookup_keys,
     request_lookup_query,
-    single_group_load_spec,
 )
+from umbp.core.lookup.windows import fold_rank_hits, single_group_load_spec
+from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
 from umbp.core.rank_keys import rank_tags
-from umbp.core.store_events import StoreEvent, pinned_block_ids, reserved_identities
-from umbp.core.store_pass import StoreCandidates, plan_stores, residency_check
-from umbp.core.store_tracking import (
+from umbp.core.requests import RequestLifecycle
+from umbp.core.stores import ScheduledStep, StoreRules, finish_store_step, plan_store_step
+from umbp.core.stores.acks import StoreEvent, pinned_block_ids, reserved_identities
+from umbp.core.stores.tracking import (
     StoreTracker,
-    save_watermark,
-    storable_tokens,
-    store_candidate_ranges,
 )
 from umbp.runtime.contract import SchedulerStore
 from umbp.runtime.embedded import connect_to_pool, open_embedded_pool
@@ -98,8 +96,8 @@ def block_hashes(count: int, salt: bytes = b"") -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(salt + index.to_bytes(8, "big")).digest() for index in range(count))
 
 
-def geometry_for(block_size: int) -> LookupGeometry:
-    return LookupGeometry(
+def geometry_for(block_size: int) -> CacheGeometry:
+    return CacheGeometry(
         group_ids=(0,),
         group_block_sizes=(block_size,),
         lookup_units=(block_size,),
@@ -112,13 +110,13 @@ def geometry_for(block_size: int) -> LookupGeometry:
 
 
 def baseline_lookup_to_load(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     keyspace: KeySpace,
     hashes: Sequence[bytes],
     num_tokens: int,
     answer: Callable[[int], Sequence[bool]],
     table: tuple[int, ...],
-) -> BlockLoadBatch:
+) -> LoadPlan:
     """The reference's shape of the same computation, object by object."""
     hbs = geometry.hash_block_size
     unit = geometry.lookup_units[0]
@@ -144,13 +142,14 @@ def baseline_lookup_to_load(
         matched = index + 1
     end = matched * unit
     block_ids: list[int] = []
-    group_ids: list[int] = []
     out_hashes: list[bytes] = []
     for block in range(end // block_size):
         out_hashes.append(hashes[(block + 1) * block_size // hbs - 1])
         block_ids.append(table[block])
-        group_ids.append(group_id)
-    return BlockLoadBatch("r", tuple(group_ids), tuple(block_ids), tuple(out_hashes))
+    if not block_ids:
+        return LoadPlan("r", ())
+    return LoadPlan("r", (GroupBlocks(group_id, block_size, tuple(block_ids),
+                                      tuple(out_hashes)),))
 
 
 # ------------------------------------------------------------------- scenarios
@@ -168,7 +167,7 @@ def lookup_case(num_tokens: int, block_size: int, tp: int, budget_s: float) -> d
 
 
 def _lookup_case_figures(
-    geometry: LookupGeometry, keyspace: KeySpace, hashes: tuple[bytes, ...], num_tokens: int,
+    geometry: CacheGeometry, keyspace: KeySpace, hashes: tuple[bytes, ...], num_tokens: int,
     block_size: int, tp: int, budget_s: float, calls: dict[str, Callable[[], object]],
 ) -> dict[str, float]:
     blocks = -(-num_tokens // block_size)
@@ -195,7 +194,7 @@ def _lookup_case_figures(
             lambda: single_group_load_spec(geometry, query, folded), budget_s / 2
         ),
         "load_batch_us": measure_us(
-            lambda: load_batch("r", geometry, spec, table, hashes, spec.num_tokens_to_load),
+            lambda: load_plan("r", geometry, spec, table, hashes, spec.num_tokens_to_load),
             budget_s / 2,
         ),
         "baseline_us": measure_us(baseline, budget_s),
@@ -247,48 +246,65 @@ def store_step_input(
     ))
 
 
+@dataclass(frozen=True)
+class _BenchRequest:
+    """What core reads of a request (``core.requests.RequestView``)."""
+
+    block_hashes: list[bytes]
+    num_prompt_tokens: int
+    all_token_ids: tuple[int, ...] = ()
+
+
+class _BenchReads:
+    """``core.stores.StoreStepReads`` over plain dicts: new requests need no table
+    or mask from vLLM."""
+
+    def __init__(self, states: dict[str, tuple[_BenchRequest, RequestLifecycle]]) -> None:
+        self.states = states
+
+    def state(self, request_id: str) -> tuple[_BenchRequest, RequestLifecycle]:
+        return self.states[request_id]
+
+    def current_table(self, request_id: str) -> None:
+        return None
+
+    def masks(self, request: object, ranges: object) -> dict[int, None]:
+        return {}
+
+
 def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
     """umbp.core's part of the store step for new requests (the ``core`` figure):
-    the calls ``build_connector_meta`` makes through ``shell.store_step`` (the
-    in-flight reservations, per request the table and hashes copied out of vLLM's
-    lists, the tracker, watermark and candidates — full attention has no mask —
-    one residency check, the batches, the event and its pins), without vLLM's
-    objects, the per-request states or vLLM's block pool (the ``hook`` figure has
-    them). ``prepare()`` resets the trackers (untimed) and returns the timed call."""
+    the in-flight reservations, ``core.stores.plan_store_step`` (per request the
+    table copied out of vLLM's lists, the tracker, watermark and candidates; full
+    attention has no mask), one residency answer, ``finish_store_step``, the event
+    and its pins, without vLLM's objects or vLLM's block pool (the ``hook`` figure
+    has them). ``prepare()`` resets the trackers (untimed) and returns the timed
+    call."""
     geometry = geometry_for(step.block_size)
     keyspace = KeySpace("bench-namespace-0123", RankTopology(tp_size=step.tp))
-    block_size = geometry.hash_block_size
+    rules = StoreRules(geometry)
     allocated = {
-        request_id: StoreTracker().with_blocks_replaced(table)
-        for request_id, _, table in step.requests
+        request_id: (
+            _BenchRequest(request_hashes, step.tokens),
+            RequestLifecycle(tracker=StoreTracker().with_blocks_replaced(table)),
+        )
+        for request_id, request_hashes, table in step.requests
     }
+    scheduled = ScheduledStep(
+        [(request_id, 0, table) for request_id, _, table in step.requests], (), (),
+        frozenset(), {request_id: step.tokens for request_id, _, _ in step.requests},
+    )
     in_flight: tuple[StoreEvent, ...] = ()
 
     def prepare() -> Callable[[], object]:
-        trackers = dict(allocated)
+        reads = _BenchReads(dict(allocated))
 
         def run() -> object:
             reserved = reserved_identities(in_flight)
-            candidates: list[StoreCandidates] = []
-            for request_id, request_hashes, block_ids in step.requests:
-                tracker = trackers[request_id].with_cached_tokens(0)
-                table = (tuple(block_ids[0]),)  # as core.lookup.block_table_of copies one group
-                hashes = tuple(request_hashes)
-                storable = storable_tokens(step.tokens, len(hashes), block_size)
-                save_to = save_watermark(tracker.saved_tokens, storable, block_size)
-                ranges = store_candidate_ranges(
-                    geometry, tracker.saved_tokens, save_to, table, frozenset()
-                )
-                trackers[request_id] = tracker.with_saved_tokens(save_to)
-                # Full attention has no mask: the window is the selection, as the
-                # shell builds it (store_step._masked).
-                candidates.append(
-                    StoreCandidates(request_id, ranges, table, hashes, tracker.cached_tokens)
-                )
-            check = residency_check(geometry, keyspace, candidates, reserved)
-            answers = (True,) * len(check.keys) if check.keys else None
-            planned = plan_stores(geometry, candidates, check, answers, reserved)
-            event = StoreEvent(0, planned.batches)
+            draft = plan_store_step(rules, scheduled, frozenset(), reserved, keyspace, reads)
+            answers = (True,) * len(draft.check.keys) if draft.check.keys else None
+            planned = finish_store_step(rules, draft, answers)
+            event = StoreEvent(0, planned.plans)
             pinned_block_ids(event)
             return event
 
@@ -298,6 +314,14 @@ def umbp_store_step(step: StoreStepInput) -> Callable[[], Callable[[], object]]:
 
 
 ReferencePlans = dict[str, tuple[tuple[int, ...], tuple[bytes, ...]]]
+
+
+def _ids_and_hashes(plan: StorePlan) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    """A one-group plan's block ids and hashes, as the reference's batch lists them."""
+    return (
+        tuple(b for g in plan.groups for b in g.block_ids),
+        tuple(h for g in plan.groups for h in g.block_hashes),
+    )
 
 
 @dataclass
@@ -460,6 +484,7 @@ def shell_store_step(step: StoreStepInput, objects: VllmStep) -> Callable[[], Ca
     def prepare() -> Callable[[], object]:
         scheduler._requests.clear()
         scheduler._pinned._events.clear()
+        scheduler._store_step._storing.clear()
         _release_pins(pool)
         for request, blocks in objects.admitted:
             scheduler.update_state_after_alloc(request, blocks, 0)
@@ -539,9 +564,9 @@ def store_step_times(
     prepares["reference"] = prepare_reference
     event = prepares["core"]()()
     assert isinstance(event, StoreEvent)
-    core_plans = {b.request_id: (b.block_ids, b.block_hashes) for b in event.batches}
+    core_plans = {p.request_id: _ids_and_hashes(p) for p in event.plans}
     meta = prepares["hook"]()()
-    hook_plans = {b.request_id: (b.block_ids, b.block_hashes) for b in meta.stores}  # type: ignore[attr-defined]
+    hook_plans = {p.request_id: _ids_and_hashes(p) for p in meta.stores}  # type: ignore[attr-defined]
     reference_plans = plans_of(prepare_reference()())
     assert core_plans == reference_plans, "umbp's core and the reference disagree"
     assert hook_plans == reference_plans, "umbp's scheduler and the reference disagree"
@@ -710,7 +735,7 @@ def admission_calls(
         )
         return query, fold_rank_hits(query, store.lookup_hashes(query.runs))
 
-    def plan(query: LookupQuery, answers: tuple[bool, ...]) -> BlockLoadBatch:
+    def plan(query: LookupQuery, answers: tuple[bool, ...]) -> LoadPlan:
         folded = fold_rank_hits(query, answers)
         assert folded is not None
         spec = single_group_load_spec(geometry, query, folded)
@@ -719,16 +744,16 @@ def admission_calls(
             "r", geometry, spec, table, hashes, spec.num_tokens_to_load
         ).unwrap()
 
-    def admit(lookups: LookupMemo) -> BlockLoadBatch:
+    def admit(lookups: LookupMemo) -> LoadPlan:
         query, _ = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
         return plan(query, store.lookup_hashes(query.runs))
 
-    def admit_by_strings(lookups: LookupMemo) -> BlockLoadBatch:
+    def admit_by_strings(lookups: LookupMemo) -> LoadPlan:
         query, lookups = request_lookup_query(geometry, keyspace, hashes, 0, num_tokens, lookups)
         keys, _ = request_lookup_keys(geometry, keyspace, query, lookups)
         return plan(query, store.lookup(keys))
 
-    def baseline() -> BlockLoadBatch:
+    def baseline() -> LoadPlan:
         return baseline_lookup_to_load(
             geometry, keyspace, hashes, num_tokens, lambda n: (True,) * n, table[0]
         )

@@ -18,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umbp.core import lookup as core_lookup
+from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
+from umbp.core.lookup.query import LookupQuery
+from umbp.core.lookup.windows import LoadSpec
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.vllm_compat.versions import coordinator_arguments
 
@@ -91,10 +93,10 @@ def _kv_cache_config(
 def _geometry(
     kv_cache_config: Any, *, block_size: int = BLOCK, hash_block_size: int = BLOCK,
     use_eagle: bool = False,
-) -> LookupGeometry:
+) -> CacheGeometry:
     group_ids = tuple(kv_cache_config.prefix_cacheable_group_ids)
     sizes = tuple(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size for g in group_ids)
-    return LookupGeometry(
+    return CacheGeometry(
         group_ids=group_ids,
         group_block_sizes=sizes,
         lookup_units=sizes,
@@ -369,7 +371,7 @@ def test_the_lookup_pool_is_empty_when_the_local_probe_raises(sliding_full: Slid
 
 def test_a_query_for_other_lookup_units_is_refused(vllm_config: Any) -> None:
     hybrid = _hybrid(vllm_config, [SLIDING, FULL])
-    other = LookupGeometry(
+    other = CacheGeometry(
         group_ids=(0, 1), group_block_sizes=(BLOCK, BLOCK), lookup_units=(BLOCK, BLOCK // 2),
         block_size=BLOCK, hash_block_size=BLOCK // 2, coordinated=True,
     )

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry, lookup_unit
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
-from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry, lookup_unit
+from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
 
-Identity = tuple[int, bytes]
+ObjectId = tuple[int, bytes]
 
 
 def request_hashes(count: int) -> st.SearchStrategy[tuple[bytes, ...]]:
@@ -45,13 +46,13 @@ def keyspaces() -> st.SearchStrategy[KeySpace]:
 
 
 @st.composite
-def single_group_geometries(draw: st.DrawFn) -> LookupGeometry:
+def single_group_geometries(draw: st.DrawFn) -> CacheGeometry:
     """One plain full-attention group: vLLM's scheduler block equals the group's."""
     hash_block_size = draw(st.sampled_from([1, 2, 4]))
     units_per_block = draw(st.sampled_from([1, 2, 4]))
     block_size = hash_block_size * units_per_block
     partial = draw(st.booleans())
-    return LookupGeometry(
+    return CacheGeometry(
         group_ids=(draw(st.integers(0, 3)),),
         group_block_sizes=(block_size,),
         lookup_units=(lookup_unit(block_size, hash_block_size, partial, True),),
@@ -64,7 +65,7 @@ def single_group_geometries(draw: st.DrawFn) -> LookupGeometry:
 
 
 @st.composite
-def coordinated_geometries(draw: st.DrawFn) -> LookupGeometry:
+def coordinated_geometries(draw: st.DrawFn) -> CacheGeometry:
     """Several groups with different block sizes, decided by vLLM's coordinator."""
     hash_block_size = draw(st.sampled_from([1, 2, 4]))
     factors = draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3))
@@ -73,7 +74,7 @@ def coordinated_geometries(draw: st.DrawFn) -> LookupGeometry:
     group_ids = tuple(
         sorted(draw(st.sets(st.integers(0, 7), min_size=len(sizes), max_size=len(sizes))))
     )
-    return LookupGeometry(
+    return CacheGeometry(
         group_ids=group_ids,
         group_block_sizes=sizes,
         lookup_units=tuple(lookup_unit(size, hash_block_size, partial, True) for size in sizes),
@@ -85,7 +86,7 @@ def coordinated_geometries(draw: st.DrawFn) -> LookupGeometry:
     )
 
 
-def geometries() -> st.SearchStrategy[LookupGeometry]:
+def geometries() -> st.SearchStrategy[CacheGeometry]:
     return st.one_of(single_group_geometries(), coordinated_geometries())
 
 
@@ -110,7 +111,7 @@ class Pool:
 def pools(
     draw: st.DrawFn,
     keyspace: KeySpace,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     hashes: tuple[bytes, ...],
 ) -> Pool:
     """A pool shaped like real ones: per group a stored prefix of full blocks, a
@@ -144,7 +145,7 @@ def pools(
 
 @dataclass(frozen=True)
 class LookupScenario:
-    geometry: LookupGeometry
+    geometry: CacheGeometry
     keyspace: KeySpace
     hashes: tuple[bytes, ...]
     num_tokens: int
@@ -154,7 +155,7 @@ class LookupScenario:
 
 @st.composite
 def lookup_scenarios(
-    draw: st.DrawFn, geometry_strategy: st.SearchStrategy[LookupGeometry] | None = None
+    draw: st.DrawFn, geometry_strategy: st.SearchStrategy[CacheGeometry] | None = None
 ) -> LookupScenario:
     """A request that passes every lookup guard, and a pool to look it up in."""
     geometry = draw(geometry_strategy if geometry_strategy is not None else geometries())
@@ -171,7 +172,7 @@ def lookup_scenarios(
 @st.composite
 def block_tables(
     draw: st.DrawFn,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     num_tokens: int,
     null_probability_one_in: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
@@ -196,7 +197,7 @@ def block_tables(
 
 def identities_from(
     hashes: Sequence[bytes], group_ids: Sequence[int]
-) -> st.SearchStrategy[frozenset[Identity]]:
+) -> st.SearchStrategy[frozenset[ObjectId]]:
     if not hashes:
         return st.just(frozenset())
     return st.frozensets(
@@ -208,7 +209,7 @@ def identities_from(
 class StoreScenario:
     """One request at one scheduler step, as store planning sees it."""
 
-    geometry: LookupGeometry
+    geometry: CacheGeometry
     keyspace: KeySpace
     hashes: tuple[bytes, ...]
     num_tokens: int
@@ -217,7 +218,7 @@ class StoreScenario:
     block_table: tuple[tuple[int, ...], ...]
     restored_tokens: int | None
     boundary_groups: frozenset[int]
-    reserved: frozenset[Identity]
+    reserved: frozenset[ObjectId]
     pool: Pool
 
 
@@ -246,3 +247,23 @@ def store_scenarios(draw: st.DrawFn) -> StoreScenario:
         reserved=draw(identities_from(hashes, geometry.group_ids)),
         pool=draw(pools(keyspace, geometry, hashes)),
     )
+
+
+def one_group_load(
+    request_id: str, block_ids: Sequence[int], hashes: Sequence[bytes] | None = None,
+    group_id: int = 0, block_size: int = 16,
+) -> LoadPlan:
+    """A load plan of one group's blocks (hashes made up when not given)."""
+    if hashes is None:
+        hashes = [index.to_bytes(4, "big") for index in range(len(block_ids))]
+    return LoadPlan(request_id, (GroupBlocks(group_id, block_size, tuple(block_ids),
+                                             tuple(hashes)),) if block_ids else ())
+
+
+def plan_rows(plan: LoadPlan | StorePlan) -> list[tuple[int, int, bytes]]:
+    """``(group_id, block_id, block_hash)`` of every block of a plan, in order."""
+    return [
+        (group.group_id, block_id, block_hash)
+        for group in plan.groups
+        for block_id, block_hash in zip(group.block_ids, group.block_hashes, strict=True)
+    ]

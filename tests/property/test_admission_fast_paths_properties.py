@@ -1,7 +1,7 @@
 """The admission's slice-based paths equal the block-by-block rules they replace.
 
-``load_batch`` builds a plan's columns as slices of the block table and the hashes
-with one shared constant column, and ``single_group_hit_tokens`` tests a whole run
+``load_plan`` builds each group's blocks as slices of the block table and the
+hashes, and ``single_group_hit_tokens`` tests a whole run
 of hits with one ``all()``. The oracles here are the rules written one block at a
 time, as the reference does; every input (any window, any table: short, null,
 repeated ids; any answers) must give the same value or the same error.
@@ -17,24 +17,21 @@ from returns.result import Failure, Result, Success
 
 from tests.property.strategies import request_hashes, single_group_geometries
 from tests.property.test_lookup_properties import scan_like_the_reference
+from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.load_plans import BlockLoadBatch, load_batch
-from umbp.core.lookup import (
-    NULL_BLOCK_ID,
-    LoadSpec,
-    LookupGeometry,
-    build_lookup_query,
-    single_group_hit_tokens,
-)
+from umbp.core.loads.plans import load_plan
+from umbp.core.lookup.query import build_lookup_query
+from umbp.core.lookup.windows import LoadSpec, single_group_hit_tokens
+from umbp.core.plans import GroupBlocks, LoadPlan
 
 
 def load_block_by_block(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     spec: LoadSpec,
     table: tuple[tuple[int, ...], ...],
     hashes: Sequence[bytes],
     num_external_tokens: int,
-) -> Result[BlockLoadBatch, str]:
+) -> Result[LoadPlan, str]:
     """The positional load rule, one block and one append at a time."""
     prefix = "request r: "
     if num_external_tokens != spec.num_tokens_to_load:
@@ -79,18 +76,19 @@ def load_block_by_block(
         if block_id in seen:
             return Failure(f"{prefix}a destination block is written twice")
         seen.add(block_id)
-    return Success(BlockLoadBatch(
-        "r",
-        tuple(row[0] for row in rows),
-        tuple(row[1] for row in rows),
-        tuple(row[2] for row in rows),
-    ))
+    groups = []
+    for group_id, size in zip(geometry.group_ids, geometry.group_block_sizes):
+        mine = [row for row in rows if row[0] == group_id]
+        if mine:
+            groups.append(GroupBlocks(group_id, size, tuple(row[1] for row in mine),
+                                      tuple(row[2] for row in mine)))
+    return Success(LoadPlan("r", tuple(groups)))
 
 
 @st.composite
 def positional_loads(
     draw: st.DrawFn,
-) -> tuple[LookupGeometry, LoadSpec, tuple[tuple[int, ...], ...], tuple[bytes, ...], int]:
+) -> tuple[CacheGeometry, LoadSpec, tuple[tuple[int, ...], ...], tuple[bytes, ...], int]:
     """Any single-group window over any table: mostly well formed (contiguous
     distinct ids, the fast path's case), sometimes short, null or repeated."""
     geometry = draw(single_group_geometries())
@@ -115,17 +113,17 @@ def positional_loads(
 
 @given(positional_loads())
 def test_a_positional_load_plan_is_the_block_by_block_rule(
-    case: tuple[LookupGeometry, LoadSpec, tuple[tuple[int, ...], ...], tuple[bytes, ...], int],
+    case: tuple[CacheGeometry, LoadSpec, tuple[tuple[int, ...], ...], tuple[bytes, ...], int],
 ) -> None:
     geometry, spec, table, hashes, allocated = case
-    assert load_batch("r", geometry, spec, table, hashes, allocated) == load_block_by_block(
+    assert load_plan("r", geometry, spec, table, hashes, allocated) == load_block_by_block(
         geometry, spec, table, hashes, allocated
     )
 
 
 @given(single_group_geometries(), st.data())
 def test_hit_tokens_of_a_hit_run_then_anything_are_the_reference_scan(
-    geometry: LookupGeometry, data: st.DataObject
+    geometry: CacheGeometry, data: st.DataObject
 ) -> None:
     """A run of hits (often the whole query: the one-call fast path), then any
     answers: the hit tokens are what the reference's index-by-index scan finds,

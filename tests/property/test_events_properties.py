@@ -1,4 +1,4 @@
-"""Properties of KV-event reconciliation (umbp.core.events).
+"""Properties of KV-event reconciliation (umbp.core.kv_events).
 
 A random sequence of stores, residency checks (answered at once, late, or not at
 all), invalidations and clears runs against the tracker while a model of what
@@ -15,23 +15,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
-from umbp.core.events import (
+from umbp.core.identity import ObjectId
+from umbp.core.kv_events import (
     BlockRemovedEvent,
     BlockStoredEvent,
     EventTracker,
     KvEvent,
-    ObjectIdentity,
     ResidencyCandidate,
     StoredObject,
     apply_residency,
     clear,
+    fold_residency,
     has_pending,
     new_event_tracker,
     residency_batch,
     track_stored,
 )
 from umbp.core.rank_keys import KeyLayout
-from umbp.core.residency import fold_residency
 
 GROUPS = (0, 1)
 HASHES = tuple(bytes([index]) * 8 for index in range(6))
@@ -39,7 +39,7 @@ identities = st.tuples(st.sampled_from(GROUPS), st.sampled_from(HASHES))
 
 
 def _stored(
-    identity: ObjectIdentity, parent: bytes | None, tokens: tuple[int, ...], size: int, medium: str
+    identity: ObjectId, parent: bytes | None, tokens: tuple[int, ...], size: int, medium: str
 ) -> StoredObject:
     return StoredObject(identity[0], identity[1], parent, tokens, size, medium)
 
@@ -54,7 +54,7 @@ stored_objects = st.builds(
 )
 
 
-def event_identity(event: KvEvent) -> ObjectIdentity:
+def event_identity(event: KvEvent) -> ObjectId:
     assert len(event.block_hashes) == 1
     return (event.group_id, event.block_hashes[0])
 
@@ -87,10 +87,10 @@ class EventReconciliation(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.state = new_event_tracker(4)
-        self.told_stored: set[ObjectIdentity] = set()  # announced and not since removed
-        self.forgotten: set[ObjectIdentity] = set()  # cleared, not stored since
-        self.latest: dict[ObjectIdentity, StoredObject] = {}
-        self.medium_told: dict[ObjectIdentity, str] = {}
+        self.told_stored: set[ObjectId] = set()  # announced and not since removed
+        self.forgotten: set[ObjectId] = set()  # cleared, not stored since
+        self.latest: dict[ObjectId, StoredObject] = {}
+        self.medium_told: dict[ObjectId, str] = {}
 
     # -------------------------------------------------------------- rules
 
@@ -101,12 +101,12 @@ class EventReconciliation(RuleBasedStateMachine):
     @rule(
         objects=st.lists(stored_objects, max_size=8), failed=st.frozensets(identities, max_size=3)
     )
-    def store(self, objects: list[StoredObject], failed: frozenset[ObjectIdentity]) -> None:
+    def store(self, objects: list[StoredObject], failed: frozenset[ObjectId]) -> None:
         before = self.state
         after = track_stored(before, objects, failed)
         tracked = set(before.objects.keys())
         rejected = 0
-        seen: set[ObjectIdentity] = set()
+        seen: set[ObjectId] = set()
         for stored in objects:
             identity = stored.identity
             if identity in seen or identity in failed:
@@ -163,7 +163,7 @@ class EventReconciliation(RuleBasedStateMachine):
         ceil(n / batch) rounds."""
         tracked = sorted(self.state.objects.keys())
         oracle = {identity: data.draw(st.booleans()) for identity in tracked}
-        visited: set[ObjectIdentity] = set()
+        visited: set[ObjectId] = set()
         for _ in range(math.ceil(len(tracked) / size)):
             batch = residency_batch(self.state, size, True)
             self._check_batch(batch, size, True)
@@ -194,7 +194,7 @@ class EventReconciliation(RuleBasedStateMachine):
     def _apply(self, batch: Sequence[ResidencyCandidate], answer: Sequence[bool] | None) -> None:
         before = self.state
         after, events = apply_residency(before, batch, answer)
-        expected: list[tuple[type, ObjectIdentity]] = []
+        expected: list[tuple[type, ObjectId]] = []
         for index, (identity, serial) in enumerate(batch):
             was = before.objects.get(identity)
             now = after.objects.get(identity)
@@ -291,7 +291,7 @@ def test_with_a_fixed_residency_oracle_every_tracked_object_is_visited_within_ce
 ) -> None:
     tracked = set(state.objects.keys())
     oracle = {identity: random.random() < 0.8 for identity in sorted(tracked)}  # type: ignore[attr-defined]
-    visited: set[ObjectIdentity] = set()
+    visited: set[ObjectId] = set()
     for _ in range(math.ceil(len(tracked) / batch_size)):
         batch = residency_batch(state, batch_size, True)
         assert len(batch) == min(batch_size, len(state.objects))

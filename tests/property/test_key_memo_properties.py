@@ -14,14 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.property.strategies import geometries, keyspaces, request_hashes
+from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace
 from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
-from umbp.core.lookup import (
+from umbp.core.lookup.guards import lookup_skip_reason
+from umbp.core.lookup.query import (
     EMPTY_LOOKUP_MEMO,
-    LookupGeometry,
     build_lookup_query,
     lookup_keys,
-    lookup_skip_reason,
     request_lookup_keys,
     request_lookup_query,
 )
@@ -44,7 +44,7 @@ def memo_keys_are_keyspace_keys(memo: KeyMemo, keyspace: KeySpace, hashes: tuple
 @st.composite
 def lookup_sequences(
     draw: st.DrawFn,
-) -> tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]]:
+) -> tuple[CacheGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]]:
     """Lookups of one request id: a growing prompt with any local prefix, now and
     then another request's hashes or another keyspace."""
     geometry = draw(geometries())
@@ -67,7 +67,7 @@ def lookup_sequences(
 
 @given(lookup_sequences())
 def test_every_query_through_the_memo_is_the_query_built_from_nothing(
-    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+    case: tuple[CacheGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
 ) -> None:
     geometry, steps = case
     memo = EMPTY_KEY_MEMO
@@ -84,7 +84,7 @@ def test_every_query_through_the_memo_is_the_query_built_from_nothing(
 
 @given(lookup_sequences())
 def test_a_repeated_lookup_builds_no_key(
-    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+    case: tuple[CacheGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
 ) -> None:
     """The same request state asked again returns the very memo (no string is new)
     and its query's keys are the first query's string objects."""
@@ -130,8 +130,8 @@ def test_group_keys_cover_the_asked_run_with_the_keyspace_keys(
 
 @given(lookup_sequences(), geometries(), st.data())
 def test_every_request_lookup_through_its_memo_is_the_query_built_from_nothing(
-    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
-    other_geometry: LookupGeometry,
+    case: tuple[CacheGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+    other_geometry: CacheGeometry,
     data: st.DataObject,
 ) -> None:
     """The scheduler's calls: the last query is reused only for the same request
@@ -162,7 +162,7 @@ def test_every_request_lookup_through_its_memo_is_the_query_built_from_nothing(
 
 @given(lookup_sequences())
 def test_a_lookup_by_hash_builds_no_key_string(
-    case: tuple[LookupGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
+    case: tuple[CacheGeometry, list[tuple[KeySpace, tuple[bytes, ...], int, int]]],
 ) -> None:
     """Queries alone (a store that answers by hash): the memo never holds a string."""
     geometry, steps = case

@@ -1,4 +1,4 @@
-"""Properties of the worker's load outcomes (umbp.core.load_outcomes): what a load's
+"""Properties of the worker's load outcomes (umbp.core.loads.outcomes): what a load's
 statuses mean for the KV cache and for vLLM.
 
 * Every block a load plan names is exactly one of loaded or failed; no outcome
@@ -22,85 +22,81 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from umbp.core.load_outcomes import (
-    DEFAULT_AUTO_PAGE_BYTES,
+from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
+from umbp.core.loads.outcomes import (
     LOAD_FAILURES,
-    PAGE_ALIGN_BYTES,
     FailureReporting,
     LoadReport,
     LoadStatus,
     RequestLoadOutcome,
-    auto_page_bytes,
-    batch_load_outcome,
-    computed_over_failed_loads,
-    failed_store_identities,
     failure_reporting,
     failure_unreportable,
     group_load_outcome,
-    pool_page_bytes,
+    plan_load_outcome,
     report_load,
-    rows_by_group,
-    still_computing_over_failures,
-    stores_past_failed_loads,
     unplanned_load_outcome,
 )
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.store_plans import StoreBatch
+from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan, plan_block_ids
+from umbp.core.pool_pages import (
+    DEFAULT_AUTO_PAGE_BYTES,
+    PAGE_ALIGN_BYTES,
+    auto_page_bytes,
+    pool_page_bytes,
+)
+from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
 
 statuses = st.sampled_from(list(LoadStatus))
 
 
 @st.composite
-def load_batches(draw: st.DrawFn, request_id: str = "r") -> BlockLoadBatch:
-    """Rows of 1-3 groups interleaved; block ids distinct within a group (vLLM's
+def load_plans(draw: st.DrawFn, request_id: str = "r") -> LoadPlan:
+    """1-3 groups of 1-6 blocks each (a plan holds no empty group); block ids distinct within a group (vLLM's
     block table), possibly equal across groups."""
     groups = draw(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True))
-    group_ids = draw(st.lists(st.sampled_from(groups), min_size=0, max_size=12))
-    block_ids: list[int] = []
-    used: dict[int, set[int]] = {}
-    for group_id in group_ids:
-        taken = used.setdefault(group_id, set())
-        block = draw(st.sampled_from([b for b in range(1, 41) if b not in taken]))
-        taken.add(block)
-        block_ids.append(block)
-    hashes = tuple(index.to_bytes(4, "big") for index in range(len(group_ids)))
-    return BlockLoadBatch(request_id, tuple(group_ids), tuple(block_ids), hashes)
+    next_hash = 0
+    parts = []
+    for group_id in groups:
+        block_ids = draw(st.lists(st.integers(1, 40), min_size=1, max_size=6, unique=True))
+        hashes = tuple((next_hash + i).to_bytes(4, "big") for i in range(len(block_ids)))
+        next_hash += len(block_ids)
+        parts.append(GroupBlocks(group_id, 16, tuple(block_ids), hashes))
+    return LoadPlan(request_id, tuple(parts))
 
 
 @dataclass(frozen=True)
 class ReadLoad:
-    batch: BlockLoadBatch
-    answers: dict[int, tuple[LoadStatus, ...] | None]
+    plan: LoadPlan
+    answers: tuple[tuple[LoadStatus, ...] | None, ...]
 
 
 @st.composite
 def read_loads(draw: st.DrawFn, request_id: str = "r") -> ReadLoad:
-    """A batch and what each group's read answered: a status per row, no answer
+    """A plan and what each group's read answered: a status per block, no answer
     (unreadable), or occasionally a store breaking its contract (wrong count)."""
-    batch = draw(load_batches(request_id))
-    answers: dict[int, tuple[LoadStatus, ...] | None] = {}
-    for group_id, rows in rows_by_group(batch.group_ids):
+    plan = draw(load_plans(request_id))
+    answers: list[tuple[LoadStatus, ...] | None] = []
+    for group in plan.groups:
         kind = draw(st.sampled_from(["statuses", "statuses", "statuses", "none", "short"]))
         if kind == "none":
-            answers[group_id] = None
+            answers.append(None)
         elif kind == "short":
-            size = draw(st.sampled_from([n for n in range(len(rows) + 3) if n != len(rows)]))
-            answers[group_id] = tuple(draw(st.lists(statuses, min_size=size, max_size=size)))
+            size = draw(st.sampled_from([n for n in range(len(group) + 3) if n != len(group)]))
+            answers.append(tuple(draw(st.lists(statuses, min_size=size, max_size=size))))
         else:
-            answers[group_id] = tuple(draw(st.lists(statuses, min_size=len(rows),
-                                                    max_size=len(rows))))
-    return ReadLoad(batch, answers)
+            answers.append(tuple(draw(st.lists(statuses, min_size=len(group),
+                                               max_size=len(group)))))
+    return ReadLoad(plan, tuple(answers))
 
 
-def planned_pairs(batch: BlockLoadBatch) -> Counter[tuple[int, int]]:
-    return Counter(zip(batch.group_ids, batch.block_ids))
+def planned_pairs(plan: LoadPlan) -> Counter[tuple[int, int]]:
+    return Counter((g.group_id, b) for g in plan.groups for b in g.block_ids)
 
 
 @given(read_loads(), st.booleans())
 def test_every_planned_block_is_loaded_or_failed_and_nothing_else(
     read: ReadLoad, is_async: bool
 ) -> None:
-    outcome = batch_load_outcome(read.batch, read.answers, is_async)
+    outcome = plan_load_outcome(read.plan, read.answers, is_async)
     reported: Counter[tuple[int, int]] = Counter()
     for group in outcome.groups:
         assert not set(group.loaded_block_ids) & set(group.failed_block_ids)
@@ -109,18 +105,18 @@ def test_every_planned_block_is_loaded_or_failed_and_nothing_else(
         assert LoadStatus.HIT not in group.failures
         reported.update((group.group_id, b) for b in group.loaded_block_ids)
         reported.update((group.group_id, b) for b in group.failed_block_ids)
-    assert reported == planned_pairs(read.batch)
-    assert outcome.failed_block_ids <= set(read.batch.block_ids)
-    assert outcome.planned_blocks == len(read.batch)
+    assert reported == planned_pairs(read.plan)
+    assert outcome.failed_block_ids <= set(plan_block_ids(read.plan))
+    assert outcome.planned_blocks == len(read.plan)
 
 
 @given(read_loads())
 def test_only_rows_read_intact_are_loaded_in_their_read_order(read: ReadLoad) -> None:
-    outcome = batch_load_outcome(read.batch, read.answers, False)
-    for (group_id, rows), group in zip(rows_by_group(read.batch.group_ids), outcome.groups):
-        assert group.group_id == group_id
-        answer = read.answers[group_id]
-        if answer is None or len(answer) != len(rows):
+    outcome = plan_load_outcome(read.plan, read.answers, False)
+    assert len(outcome.groups) == len(read.plan.groups)
+    for planned, answer, group in zip(read.plan.groups, read.answers, outcome.groups):
+        assert group.group_id == planned.group_id
+        if answer is None or len(answer) != len(planned):
             # Unreadable or a broken answer: nothing is guessed, all fail.
             assert group.loaded_rows == ()
             assert set(group.failures) == {LoadStatus.UNAVAILABLE}
@@ -128,14 +124,13 @@ def test_only_rows_read_intact_are_loaded_in_their_read_order(read: ReadLoad) ->
             continue
         assert group.problem is None
         assert group.loaded_rows == tuple(i for i, s in enumerate(answer) if s is LoadStatus.HIT)
-        assert group.loaded_block_ids == tuple(read.batch.block_ids[rows[i]]
-                                               for i in group.loaded_rows)
+        assert group.loaded_block_ids == tuple(planned.block_ids[i] for i in group.loaded_rows)
         assert Counter(group.failures) == Counter(s for s in answer if s is not LoadStatus.HIT)
 
 
 @given(read_loads(), st.booleans())
 def test_a_request_failed_iff_any_block_failed(read: ReadLoad, is_async: bool) -> None:
-    outcome = batch_load_outcome(read.batch, read.answers, is_async)
+    outcome = plan_load_outcome(read.plan, read.answers, is_async)
     any_block_failed = any(group.failed_block_ids for group in outcome.groups)
     assert outcome.failed is any_block_failed
     assert outcome.failed is bool(outcome.failed_block_ids)
@@ -168,7 +163,7 @@ def steps_of_outcomes(draw: st.DrawFn) -> list[RequestLoadOutcome]:
             outcomes.append(unplanned_load_outcome(request_id, blocks, is_async))
         else:
             read = draw(read_loads(request_id))
-            outcomes.append(batch_load_outcome(read.batch, read.answers, is_async))
+            outcomes.append(plan_load_outcome(read.plan, read.answers, is_async))
     return outcomes
 
 
@@ -234,7 +229,7 @@ def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
     """Exactly the requests whose synchronous load failed, and those that read
     blocks such a load filled, are left out (an asynchronous load's request is not
     computed in its step); every row of theirs is reported not stored, every other
-    batch goes out untouched, in order."""
+    plan goes out untouched, in order."""
     failed_sync = computed_over_failed_loads(outcomes)
     assert failed_sync == {o.request_id for o in outcomes if o.failed and not o.is_async}
     request_ids = [o.request_id for o in outcomes] + ["no-load", "follower"]
@@ -244,13 +239,14 @@ def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
     ))
     stores = []
     for request_id in data.draw(st.lists(st.sampled_from(request_ids), max_size=6)):
-        rows = data.draw(st.lists(st.tuples(st.integers(0, 2), st.binary(min_size=1, max_size=2)),
-                                  max_size=4))
-        group_ids, hashes = tuple([g for g, _ in rows]), tuple([h for _, h in rows])
-        stores.append(StoreBatch(
-            request_id, group_ids, tuple(range(1, len(rows) + 1)), hashes,
-            (None,) * len(rows), ((),) * len(rows), (16,) * len(rows),
+        groups = data.draw(st.dictionaries(
+            st.integers(0, 2), st.lists(st.binary(min_size=1, max_size=2), max_size=3),
+            max_size=2,
         ))
+        stores.append(StorePlan(request_id, tuple(
+            GroupBlocks(g, 16, tuple(range(1, len(hashes) + 1)), tuple(hashes))
+            for g, hashes in groups.items()
+        )))
     previous = data.draw(st.frozensets(st.sampled_from(request_ids), max_size=3))
     settled = data.draw(st.frozensets(st.sampled_from(request_ids), max_size=3))
     excluded = still_computing_over_failures(previous, settled, failed_sync, read_over)
@@ -267,7 +263,7 @@ def test_nothing_computed_over_a_failed_sync_load_is_stored_that_step(
     assert list(kept) == [b for b in stores if not computed_over_failure(b.request_id)]
     assert not_stored == {
         (g, h) for b in stores if computed_over_failure(b.request_id)
-        for g, h in zip(b.group_ids, b.block_hashes)
+        for g, h in b.identities()
     }
 
 

@@ -20,14 +20,8 @@ from hypothesis import strategies as st
 
 from tests.property.strategies import LookupScenario, lookup_scenarios
 from umbp.core.key_memo import EMPTY_KEY_MEMO
-from umbp.core.lookup import (
-    LookupQuery,
-    build_lookup_query,
-    coordinator_hit_sets,
-    fold_rank_hits,
-    lookup_keys,
-    single_group_load_spec,
-)
+from umbp.core.lookup.query import LookupQuery, build_lookup_query, lookup_keys
+from umbp.core.lookup.windows import coordinator_hit_sets, fold_rank_hits, single_group_load_spec
 from umbp.core.rank_keys import rank_tags
 from umbp.runtime.contract import HashLookup, SchedulerStore
 from umbp.runtime.embedded import connect_to_pool, open_embedded_pool

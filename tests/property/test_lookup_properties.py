@@ -15,22 +15,18 @@ from tests.property.strategies import (
     lookup_scenarios,
     single_group_geometries,
 )
+from umbp.core.geometry import CacheGeometry, lookup_unit
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.lookup import (
+from umbp.core.lookup.guards import LookupSkip, lookup_limit, lookup_skip_reason
+from umbp.core.lookup.query import LookupQuery, build_lookup_query
+from umbp.core.lookup.windows import (
     LoadSpec,
-    LookupGeometry,
-    LookupQuery,
-    LookupSkip,
-    build_lookup_query,
     coordinator_hit_sets,
     fold_rank_hits,
     hit_window,
     load_runs_async,
     load_spec_from_hits,
     local_object_hashes,
-    lookup_limit,
-    lookup_skip_reason,
-    lookup_unit,
     single_group_hit_tokens,
     single_group_load_spec,
 )
@@ -83,7 +79,7 @@ def folded_of(scenario: LookupScenario, query: LookupQuery) -> tuple[tuple[bool,
     return folded
 
 
-def scan_like_the_reference(geometry: LookupGeometry, hits: Sequence[bool]) -> int:
+def scan_like_the_reference(geometry: CacheGeometry, hits: Sequence[bool]) -> int:
     """The reference's index-by-index scan (plus the EAGLE fall-back), as an oracle
     for the slicing implementation."""
     unit = geometry.lookup_units[0]
@@ -368,7 +364,7 @@ def test_eagle_hit_is_at_least_one_block_shorter_than_the_plain_hit(
 
 
 @given(single_group_geometries(), st.data())
-def test_contiguous_full_block_hits_all_load(geometry: LookupGeometry, data: st.DataObject) -> None:
+def test_contiguous_full_block_hits_all_load(geometry: CacheGeometry, data: st.DataObject) -> None:
     """A pool holding every block answers the whole prompt but its last token, less
     the EAGLE block: the window is as long as the rules allow."""
     keyspace = KeySpace("ns", RankTopology(tp_size=2))
@@ -442,7 +438,7 @@ def test_hit_window_is_empty_or_inside_local_tokens_and_the_last_prompt_token(
 
 @given(coordinated_geometries(), st.data())
 def test_load_runs_synchronously_when_no_coordinator_hash_lies_past_the_local_blocks(
-    geometry: LookupGeometry, data: st.DataObject
+    geometry: CacheGeometry, data: st.DataObject
 ) -> None:
     local_tokens = data.draw(st.integers(0, 4)) * geometry.block_size
     hashes_by_group = tuple(
@@ -468,7 +464,7 @@ def test_load_runs_synchronously_when_no_coordinator_hash_lies_past_the_local_bl
 # ------------------------------------------------------------------------ guards
 
 
-GEOMETRY = LookupGeometry(
+GEOMETRY = CacheGeometry(
     group_ids=(0,), group_block_sizes=(16,), lookup_units=(16,), block_size=16, hash_block_size=16
 )
 
@@ -481,7 +477,7 @@ GEOMETRY = LookupGeometry(
         (GEOMETRY, True, 1, 15, 3, LookupSkip.PROMPT_SHORTER_THAN_ALIGNMENT),
         (GEOMETRY, True, 2, 40, 3, LookupSkip.LOCAL_NOT_BLOCK_ALIGNED),
         (
-            LookupGeometry((), (), (), block_size=16, hash_block_size=16),
+            CacheGeometry((), (), (), block_size=16, hash_block_size=16),
             True,
             2,
             40,
@@ -495,7 +491,7 @@ GEOMETRY = LookupGeometry(
     ],
 )
 def test_lookup_skip_reason_applies_the_guards_in_the_reference_order(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     enabled: bool,
     num_hashes: int,
     num_tokens: int,
@@ -518,7 +514,7 @@ def test_a_request_that_passes_the_guards_has_a_token_left_to_compute(
 
 
 def test_partial_hash_hits_lower_the_prompt_alignment_to_the_hash_block() -> None:
-    geometry = LookupGeometry(
+    geometry = CacheGeometry(
         (0, 1),
         (16, 64),
         (16, 16),
@@ -530,7 +526,7 @@ def test_partial_hash_hits_lower_the_prompt_alignment_to_the_hash_block() -> Non
     assert lookup_skip_reason(geometry, True, 1, 17, 0) is None
     assert (
         lookup_skip_reason(
-            LookupGeometry(
+            CacheGeometry(
                 (0, 1), (16, 64), (16, 64), block_size=64, hash_block_size=16, coordinated=True
             ),
             True,
@@ -549,7 +545,7 @@ def test_lookup_unit_is_the_hash_block_only_when_partial_hits_are_usable() -> No
 
 
 def test_eagle_with_the_coordinator_probes_up_to_the_prompt_end() -> None:
-    coordinated = LookupGeometry(
+    coordinated = CacheGeometry(
         (0, 1),
         (16, 16),
         (16, 16),
@@ -567,18 +563,18 @@ def test_eagle_with_the_coordinator_probes_up_to_the_prompt_end() -> None:
 
 def test_geometry_rejects_units_that_do_not_tile_the_blocks() -> None:
     with pytest.raises(ValueError):
-        LookupGeometry((0,), (16,), (12,), block_size=16, hash_block_size=4)
+        CacheGeometry((0,), (16,), (12,), block_size=16, hash_block_size=4)
     with pytest.raises(ValueError):
-        LookupGeometry((0,), (16,), (16, 16), block_size=16, hash_block_size=16)
+        CacheGeometry((0,), (16,), (16, 16), block_size=16, hash_block_size=16)
     with pytest.raises(ValueError):
-        LookupGeometry((0,), (32,), (32,), block_size=16, hash_block_size=16)
+        CacheGeometry((0,), (32,), (32,), block_size=16, hash_block_size=16)
 
 
 def test_eagle_falls_back_to_a_block_start_rather_than_read_an_unreported_object() -> None:
     """Blocks 0 and 1 are stored whole and a partial tail ends at unit 10. EAGLE
     drops a block: 10 - 4 = unit 6, inside block 1, whose object at unit 6 was never
     reported; the window falls back to block 1's start unless that object hit."""
-    geometry = LookupGeometry(
+    geometry = CacheGeometry(
         (0,),
         (16,),
         (4,),

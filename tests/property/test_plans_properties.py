@@ -1,5 +1,5 @@
 """Properties of the load, store and transfer plans (``umbp.core.*_plans``) and
-``umbp.core.store_events``."""
+``umbp.core.stores.acks``."""
 
 from __future__ import annotations
 
@@ -20,22 +20,23 @@ from tests.property.strategies import (
     geometries,
     identities_from,
     lookup_scenarios,
+    plan_rows,
     request_hashes,
     single_group_geometries,
     store_scenarios,
 )
-from umbp import core  # the shell's entry points, wherever core keeps them
-from umbp.core.load_plans import BlockLoadBatch, load_batch, plan_allocated_load
-from umbp.core.lookup import (
-    NULL_BLOCK_ID,
+from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
+from umbp.core.loads.plans import load_plan, plan_allocated_load
+from umbp.core.lookup.query import build_lookup_query
+from umbp.core.lookup.windows import (
     LoadSpec,
-    LookupGeometry,
-    build_lookup_query,
     coordinator_hit_sets,
     fold_rank_hits,
     single_group_load_spec,
 )
-from umbp.core.store_events import (
+from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan, plan_block_ids
+from umbp.core.requests import RequestLifecycle
+from umbp.core.stores.acks import (
     StoreEvent,
     StoreEventResult,
     event_acknowledged,
@@ -43,14 +44,21 @@ from umbp.core.store_events import (
     pinned_block_ids,
     reserved_identities,
 )
-from umbp.core.store_pass import (
+from umbp.core.stores.handoffs import (
+    BlockTransferPlan,
+    DropReason,
+    boundary_state_plans,
+    finished_partial_tail_plans,
+    transfer_store_plan,
+)
+from umbp.core.stores.plans import apply_store_masks, store_plan
+from umbp.core.stores.step import (
     StoreCandidates,
     plan_stores,
     residency_check,
     resident_blocks_from_hits,
 )
-from umbp.core.store_plans import StoreBatch, apply_store_masks, store_batch
-from umbp.core.store_tracking import (
+from umbp.core.stores.tracking import (
     StoreTracker,
     _candidate_ranges_per_group,
     eagle_store_groups,
@@ -62,18 +70,26 @@ from umbp.core.store_tracking import (
     stores_this_step,
     stores_under_role,
 )
-from umbp.core.transfer_plans import (
-    BlockTransferPlan,
-    DropReason,
-    boundary_state_plans,
-    finished_partial_tail_plans,
-    transfer_batch,
+from umbp.core.stores.windows import (
+    cached_request_store_window,
+    cached_request_stores,
+    store_candidates,
 )
 
 
-def identities_of(batch: BlockLoadBatch | StoreBatch) -> list[tuple[int, bytes]]:
-    """The ``(group_id, block_hash)`` of every block of a batch, in order."""
-    return list(zip(batch.group_ids, batch.block_hashes))
+def identities_of(plan: LoadPlan | StorePlan) -> list[tuple[int, bytes]]:
+    """The ``(group_id, block_hash)`` of every block of a plan, in order."""
+    return [(group_id, block_hash) for group_id, _, block_hash in plan_rows(plan)]
+
+
+def well_grouped(plan: LoadPlan | StorePlan, geometry: CacheGeometry) -> bool:
+    """Each group at most once, none empty, each with its geometry's block size."""
+    group_ids = [group.group_id for group in plan.groups]
+    return len(set(group_ids)) == len(group_ids) and all(
+        len(group) and group.block_size == geometry.group_block_sizes[geometry.position(
+            group.group_id)]
+        for group in plan.groups
+    )
 
 
 # ------------------------------------------------------------------------- loads
@@ -85,7 +101,7 @@ class PlannedLoad:
     spec: LoadSpec
     table: tuple[tuple[int, ...], ...]
     reported: tuple[frozenset[bytes], ...]
-    batch: BlockLoadBatch
+    batch: LoadPlan
 
 
 @st.composite
@@ -101,7 +117,7 @@ def single_group_loads(draw: st.DrawFn) -> PlannedLoad | None:
     if spec is None:
         return None
     table = draw(block_tables(geometry, scenario.num_tokens))
-    batch = load_batch(
+    batch = load_plan(
         "r", geometry, spec, table, scenario.hashes, spec.num_tokens_to_load
     ).unwrap()
     reported = coordinator_hit_sets(query, folded)
@@ -131,7 +147,7 @@ def coordinated_loads(draw: st.DrawFn) -> PlannedLoad | None:
     )
     spec = LoadSpec(scenario.local_tokens, hit_end, hashes_by_group)
     table = draw(block_tables(geometry, scenario.num_tokens))
-    batch = load_batch(
+    batch = load_plan(
         "r", geometry, spec, table, scenario.hashes, spec.num_tokens_to_load
     ).unwrap()
     return PlannedLoad(scenario, spec, table, reported, batch)
@@ -144,10 +160,10 @@ def test_load_plans_write_only_blocks_of_the_request_table_never_null_each_at_mo
     if planned is None:
         return
     geometry, batch = planned.scenario.geometry, planned.batch
-    assert NULL_BLOCK_ID not in batch.block_ids
-    assert len(set(batch.block_ids)) == len(batch.block_ids)
-    assert len(batch.group_ids) == len(batch.block_ids) == len(batch.block_hashes)
-    for group_id, block_id in zip(batch.group_ids, batch.block_ids):
+    assert NULL_BLOCK_ID not in plan_block_ids(batch)
+    assert len(set(plan_block_ids(batch))) == len(batch)
+    assert well_grouped(batch, geometry)
+    for group_id, block_id, _ in plan_rows(batch):
         position = geometry.position(group_id)
         table = planned.table[position]
         assert block_id in table
@@ -174,12 +190,12 @@ def test_a_null_destination_is_an_error_value(
 ) -> None:
     assume(planned is not None and len(planned.batch) > 0)
     assert planned is not None
-    victim = data.draw(st.sampled_from(planned.batch.block_ids))
+    victim = data.draw(st.sampled_from(plan_block_ids(planned.batch)))
     table = tuple(
         tuple(NULL_BLOCK_ID if block == victim else block for block in group)
         for group in planned.table
     )
-    result = load_batch(
+    result = load_plan(
         "r",
         planned.scenario.geometry,
         planned.spec,
@@ -191,28 +207,27 @@ def test_a_null_destination_is_an_error_value(
 
 
 def test_a_load_allocated_with_another_token_count_is_an_error_value() -> None:
-    geometry = LookupGeometry((0,), (4,), (4,), block_size=4, hash_block_size=4)
+    geometry = CacheGeometry((0,), (4,), (4,), block_size=4, hash_block_size=4)
     spec = LoadSpec(0, 8)
     hashes = (b"a", b"b", b"c")
     table = ((5, 6, 7),)
-    assert load_batch("r", geometry, spec, table, hashes, 8).unwrap() == BlockLoadBatch(
-        "r", (0, 0), (5, 6), (b"a", b"b")
+    assert load_plan("r", geometry, spec, table, hashes, 8).unwrap() == LoadPlan(
+        "r", (GroupBlocks(0, 4, (5, 6), (b"a", b"b")),)
     )
-    assert isinstance(load_batch("r", geometry, spec, table, hashes, 4), Failure)
-    assert isinstance(load_batch("r", geometry, spec, ((5,),), hashes, 8), Failure)
+    assert isinstance(load_plan("r", geometry, spec, table, hashes, 4), Failure)
+    assert isinstance(load_plan("r", geometry, spec, ((5,),), hashes, 8), Failure)
 
 
 def test_a_partial_tail_loads_the_hash_at_the_window_end_into_the_split_block() -> None:
-    geometry = LookupGeometry(
+    geometry = CacheGeometry(
         (0,), (16,), (4,), block_size=16, hash_block_size=4, partial_hash_hits=True
     )
     hashes = tuple(bytes([index]) for index in range(10))
-    batch = load_batch("r", geometry, LoadSpec(0, 24), ((3, 9),), hashes, 24).unwrap()
-    assert batch.block_ids == (3, 9)
-    assert batch.block_hashes == (hashes[3], hashes[5])
-    without_partial = LookupGeometry((0,), (16,), (16,), block_size=16, hash_block_size=4)
+    batch = load_plan("r", geometry, LoadSpec(0, 24), ((3, 9),), hashes, 24).unwrap()
+    assert batch.groups == (GroupBlocks(0, 16, (3, 9), (hashes[3], hashes[5])),)
+    without_partial = CacheGeometry((0,), (16,), (16,), block_size=16, hash_block_size=4)
     assert isinstance(
-        load_batch("r", without_partial, LoadSpec(0, 24), ((3, 9),), hashes, 24), Failure
+        load_plan("r", without_partial, LoadSpec(0, 24), ((3, 9),), hashes, 24), Failure
     )
 
 
@@ -236,7 +251,7 @@ def test_a_load_is_planned_for_what_vllm_allocated_or_its_window_is_recomputed(
         batch = result.unwrap()
         assert allocated <= matched
         assert set(identities_of(batch)) <= set(identities_of(planned.batch))
-        for group_id, block_id in zip(batch.group_ids, batch.block_ids):
+        for group_id, block_id, _ in plan_rows(batch):
             position = geometry.position(group_id)
             index = table[position].index(block_id)
             assert index * geometry.group_block_sizes[position] < end
@@ -268,7 +283,7 @@ class PlannedStore:
     candidates: dict[int, range]
     selected: dict[int, Sequence[int]]
     resident: frozenset[tuple[int, bytes]]
-    batch: StoreBatch
+    batch: StorePlan
 
 
 def plan_store(
@@ -285,14 +300,14 @@ def plan_store(
     """
     geometry = scenario.geometry
     # Tracked since an earlier step: watermark, table and what came from a cache.
-    state = core.RequestLifecycle(tracker=StoreTracker(
+    state = RequestLifecycle(tracker=StoreTracker(
         scenario.previous_saved, scenario.block_table, scenario.restored_tokens or 0
     ))
     # The step ends at total_tokens; with save_decode_cache on, nothing cuts it short.
     computed = min(scenario.previous_saved, scenario.total_tokens)
-    state, stores = core.cached_request_stores(state, computed, False, scenario.total_tokens, True)
+    state, stores = cached_request_stores(state, computed, False, scenario.total_tokens, True)
     assert stores
-    state, window = core.cached_request_store_window(
+    state, window = cached_request_store_window(
         state, geometry, scenario.boundary_groups, computed, scenario.total_tokens - computed,
         scenario.block_table, scenario.total_tokens, len(scenario.hashes), True,
     )
@@ -305,7 +320,7 @@ def plan_store(
         for group_id, indices in window.ranges
     }
     token_ids = tuple(range(1000, 1000 + scenario.num_tokens))
-    candidates = core.store_candidates("r", window, masks, scenario.hashes, token_ids).unwrap()
+    candidates = store_candidates("r", window, masks, scenario.hashes, token_ids).unwrap()
     selected = candidates.selected
     check = residency_check(geometry, scenario.keyspace, [candidates], scenario.reserved)
     answers = scenario.pool.answers(check.keys)
@@ -313,7 +328,7 @@ def plan_store(
     planned = plan_stores(
         geometry, [candidates], check, answers, scenario.reserved, events_enabled=events_enabled
     )
-    (batch,) = planned.batches or (StoreBatch("r", (), (), (), (), (), ()),)
+    (batch,) = planned.plans or (StorePlan("r", ()),)
     return PlannedStore(scenario, save_to, dict(window.ranges), dict(selected), resident, batch)
 
 
@@ -321,9 +336,7 @@ def planned_blocks(planned: PlannedStore) -> list[tuple[int, int, bytes]]:
     """(group_id, block index, hash) of every planned block."""
     geometry = planned.scenario.geometry
     out = []
-    for group_id, block_id, block_hash in zip(
-        planned.batch.group_ids, planned.batch.block_ids, planned.batch.block_hashes
-    ):
+    for group_id, block_id, block_hash in plan_rows(planned.batch):
         table = planned.scenario.block_table[geometry.position(group_id)]
         out.append((group_id, table.index(block_id), block_hash))
     return out
@@ -373,13 +386,13 @@ def test_store_plans_take_only_masked_non_null_blocks_new_since_the_watermark(
 ) -> None:
     planned = plan_store(scenario, data)
     geometry = scenario.geometry
-    assert NULL_BLOCK_ID not in planned.batch.block_ids
+    assert NULL_BLOCK_ID not in plan_block_ids(planned.batch)
+    assert well_grouped(planned.batch, geometry)
     assert not set(planned.candidates) & scenario.boundary_groups
     for group_id, index, _ in planned_blocks(planned):
         size = geometry.group_block_sizes[geometry.position(group_id)]
         assert index in planned.selected[group_id]
         assert scenario.previous_saved // size <= index < planned.save_to // size
-        assert planned.batch.block_sizes[0] > 0
 
 
 @given(store_scenarios(), st.data())
@@ -412,11 +425,14 @@ def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on
 ) -> None:
     planned = plan_store(scenario, data, events_enabled=True)
     geometry = scenario.geometry
+    facts = planned.batch.facts if planned.batch.groups else ()
+    assert facts is not None and len(facts) == len(planned.batch.groups)
     for (group_id, index, _), parent, tokens, size in zip(
         planned_blocks(planned),
-        planned.batch.parent_hashes,
-        planned.batch.token_ids,
-        planned.batch.block_sizes,
+        [parent for fact in facts for parent in fact.parent_hashes],
+        [tokens for fact in facts for tokens in fact.token_ids],
+        [group.block_size for group in planned.batch.groups for _ in group.block_ids],
+        strict=True,
     ):
         assert size == geometry.group_block_sizes[geometry.position(group_id)]
         assert tokens == tuple(range(1000 + index * size, 1000 + (index + 1) * size))
@@ -424,7 +440,7 @@ def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on
             assert parent is None
         else:
             assert parent == scenario.hashes[index * size // geometry.hash_block_size - 1]
-    quiet = store_batch(
+    quiet = store_plan(
         "r",
         geometry,
         tuple(planned.selected.items()),
@@ -434,8 +450,8 @@ def test_event_fields_name_each_blocks_parent_and_tokens_only_when_events_are_on
         resident=planned.resident,
         reserved=scenario.reserved,
     )
-    assert quiet.block_ids == planned.batch.block_ids
-    assert set(quiet.parent_hashes) <= {None} and set(quiet.token_ids) <= {()}
+    assert quiet.groups == planned.batch.groups
+    assert quiet.facts is None
 
 
 @st.composite
@@ -465,8 +481,9 @@ class StoreBatchInput:
 
 @st.composite
 def store_batch_inputs(draw: st.DrawFn) -> StoreBatchInput:
-    """Any input store_batch may get: hashes that repeat now and then (one object
-    under two blocks), any selection per group (a group maybe twice), and
+    """Any input store_plan may get: hashes that repeat now and then (one object
+    under two blocks), any selection per group (each group once, as the store
+    windows select), and
     resident, reserved and already-planned identities among the request's."""
     scenario = draw(store_scenarios())
     geometry = scenario.geometry
@@ -475,7 +492,8 @@ def store_batch_inputs(draw: st.DrawFn) -> StoreBatchInput:
         distinct = draw(st.integers(1, 3))
         hashes = tuple(hashes[index % distinct] for index in range(len(hashes)))
     groups = list(geometry.group_ids)
-    picked = draw(st.lists(st.sampled_from(groups), min_size=1, max_size=len(groups) + 1))
+    picked = draw(st.lists(st.sampled_from(groups), min_size=1, max_size=len(groups),
+                           unique=True))
     selected = tuple(
         (group_id, draw(index_selections(len(scenario.block_table[geometry.position(group_id)]))))
         for group_id in picked
@@ -498,12 +516,12 @@ def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it
     given_input: StoreBatchInput, events_enabled: bool
 ) -> None:
     """The fast case (a group's consecutive indices taken as slices) gives the
-    same batch, column for column, as scanning every block, on every input."""
+    same plan, group for group, as scanning every block, on every input."""
     scenario = given_input.scenario
 
-    def plan() -> tuple[StoreBatch, dict[int, set[bytes]]]:
+    def plan() -> tuple[StorePlan, dict[int, set[bytes]]]:
         record = {group_id: set(hashes) for group_id, hashes in given_input.planned.items()}
-        batch = store_batch(
+        batch = store_plan(
             "r", scenario.geometry, given_input.selected, scenario.block_table,
             given_input.hashes, planned=record, resident=given_input.resident,
             reserved=scenario.reserved,
@@ -513,7 +531,7 @@ def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it
         return batch, record
 
     fast, fast_record = plan()
-    with mock.patch("umbp.core.store_plans._contiguous_group_stores", no_contiguous_runs):
+    with mock.patch("umbp.core.stores.plans._contiguous_group_stores", no_contiguous_runs):
         scanned, scanned_record = plan()
     assert fast == scanned
     assert fast_record == scanned_record
@@ -705,7 +723,7 @@ def test_boundary_plans_store_only_handed_off_boundaries_of_live_tracked_request
             assert next(d.entries for d in dropped if d.request_id == request_id) == len(entries)
 
 
-TAIL_GEOMETRY = LookupGeometry(
+TAIL_GEOMETRY = CacheGeometry(
     group_ids=(0, 1),
     group_block_sizes=(16, 64),
     lookup_units=(16, 16),
@@ -774,38 +792,34 @@ def test_a_finished_tail_that_breaks_a_rule_stores_nothing(
 def store_events(draw: st.DrawFn) -> StoreEvent:
     block = st.integers(1, 30)
     identity_hash = st.sampled_from([b"a", b"b", b"c", b"d"])
-    batches = []
+    plans = []
     for _ in range(draw(st.integers(0, 3))):
-        count = draw(st.integers(0, 5))
-        batches.append(
-            StoreBatch(
-                "r",
-                tuple(draw(st.lists(st.integers(0, 2), min_size=count, max_size=count))),
-                tuple(draw(st.lists(block, min_size=count, max_size=count))),
+        groups = []
+        for group_id in draw(st.lists(st.integers(0, 2), max_size=3, unique=True)):
+            count = draw(st.integers(1, 5))
+            groups.append(GroupBlocks(
+                group_id, 16, tuple(draw(st.lists(block, min_size=count, max_size=count))),
                 tuple(draw(st.lists(identity_hash, min_size=count, max_size=count))),
-                (None,) * count,
-                ((),) * count,
-                (16,) * count,
-            )
-        )
+            ))
+        plans.append(StorePlan("r", tuple(groups)))
     transfers = tuple(
         BlockTransferPlan("r", draw(st.integers(0, 2)), draw(block), draw(identity_hash), None, 16)
         for _ in range(draw(st.integers(0, 4)))
     )
-    if transfers:  # boundary states and partial tails travel as batches too
-        batches.append(transfer_batch("r", transfers))
-    return StoreEvent(draw(st.integers(0, 9)), tuple(batches))
+    if transfers:  # boundary states and partial tails travel as plans too
+        plans.append(transfer_store_plan("r", transfers, draw(st.booleans())))
+    return StoreEvent(draw(st.integers(0, 9)), tuple(plans))
 
 
 @given(store_events())
 def test_pinned_block_ids_cover_every_block_of_every_plan_exactly_once(event: StoreEvent) -> None:
     pinned = pinned_block_ids(event)
-    every = [b for batch in event.batches for b in batch.block_ids]
+    every = [b for plan in event.plans for b in plan_block_ids(plan)]
     assert len(pinned) == len(set(pinned))
     assert set(pinned) == set(every)
     assert list(pinned) == list(dict.fromkeys(every))
-    for batch in event.batches:  # a batch pinned alone (a finished tail) is pinned alike
-        assert pinned_block_ids(batch) == tuple(dict.fromkeys(batch.block_ids))
+    for plan in event.plans:  # a plan pinned alone (a finished tail) is pinned alike
+        assert pinned_block_ids(plan) == tuple(dict.fromkeys(plan_block_ids(plan)))
 
 
 @given(store_events(), st.lists(store_events(), max_size=3))
@@ -814,9 +828,9 @@ def test_reserved_identities_are_every_identity_of_every_in_flight_event(
 ) -> None:
     reserved = reserved_identities([event, *others])
     for e in (event, *others):
-        for batch in e.batches:
-            assert set(identities_of(batch)) <= reserved
-    every = {identity for e in (event, *others) for b in e.batches for identity in identities_of(b)}
+        for plan in e.plans:
+            assert set(identities_of(plan)) <= reserved
+    every = {identity for e in (event, *others) for p in e.plans for identity in identities_of(p)}
     assert set(reserved) == every and bool(reserved) == bool(every)
     assert (9, b"never planned") not in reserved
     assert event.hashes_by_group() is event.hashes_by_group()  # built once per event
@@ -848,10 +862,10 @@ def test_an_event_is_acknowledged_only_when_every_worker_reported(
 def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
     table: list[int], start: int, length: int
 ) -> None:
-    from umbp.core.load_plans import window_block_ids
-    from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
+    from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
+    from umbp.core.loads.plans import window_block_ids
 
-    geometry = LookupGeometry((0,), (32,), (32,), 32, 32)
+    geometry = CacheGeometry((0,), (32,), (32,), 32, 32)
     end = start + length
     blocks = window_block_ids(geometry, start, end, (tuple(table),))
     expected = {b for b in table[start // 32 : -(-end // 32)] if b != NULL_BLOCK_ID}
@@ -862,7 +876,7 @@ def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
 
 @given(geometries(), st.data())
 def test_one_groups_candidate_ranges_are_the_per_group_rules(
-    geometry: LookupGeometry, data: st.DataObject
+    geometry: CacheGeometry, data: st.DataObject
 ) -> None:
     """store_candidate_ranges builds a one-group model's ranges directly (the fast
     path); for every geometry, table, watermark pair and boundary set it gives what

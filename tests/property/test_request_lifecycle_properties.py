@@ -1,6 +1,6 @@
 """Properties of one request's life in the scheduler role.
 
-The first group states rules of ``umbp.core.request_lifecycle`` for any input.
+The first group states rules of ``umbp.core.requests`` (and the lookup, store and load rules it sequences) for any input.
 The last property drives the real ``UMBPScheduler`` (and a real worker) through
 vLLM's real ``Scheduler`` on generated workloads: what it restores is byte-exact,
 every full prompt block it was given can be restored later, and every pin it took
@@ -16,17 +16,32 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from tests.property.strategies import block_tables, request_hashes, single_group_geometries
-from umbp import core as lifecycle  # every core rule, re-exported
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.lookup import LoadSpec, LookupGeometry, LookupSkip
-from umbp.core.request_lifecycle import (
-    LookupAction,
-    LookupProgress,
-    RequestLifecycle,
+from tests.property.strategies import (
+    block_tables,
+    one_group_load,
+    request_hashes,
+    single_group_geometries,
 )
-from umbp.core.store_events import StoreEvent, StoreEventResult
-from umbp.core.store_tracking import StoreTracker
+from umbp.core.geometry import CacheGeometry
+from umbp.core.loads.failures import (
+    SyncLoads,
+    after_failed_load,
+    loads_in_reach,
+    stores_over_sync_loads,
+    sync_loads_of,
+)
+from umbp.core.lookup.admission import LookupAction, LookupProgress, next_lookup_action
+from umbp.core.lookup.guards import LookupSkip
+from umbp.core.lookup.windows import LoadSpec
+from umbp.core.plans import plan_block_ids
+from umbp.core.requests import RequestLifecycle, StepLoads, after_allocation, take_step_loads
+from umbp.core.stores.acks import StoreEvent, StoreEventResult, acknowledge_reports
+from umbp.core.stores.tracking import StoreTracker
+from umbp.core.stores.windows import (
+    cached_request_store_window,
+    cached_request_stores,
+    new_request_store_window,
+)
 
 # ----------------------------------------------------------------- lookup steps
 
@@ -39,7 +54,7 @@ from umbp.core.store_tracking import StoreTracker
 def test_a_skip_wins_and_a_running_lookup_is_waited_for(
     skip: LookupSkip | None, progress: LookupProgress, lookup_async: bool
 ) -> None:
-    action = lifecycle.next_lookup_action(skip, progress, lookup_async)
+    action = next_lookup_action(skip, progress, lookup_async)
     if skip is not None:
         assert action is LookupAction.ANSWER_NOTHING
     elif progress is LookupProgress.RUNNING:
@@ -54,7 +69,7 @@ def test_a_skip_wins_and_a_running_lookup_is_waited_for(
 
 
 @st.composite
-def allocations(draw: st.DrawFn) -> tuple[LookupGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int]:
+def allocations(draw: st.DrawFn) -> tuple[CacheGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int]:
     """A single-group match (or none) and any external count vLLM may allocate."""
     geometry = draw(single_group_geometries())
     block = geometry.block_size
@@ -71,13 +86,13 @@ def allocations(draw: st.DrawFn) -> tuple[LookupGeometry, LoadSpec | None, tuple
 
 @given(allocations())
 def test_an_allocation_never_raises_and_loads_only_what_vllm_allocated(
-    case: tuple[LookupGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int],
+    case: tuple[CacheGeometry, LoadSpec | None, tuple[tuple[int, ...], ...], tuple[bytes, ...], int],
 ) -> None:
     """Whatever vLLM allocates, umbp plans a load inside the allocated window, or
     names blocks of the table to recompute, or (no external tokens) nothing."""
     geometry, spec, table, hashes, external = case
     state = RequestLifecycle(load_spec=spec, load_async=True)
-    after, outcome = lifecycle.after_allocation(state, "r", geometry, table, hashes, external)
+    after, outcome = after_allocation(state, "r", geometry, table, hashes, external)
     assert after.tracker is not None and after.tracker.block_table == table
     if external <= 0:
         assert outcome is None
@@ -88,7 +103,7 @@ def test_an_allocation_never_raises_and_loads_only_what_vllm_allocated(
             assert spec is not None and external <= spec.num_tokens_to_load
             first = spec.local_tokens // geometry.block_size
             last = -(-(spec.local_tokens + external) // geometry.block_size)
-            assert set(batch.block_ids) <= set(table[0][first:last])
+            assert set(plan_block_ids(batch)) <= set(table[0][first:last])
             assert after.load == batch
         case Failure(unplanned):
             assert set(unplanned.block_ids) <= set(table[0])
@@ -105,7 +120,7 @@ def step_states(draw: st.DrawFn) -> dict[str, RequestLifecycle]:
     states = {}
     for index in range(draw(st.integers(0, 6))):
         request_id = f"r{index}"
-        load = draw(st.one_of(st.none(), st.just(BlockLoadBatch(request_id, (0,), (index,), (b"h",)))))
+        load = draw(st.one_of(st.none(), st.just(one_group_load(request_id, (index,), (b"h",)))))
         unplanned = draw(st.one_of(st.none(), st.just((index + 100,))))
         states[request_id] = RequestLifecycle(
             load_spec=draw(st.one_of(st.none(), st.just(LoadSpec(0, 4)))),
@@ -117,7 +132,7 @@ def step_states(draw: st.DrawFn) -> dict[str, RequestLifecycle]:
 
 @given(step_states())
 def test_every_planned_load_goes_out_once(states: dict[str, RequestLifecycle]) -> None:
-    step = lifecycle.take_step_loads(states)
+    step = take_step_loads(states)
     loading = {r for r, s in states.items() if s.load is not None or s.unplanned_load is not None}
     assert [batch.request_id for batch in step.loads] == [
         r for r, s in states.items() if s.load is not None
@@ -128,7 +143,7 @@ def test_every_planned_load_goes_out_once(states: dict[str, RequestLifecycle]) -
     assert step.async_loads == {r for r in loading if states[r].load_async}
     assert set(step.states) == loading
     merged = {**states, **step.states}
-    again = lifecycle.take_step_loads(merged)
+    again = take_step_loads(merged)
     assert not again.loads and not again.unplanned and not again.async_loads
     for request_id, state in step.states.items():  # the spec went with the load
         assert state.load_spec is None and state.tracker == states[request_id].tracker
@@ -138,7 +153,7 @@ def test_every_planned_load_goes_out_once(states: dict[str, RequestLifecycle]) -
 
 
 @st.composite
-def chunked_prefills(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, list[int], bool]:
+def chunked_prefills(draw: st.DrawFn) -> tuple[CacheGeometry, int, int, list[int], bool]:
     geometry = draw(single_group_geometries())
     prompt = draw(st.integers(geometry.block_size, 10 * geometry.block_size))
     cached = draw(st.integers(0, prompt - 1)) // geometry.block_size * geometry.block_size
@@ -148,7 +163,7 @@ def chunked_prefills(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, list[in
 
 @given(chunked_prefills())
 def test_chunks_make_every_full_block_a_candidate_exactly_once(
-    case: tuple[LookupGeometry, int, int, list[int], bool],
+    case: tuple[CacheGeometry, int, int, list[int], bool],
 ) -> None:
     """Chunked prefill then decode through the store-window entry points the
     shell's ``StoreStep`` calls, in its order (``new_request_store_window`` on the
@@ -165,7 +180,7 @@ def test_chunks_make_every_full_block_a_candidate_exactly_once(
     table = (tuple(range(1, total_tokens // block + 2)),)
     hashes = tuple(i.to_bytes(4, "big") for i in range(total_tokens // geometry.hash_block_size))
     first = min(chunks[0], prompt - cached)  # a new request schedules only its prompt
-    state, window = lifecycle.new_request_store_window(
+    state, window = new_request_store_window(
         RequestLifecycle(tracker=StoreTracker().with_blocks_replaced(table)), geometry,
         frozenset(), cached, first, table, len(hashes),
     )
@@ -174,11 +189,11 @@ def test_chunks_make_every_full_block_a_candidate_exactly_once(
     computed = cached + first
     for chunk in chunks[1:]:
         scheduled = min(chunk, total_tokens - computed)
-        state, stores = lifecycle.cached_request_stores(state, computed, False, prompt, save_decode)
+        state, stores = cached_request_stores(state, computed, False, prompt, save_decode)
         if not stores:
             assert not save_decode and computed >= prompt
         else:
-            state, window = lifecycle.cached_request_store_window(
+            state, window = cached_request_store_window(
                 state, geometry, frozenset(), computed, scheduled, table, prompt,
                 len(hashes), save_decode,
             )
@@ -203,7 +218,7 @@ def test_only_a_request_vllm_failed_moves_its_watermark_and_only_back(
 ) -> None:
     tracker = StoreTracker(saved_blocks * hash_block_size, (tuple(table),), cached)
     state = RequestLifecycle(tracker=tracker)
-    after = lifecycle.after_failed_load(
+    after = after_failed_load(
         state, failed, request_failed, num_computed, hash_block_size
     )
     assert after.tracker is not None
@@ -219,7 +234,7 @@ def test_only_a_request_vllm_failed_moves_its_watermark_and_only_back(
         assert saved <= num_computed and saved % hash_block_size == 0
     assert saved <= tracker.saved_tokens
     untracked = RequestLifecycle()
-    assert lifecycle.after_failed_load(untracked, failed, True, num_computed, hash_block_size) is untracked
+    assert after_failed_load(untracked, failed, True, num_computed, hash_block_size) is untracked
 
 
 @given(st.data())
@@ -229,7 +244,7 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
     ids = ["r0", "r1", "r2", "r3"]
     blocks = st.lists(st.integers(1, 30), max_size=5, unique=True)
     loads = [
-        BlockLoadBatch(r, (0,) * len(b), tuple(b), tuple(bytes([i]) for i in range(len(b))))
+        one_group_load(r, b, [bytes([i]) for i in range(len(b))])
         for r, b in data.draw(st.dictionaries(st.sampled_from(ids), blocks, max_size=3)).items()
     ]
     unplanned = {r: tuple(b) for r, b in
@@ -238,14 +253,14 @@ def test_a_storing_request_depends_on_exactly_the_sync_loads_whose_blocks_it_hol
     async_loads = data.draw(st.frozensets(st.sampled_from(ids)))
     storing = {r: (tuple(t),) for r, t in
                data.draw(st.dictionaries(st.sampled_from(ids + ["s"]), blocks)).items()}
-    step = lifecycle.StepLoads(tuple(loads), unplanned, async_loads, {})
+    step = StepLoads(tuple(loads), unplanned, async_loads, {})
     # What the scheduler keeps of a step: the synchronous loads only.
-    kept = lifecycle.sync_loads_of(step)
+    kept = sync_loads_of(step)
     assert [load.request_id for load in kept.loads] == [
         load.request_id for load in loads if load.request_id not in async_loads]
     assert kept.unplanned == {r: b for r, b in unplanned.items() if r not in async_loads}
-    got = lifecycle.stores_over_sync_loads(kept, storing)
-    sync_blocks = [(load.request_id, set(load.block_ids)) for load in loads
+    got = stores_over_sync_loads(kept, storing)
+    sync_blocks = [(load.request_id, set(plan_block_ids(load))) for load in loads
                    if load.request_id not in async_loads]
     sync_blocks += [(r, set(b)) for r, b in unplanned.items() if r not in async_loads]
     expected = {
@@ -260,43 +275,43 @@ BLOCKS = st.lists(st.integers(1, 12), max_size=5, unique=True)
 
 
 @st.composite
-def step_loads(draw: st.DrawFn) -> lifecycle.StepLoads:
+def step_loads(draw: st.DrawFn) -> StepLoads:
     """One step's loads as take_step_loads returns them: planned, unplanned (a
     request is one or the other) and which of them run asynchronously."""
     loads = tuple(
-        BlockLoadBatch(r, (0,) * len(b), tuple(b), tuple(bytes([i]) for i in range(len(b))))
+        one_group_load(r, b, [bytes([i]) for i in range(len(b))])
         for r, b in draw(st.dictionaries(st.sampled_from(LOADING), BLOCKS, max_size=3)).items()
     )
     unplanned = {r: tuple(b) for r, b in
                  draw(st.dictionaries(st.sampled_from(LOADING), BLOCKS, max_size=2)).items()
                  if r not in {load.request_id for load in loads}}
-    return lifecycle.StepLoads(loads, unplanned, draw(st.frozensets(st.sampled_from(LOADING))), {})
+    return StepLoads(loads, unplanned, draw(st.frozensets(st.sampled_from(LOADING))), {})
 
 
 @given(step_loads(), step_loads(), st.dictionaries(st.sampled_from([*LOADING, "s"]), BLOCKS))
 # One request's loads in both steps: unplanned twice, or synchronous then asynchronous.
-@example(lifecycle.StepLoads((), {"r0": (1,)}, frozenset(), {}),
-         lifecycle.StepLoads((), {"r0": (2,)}, frozenset(), {}), {"s": [1]})
-@example(lifecycle.StepLoads((BlockLoadBatch("r0", (0,), (1,), (b"a",)),), {}, frozenset(), {}),
-         lifecycle.StepLoads((BlockLoadBatch("r0", (0,), (2,), (b"b",)),), {}, frozenset({"r0"}), {}),
+@example(StepLoads((), {"r0": (1,)}, frozenset(), {}),
+         StepLoads((), {"r0": (2,)}, frozenset(), {}), {"s": [1]})
+@example(StepLoads((one_group_load("r0", (1,), (b"a",)),), {}, frozenset(), {}),
+         StepLoads((one_group_load("r0", (2,), (b"b",)),), {}, frozenset({"r0"}), {}),
          {"s": [1]})
 def test_a_steps_stores_depend_on_its_own_and_the_last_steps_sync_loads_exactly(
-    last: lifecycle.StepLoads, step: lifecycle.StepLoads, tables: dict[str, list[int]],
+    last: StepLoads, step: StepLoads, tables: dict[str, list[int]],
 ) -> None:
     """What the scheduler tells the workers: a store depends on a synchronous load
     of this step or of the last one (whose failure vLLM's async scheduling may not
     have reported yet), exactly as if each step were asked alone; and the tables
     are skipped (None) exactly when neither step has a synchronous load."""
-    previous, current = lifecycle.sync_loads_of(last), lifecycle.sync_loads_of(step)
+    previous, current = sync_loads_of(last), sync_loads_of(step)
     storing = {r: (tuple(t),) for r, t in tables.items()}
 
-    def depends(loads: lifecycle.SyncLoads) -> dict[str, frozenset[str]]:
-        return lifecycle.stores_over_sync_loads(loads, storing)
+    def depends(loads: SyncLoads) -> dict[str, frozenset[str]]:
+        return stores_over_sync_loads(loads, storing)
 
     alone = [depends(previous), depends(current)]
     expected = {r: deps for r in storing
                 if (deps := frozenset().union(*(d.get(r, frozenset()) for d in alone)))}
-    in_reach = lifecycle.loads_in_reach(previous, current)
+    in_reach = loads_in_reach(previous, current)
     sync_now = [r for r in (*(b.request_id for b in step.loads), *step.unplanned)
                 if r not in step.async_loads]
     assert (in_reach is None) == (not previous.loads and not previous.unplanned and not sync_now)
@@ -307,7 +322,7 @@ def test_a_steps_stores_depend_on_its_own_and_the_last_steps_sync_loads_exactly(
 
 
 @st.composite
-def failed_sync_loads(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, int, list[int]]:
+def failed_sync_loads(draw: st.DrawFn) -> tuple[CacheGeometry, int, int, int, list[int]]:
     """A prompt with a hit window of ``external`` tokens loaded synchronously in
     its first step, one of whose blocks fails; then vLLM's recompute in chunks."""
     geometry = draw(single_group_geometries())
@@ -321,7 +336,7 @@ def failed_sync_loads(draw: st.DrawFn) -> tuple[LookupGeometry, int, int, int, l
 
 @given(failed_sync_loads())
 def test_a_failed_sync_load_makes_every_recomputed_block_a_candidate_again(
-    case: tuple[LookupGeometry, int, int, int, list[int]],
+    case: tuple[CacheGeometry, int, int, int, list[int]],
 ) -> None:
     """The scheduler's sequence around a failed synchronous load: the first step
     plans stores from its window, vLLM reports the failed block and cuts the
@@ -333,12 +348,12 @@ def test_a_failed_sync_load_makes_every_recomputed_block_a_candidate_again(
     table = (tuple(range(1, prompt // block + 2)),)
     hashes = tuple(i.to_bytes(4, "big") for i in range(prompt // geometry.hash_block_size))
     first = prompt - external  # the load lands before the step's forward pass
-    state, _ = lifecycle.new_request_store_window(
+    state, _ = new_request_store_window(
         RequestLifecycle(tracker=StoreTracker().with_blocks_replaced(table)), geometry,
         frozenset(), external, first, table, len(hashes),
     )
     computed = failed_index * block  # vLLM: truncate at the first failed block
-    state = lifecycle.after_failed_load(
+    state = after_failed_load(
         state, {table[0][failed_index]}, False, computed, geometry.hash_block_size
     )
     seen: list[int] = []
@@ -346,9 +361,9 @@ def test_a_failed_sync_load_makes_every_recomputed_block_a_candidate_again(
         if computed >= prompt:
             break
         scheduled = min(chunk, prompt - computed)
-        state, stores = lifecycle.cached_request_stores(state, computed, False, prompt, False)
+        state, stores = cached_request_stores(state, computed, False, prompt, False)
         assert stores
-        state, window = lifecycle.cached_request_store_window(
+        state, window = cached_request_store_window(
             state, geometry, frozenset(), computed, scheduled, table, prompt,
             len(hashes), False,
         )
@@ -380,10 +395,10 @@ def test_an_event_is_acknowledged_once_after_every_worker_reported(
             previous = batch.get(event_id, StoreEventResult())
             batch[event_id] = StoreEventResult(previous.completed_workers + 1, previous.failed | mine)
         position += size
-        open_events, done = lifecycle.acknowledge_reports(open_events, batch, num_workers)
+        open_events, done = acknowledge_reports(open_events, batch, num_workers)
         acknowledged.extend(done)
         # Reports of an acknowledged event (a late duplicate) change nothing.
-        assert lifecycle.acknowledge_reports(open_events, {e.event_id: r for e, r in done},
+        assert acknowledge_reports(open_events, {e.event_id: r for e, r in done},
                                              num_workers)[1] == ()
     assert not open_events
     assert sorted(event.event_id for event, _ in acknowledged) == list(range(num_events))

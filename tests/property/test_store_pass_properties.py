@@ -1,4 +1,4 @@
-"""Properties of one scheduler step's store pass (umbp.core.store_pass): several
+"""Properties of one scheduler step's store pass (umbp.core.stores.step): several
 requests sharing prefixes, blocks that came from a cache checked in one lookup,
 and the batches that leave out what every rank already holds."""
 
@@ -11,37 +11,34 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.property.strategies import (
-    Identity,
+    ObjectId,
     Pool,
     block_tables,
     geometries,
     keyspaces,
     request_hashes,
 )
+from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
 from umbp.core.identity import KeySpace
-from umbp.core.lookup import NULL_BLOCK_ID, LookupGeometry
-from umbp.core.store_pass import (
-    StoreCandidates,
-    plan_stores,
-    residency_check,
-    resident_blocks_from_hits,
-)
-from umbp.core.store_plans import StoreBatch, _contiguous_group_stores, store_batch, whole_run_batch
-from umbp.core.store_reservations import Reservations
-from umbp.core.store_windows import StoreWindow, store_candidates
+from umbp.core.plans import StorePlan
+from umbp.core.stores.plans import _contiguous_group_stores, store_plan, whole_run_plan
+from umbp.core.stores.reservations import Reservations
+from umbp.core.stores.residency import residency_check, resident_blocks_from_hits
+from umbp.core.stores.step import plan_stores
+from umbp.core.stores.windows import StoreCandidates, StoreWindow, store_candidates
 
 
-def identities_of(batch: StoreBatch) -> list[Identity]:
-    """The ``(group_id, block_hash)`` of every block of a batch, in order."""
-    return list(zip(batch.group_ids, batch.block_hashes))
+def identities_of(plan: StorePlan) -> list[ObjectId]:
+    """The ``(group_id, block_hash)`` of every block of a plan, in order."""
+    return list(plan.identities())
 
 
 @dataclass(frozen=True)
 class StoreStep:
-    geometry: LookupGeometry
+    geometry: CacheGeometry
     keyspace: KeySpace
     candidates: tuple[StoreCandidates, ...]
-    reserved: frozenset[Identity]
+    reserved: frozenset[ObjectId]
     pool: Pool
 
 
@@ -55,7 +52,7 @@ def store_steps(draw: st.DrawFn) -> StoreStep:
     hbs = geometry.hash_block_size
     shared = draw(request_hashes(draw(st.integers(0, geometry.block_size * 4 // hbs + 2))))
     candidates: list[StoreCandidates] = []
-    every_identity: set[Identity] = set()
+    every_identity: set[ObjectId] = set()
     for number in range(draw(st.integers(1, 4))):
         own = draw(request_hashes(draw(st.integers(0, 6))))
         own = tuple(bytes([number + 1]) + h for h in own)  # never another request's
@@ -89,7 +86,7 @@ def store_steps(draw: st.DrawFn) -> StoreStep:
     return StoreStep(geometry, keyspace, tuple(candidates), reserved, Pool(keyspace, frozenset(keys)))
 
 
-def selected_identities(step: StoreStep) -> list[tuple[StoreCandidates, int, int, Identity]]:
+def selected_identities(step: StoreStep) -> list[tuple[StoreCandidates, int, int, ObjectId]]:
     """(candidates, group block size, block index, identity) of every selected,
     non-null block within its request's hashes, in request order."""
     geometry = step.geometry
@@ -111,12 +108,12 @@ def selected_identities(step: StoreStep) -> list[tuple[StoreCandidates, int, int
     return out
 
 
-def run_pass(step: StoreStep, answers: tuple[bool, ...] | None = None) -> tuple[set[Identity], list[Identity], int]:
+def run_pass(step: StoreStep, answers: tuple[bool, ...] | None = None) -> tuple[set[ObjectId], list[ObjectId], int]:
     check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
     if answers is None:
         answers = step.pool.answers(check.keys)
     planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
-    flat = [identity for batch in planned.batches for identity in identities_of(batch)]
+    flat = [identity for batch in planned.plans for identity in identities_of(batch)]
     return set(flat), flat, planned.skipped_resident
 
 
@@ -182,7 +179,7 @@ def test_a_lookup_that_fails_or_answers_the_wrong_length_stores_everything(
     if how == "short" and not check.keys:
         answers = (True,)
     planned = plan_stores(step.geometry, step.candidates, check, answers, step.reserved)
-    flat = {identity for batch in planned.batches for identity in identities_of(batch)}
+    flat = {identity for batch in planned.plans for identity in identities_of(batch)}
     expected = {i for _, _, _, i in selected_identities(step) if i not in step.reserved}
     assert flat == expected
     assert planned.skipped_resident == 0
@@ -233,16 +230,16 @@ def test_a_pass_with_contiguous_runs_plans_exactly_as_the_block_by_block_scan(
     if whole_ranges:
         step = as_ranges(step)
 
-    def plan() -> tuple[tuple[StoreBatch, ...], int]:
+    def plan() -> tuple[tuple[StorePlan, ...], int]:
         check = residency_check(step.geometry, step.keyspace, step.candidates, step.reserved)
         planned = plan_stores(
             step.geometry, step.candidates, check, step.pool.answers(check.keys), step.reserved,
             events_enabled=events_enabled,
         )
-        return planned.batches, planned.skipped_resident
+        return planned.plans, planned.skipped_resident
 
     fast = plan()
-    with mock.patch("umbp.core.store_plans._contiguous_group_stores", lambda *_: None):
+    with mock.patch("umbp.core.stores.plans._contiguous_group_stores", lambda *_: None):
         scanned = plan()
     assert fast == scanned
 
@@ -270,7 +267,7 @@ def test_a_window_without_masks_is_its_own_selection(
     assert store_candidates("r", window, {}, hashes, ()).unwrap() == direct
 
 
-def as_reservations(identities: frozenset[Identity], events: int) -> Reservations:
+def as_reservations(identities: frozenset[ObjectId], events: int) -> Reservations:
     """The same identities as in-flight events hold them: spread over ``events``
     events, per group a frozenset of hashes each."""
     held: list[dict[int, set[bytes]]] = [{} for _ in range(events)]
@@ -287,7 +284,7 @@ def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
     step: StoreStep, events: int, whole_ranges: bool, scanned: bool
 ) -> None:
     """What the scheduler passes (in-flight events' hashes per group,
-    core.store_events.reserved_identities) plans the same batches, skips and
+    core.stores.acks.reserved_identities) plans the same batches, skips and
     residency keys as the plain set of the same identities, on the contiguous
     path and on the block-by-block scan."""
     if whole_ranges:
@@ -296,15 +293,15 @@ def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
     assert set(reservations) == step.reserved and len(reservations) == len(step.reserved)
     assert bool(reservations) == bool(step.reserved)
 
-    def plan(reserved: frozenset[Identity] | Reservations) -> tuple[object, ...]:
+    def plan(reserved: frozenset[ObjectId] | Reservations) -> tuple[object, ...]:
         check = residency_check(step.geometry, step.keyspace, step.candidates, reserved)
         planned = plan_stores(
             step.geometry, step.candidates, check, step.pool.answers(check.keys), reserved
         )
-        return tuple(check.keys), check.identities, planned.batches, planned.skipped_resident
+        return tuple(check.keys), check.identities, planned.plans, planned.skipped_resident
 
     with mock.patch(
-        "umbp.core.store_plans._contiguous_group_stores",
+        "umbp.core.stores.plans._contiguous_group_stores",
         (lambda *_: None) if scanned else _contiguous_group_stores,
     ):
         assert plan(reservations) == plan(step.reserved)
@@ -314,19 +311,19 @@ def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
 def test_a_pass_with_nothing_resident_or_reserved_plans_whole_runs_as_store_batch_does(
     step: StoreStep, whole_ranges: bool
 ) -> None:
-    """plan_stores takes a one-group request's whole run by whole_run_batch when
+    """plan_stores takes a one-group request's whole run by whole_run_plan when
     nothing is resident, reserved or evented (the usual step): the same batches as
-    store_batch for every request, requests sharing objects included."""
+    store_plan for every request, requests sharing objects included."""
     if whole_ranges:
         step = as_ranges(step)
     check = residency_check(step.geometry, step.keyspace, step.candidates)
 
-    def plan() -> tuple[tuple[StoreBatch, ...], int]:
+    def plan() -> tuple[tuple[StorePlan, ...], int]:
         planned = plan_stores(step.geometry, step.candidates, check, None)
-        return planned.batches, planned.skipped_resident
+        return planned.plans, planned.skipped_resident
 
     fast = plan()
-    with mock.patch("umbp.core.store_pass.whole_run_batch", lambda *_: None):
+    with mock.patch("umbp.core.stores.step.whole_run_plan", lambda *_: None):
         assert fast == plan()
 
 
@@ -334,27 +331,27 @@ def test_a_pass_with_nothing_resident_or_reserved_plans_whole_runs_as_store_batc
 def test_a_whole_run_batch_is_store_batchs_batch_and_record_or_nothing(
     step: StoreStep, whole_ranges: bool
 ) -> None:
-    """Request by request through one pass's record: whenever whole_run_batch
-    answers, store_batch (with nothing resident or reserved) gives the same batch
+    """Request by request through one pass's record: whenever whole_run_plan
+    answers, store_plan (with nothing resident or reserved) gives the same batch
     and the same record; when it does not, the record is unchanged."""
     if whole_ranges:
         step = as_ranges(step)
     record: dict[int, set[bytes]] = {}
     for candidate in step.candidates:
         before = {group_id: set(hashes) for group_id, hashes in record.items()}
-        fast = whole_run_batch(
+        fast = whole_run_plan(
             candidate.request_id, step.geometry, candidate.selected, candidate.block_table,
             candidate.block_hashes, record,
         )
         after = {group_id: set(hashes) for group_id, hashes in record.items()}
         plain_record = {group_id: set(hashes) for group_id, hashes in before.items()}
-        plain = store_batch(
+        plain = store_plan(
             candidate.request_id, step.geometry, candidate.selected, candidate.block_table,
             candidate.block_hashes, planned=plain_record,
         )
         if fast is None:
             assert {g: h for g, h in after.items() if h} == {g: h for g, h in before.items() if h}
-            record = plain_record  # the pass goes on as store_batch left it
+            record = plain_record  # the pass goes on as store_plan left it
         else:
             assert fast == plain
             assert {g: h for g, h in after.items() if h} == {
@@ -366,11 +363,11 @@ def test_a_whole_run_batch_is_store_batchs_batch_and_record_or_nothing(
 def test_a_block_table_is_a_copy_of_vllms_lists_of_umbps_groups(
     block_ids: list[list[int]], data: st.DataObject
 ) -> None:
-    """core.lookup.block_table_of copies one group's list directly (the fast path
+    """core.geometry.block_table_of copies one group's list directly (the fast path
     the shell's admission, store step and tails take): the same table as the
     per-group copy, for one group or several, and vLLM appending to its lists
     later does not change it."""
-    from umbp.core.lookup import block_table_of
+    from umbp.core.geometry import block_table_of
 
     group_ids = tuple(data.draw(
         st.lists(st.sampled_from(range(len(block_ids))), unique=True, min_size=1)

@@ -50,14 +50,17 @@ SIDE_EFFECT_BUILTINS = frozenset({"open", "print", "input", "exec", "eval", "__i
 
 
 def core_module_files() -> list[Path]:
-    return sorted(CORE.glob("*.py"))
+    return sorted(CORE.rglob("*.py"))
 
 
 def core_module_names() -> list[str]:
-    return [
-        "umbp.core" if path.stem == "__init__" else f"umbp.core.{path.stem}"
-        for path in core_module_files()
-    ]
+    names = []
+    for path in core_module_files():
+        parts = path.relative_to(CORE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join(("umbp", "core", *parts)))
+    return names
 
 
 PROBE = """
@@ -125,7 +128,11 @@ def _is_allowed(module: str) -> bool:
     return root in sys.stdlib_module_names and root not in SIDE_EFFECT_MODULES
 
 
-@pytest.mark.parametrize("path", core_module_files(), ids=lambda path: path.name)
+def _module_id(path: Path) -> str:
+    return str(path.relative_to(CORE))
+
+
+@pytest.mark.parametrize("path", core_module_files(), ids=_module_id)
 def test_core_source_imports_only_stdlib_pyrsistent_returns_and_core(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
     bad = [
@@ -136,7 +143,7 @@ def test_core_source_imports_only_stdlib_pyrsistent_returns_and_core(path: Path)
     assert not bad, f"{path.name} imports outside the pure core: {bad}"
 
 
-@pytest.mark.parametrize("path", core_module_files(), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", core_module_files(), ids=_module_id)
 def test_core_source_calls_no_io_builtins(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
     bad = [
@@ -163,21 +170,53 @@ def test_the_import_check_itself_rejects_heavy_and_side_effect_imports() -> None
     assert _is_allowed("umbp.core.identity") and not _is_allowed("umbp.shell.worker")
 
 
-def test_core_package_reexports_every_public_name_of_every_module() -> None:
+def test_every_core_module_declares_its_public_names() -> None:
+    import importlib
+
+    missing = [
+        name for name in core_module_names()
+        if getattr(importlib.import_module(name), "__all__", None) is None
+    ]
+    assert not missing, f"core modules without __all__: {missing}"
+
+
+def test_the_core_api_is_explicit_and_documented() -> None:
+    """``umbp.core`` names its public API one by one (no star import), each name is
+    the object of the module that defines it, and docs/design.md's section on the
+    core's public API names every one of them."""
     import importlib
 
     package = importlib.import_module("umbp.core")
-    missing: list[str] = []
-    for name in core_module_names():
-        if name == "umbp.core":
-            continue
-        module = importlib.import_module(name)
-        public = getattr(module, "__all__", None)
-        assert public is not None, f"{name} has no __all__"
-        missing.extend(
-            f"{name}.{attr}"
-            for attr in public
-            if getattr(package, attr, None) is not getattr(module, attr)
-            or attr not in package.__all__
-        )
-    assert not missing, f"umbp.core does not re-export: {missing}"
+    source = (CORE / "__init__.py").read_text()
+    assert "import *" not in source
+    for name in package.__all__:
+        value = getattr(package, name)
+        home = getattr(value, "__module__", None)
+        if home is not None and home.startswith("umbp.core.") and not isinstance(value, int):
+            assert getattr(importlib.import_module(home), name, value) is value, name
+    design = (REPO / "docs" / "design.md").read_text()
+    section = design.split("## The core's public API", 1)
+    assert len(section) == 2, "docs/design.md has no section on the core's public API"
+    undocumented = [name for name in package.__all__ if f"`{name}`" not in section[1]]
+    assert not undocumented, f"docs/design.md does not document {undocumented}"
+
+
+def test_every_core_module_imports_first_in_a_fresh_interpreter() -> None:
+    """No import cycle depends on which core module a caller imports first."""
+    probe = (
+        "import importlib, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "failures = []\n"
+        f"for name in {core_module_names()!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'umbp.core' or m.startswith('umbp.core.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as error:\n"
+        "        failures.append(f'{name}: {error!r}')\n"
+        "print(failures)\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert completed.stdout.strip() == "[]", completed.stdout + completed.stderr

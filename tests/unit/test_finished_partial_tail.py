@@ -22,7 +22,7 @@ import torch
 
 from tests.unit import vllm_driver
 from tests.unit.vllm_driver import KV_HEADS, LAYERS, NULL_BLOCK, Driver, kv_value, step_starts
-from umbp.core.load_outcomes import LoadStatus
+from umbp.core.loads.outcomes import LoadStatus
 
 pytestmark = pytest.mark.vllm_versions
 

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
-from umbp.core.lookup import LookupGeometry, build_lookup_query
+from umbp.core.lookup.query import build_lookup_query
 from umbp.core.rank_keys import HashRuns, KeyLayout, RankedKeys, object_major_keys, rank_tags
 from umbp.runtime.contract import HashLookup, StoreUnavailable
 from umbp.runtime.lookup_service import (
@@ -190,7 +191,7 @@ def test_a_lookup_query_routed_by_position_matches_routing_by_the_rank_in_each_k
     tp: int,
 ) -> None:
     keyspace = KeySpace("ns1", RankTopology(tp_size=tp))
-    geometry = LookupGeometry((0, 1), (16, 32), (16, 32), 32, 16)
+    geometry = CacheGeometry((0, 1), (16, 32), (16, 32), 32, 16)
     hashes = [bytes([index]) * 32 for index in range(12)]
     query = build_lookup_query(geometry, keyspace, hashes, 32, 12 * 16)
     coords = keyspace.topology.coords()

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from vllm.v1.core.block_pool import BlockPool
 
-from umbp.core.store_events import StoreEventResult
-from umbp.core.store_plans import StoreBatch
+from umbp.core.plans import GroupBlocks, StorePlan
+from umbp.core.stores.acks import StoreEventResult
 from umbp.shell.pinned_stores import PinnedStores
 
 
-def _batch(request_id: str, block_ids: list[int]) -> StoreBatch:
-    count = len(block_ids)
-    return StoreBatch(request_id, (0,) * count, tuple(block_ids),
-                      tuple(bytes([b]) for b in block_ids), (None,) * count, ((),) * count,
-                      (16,) * count)
+def _batch(request_id: str, block_ids: list[int]) -> StorePlan:
+    return StorePlan(request_id, (GroupBlocks(0, 16, tuple(block_ids),
+                                             tuple(bytes([b]) for b in block_ids)),))
 
 
 def test_a_finished_tail_stays_pinned_through_its_event_until_every_worker_reports() -> None:
@@ -36,10 +34,10 @@ def test_a_finished_tail_stays_pinned_through_its_event_until_every_worker_repor
     assert refs(finished) == [1, 1], "only the tail's pins hold the pages"
     assert pinned.has_tail("done") and pinned.tails_waiting and not pinned.events_in_flight
 
-    # Two batches of the step read the same block: it is pinned once.
-    step = [_batch("live", live), _batch("other", live[:1])]
-    batches, event_id = pinned.open_event(step)
-    assert batches == [*step, tail] and event_id == 0
+    # Two plans of the step read the same block: it is pinned once.
+    step = (_batch("live", live), _batch("other", live[:1]))
+    plans, event_id = pinned.open_event(step)
+    assert plans == (*step, tail) and event_id == 0
     assert refs(live) == [2, 2] and refs(finished) == [1, 1], "the event took the tail's pins"
     assert not pinned.tails_waiting and pinned.events_in_flight
     assert {(0, bytes([b])) for b in live + finished} <= set(pinned.reserved())
@@ -54,5 +52,5 @@ def test_a_finished_tail_stays_pinned_through_its_event_until_every_worker_repor
     assert not pinned.events_in_flight and not set(pinned.reserved())
     assert pinned.acknowledge({event_id: StoreEventResult(1)}, 2) == (), "acknowledged once"
 
-    assert pinned.open_event([]) == ([], None), "nothing to store: no event"
+    assert pinned.open_event(()) == ((), None), "nothing to store: no event"
     assert not pinned.events_in_flight

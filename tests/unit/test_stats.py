@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from umbp.core.load_outcomes import LoadStatus
+from umbp.core.loads.outcomes import LoadStatus
 from umbp.runtime.pool import SlabPool
 from umbp.shell.stats import PoolFigures, StatsDelta, UMBPConnectorStats, WorkerCounters
 

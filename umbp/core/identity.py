@@ -24,9 +24,9 @@ __all__ = [
     "KEY_PREFIX",
     "RESERVED_NAMESPACE_PREFIXES",
     "CacheGroupShape",
-    "Identity",
     "KeySpace",
     "NamespaceInputs",
+    "ObjectId",
     "RankCoord",
     "RankTopology",
     "bound_keyspace",
@@ -38,9 +38,9 @@ __all__ = [
     "resolve_namespace",
 ]
 
-Identity: TypeAlias = tuple[int, bytes]
+ObjectId: TypeAlias = tuple[int, bytes]
 """One stored object, on any rank: ``(group_id, block_hash)``; each rank's key of
-it is :meth:`KeySpace.key`."""
+it is :meth:`KeySpace.key`. KV events name objects by it too."""
 
 FORMAT_VERSION: Final = 1
 KEY_PREFIX: Final = "umbp"

@@ -1,4 +1,4 @@
-"""Identity, hit counting and load plans for stacks that address KV by page hash.
+"""ObjectId, hit counting and load plans for stacks that address KV by page hash.
 
 SGLang's HiCache names each page of a prefix by a hex digest chained over the page's
 token ids; nothing about the model, dtype, layout or rank is in it. umbp keys such a

@@ -19,7 +19,7 @@ thread, which keeps every back-end simple and lets the overlap policy live in on
 Expected failures are values, not exceptions: a rejected put is `False`, a failed load is a
 `LoadStatus`. The one exception is `StoreUnavailable`, raised by `lookup` when the back-end
 cannot be reached at all (a `lookup` answer of "not resident" would be a lie the scheduler
-could not tell from a miss). `LoadStatus` is defined in `umbp.core.load_outcomes`, where
+could not tell from a miss). `LoadStatus` is defined in `umbp.core.loads.outcomes`, where
 the worker's load outcomes are decided from it, and re-exported here.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from umbp.core.load_outcomes import LoadStatus
+from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.rank_keys import HashRuns
 
 __all__ = [

@@ -8,10 +8,10 @@ window of blocks, a Mamba group just one state at a boundary, and every group
 must agree on one length. So umbp builds a second, lookup-only coordinator over
 the prefix-cacheable groups and swaps its block pool for a :class:`_LookupBlockPool`
 that answers ``get_cached_block`` from per-group hit sets: the pool's hits
-(:func:`umbp.core.lookup.coordinator_hit_sets`) plus vLLM's own cached blocks
+(:func:`umbp.core.lookup.windows.coordinator_hit_sets`) plus vLLM's own cached blocks
 inside the local tokens. The coordinator's answer becomes a
-:class:`~umbp.core.lookup.LoadSpec` through
-:func:`umbp.core.lookup.load_spec_from_hits`.
+:class:`~umbp.core.lookup.windows.LoadSpec` through
+:func:`umbp.core.lookup.windows.load_spec_from_hits`.
 
 Every decision stays in vLLM (hit length) or in ``umbp.core`` (hit sets, the
 window); this module only wires them together. The hit sets live in the lookup
@@ -25,8 +25,14 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from umbp.core import lookup as core_lookup
-from umbp.core.lookup import LoadSpec, LookupGeometry, LookupQuery
+from umbp.core.geometry import CacheGeometry, lookup_unit
+from umbp.core.lookup.query import LookupQuery
+from umbp.core.lookup.windows import (
+    LoadSpec,
+    coordinator_hit_sets,
+    load_spec_from_hits,
+    local_object_hashes,
+)
 from umbp.shell import vllm_compat
 from umbp.shell.vllm_compat.versions import (
     coordinator_allows_partial_hash_hits,
@@ -118,7 +124,7 @@ class HybridLookup:
         self,
         vllm_config: Any,
         kv_cache_config: Any,
-        geometry: LookupGeometry,
+        geometry: CacheGeometry,
         enable_partial_hash_hits: bool,
     ) -> None:
         from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
@@ -168,11 +174,11 @@ class HybridLookup:
         """Whether the coordinator probes hash-block boundaries inside a group's
         blocks (vLLM allows it only with Mamba "align" groups and fine-grained
         managers everywhere); decides the lookup unit per group."""
-        self.geometry: LookupGeometry = dataclasses.replace(
+        self.geometry: CacheGeometry = dataclasses.replace(
             geometry,
             partial_hash_hits=enable_partial_hash_hits,
             lookup_units=tuple(
-                core_lookup.lookup_unit(
+                lookup_unit(
                     size, geometry.hash_block_size, enable_partial_hash_hits,
                     self.allows_partial_hash_hits,
                 )
@@ -197,7 +203,7 @@ class HybridLookup:
         """The hit window the coordinator grants, or None if nothing loads.
 
         ``query`` was built with :attr:`geometry`; ``folded`` is
-        :func:`~umbp.core.lookup.fold_rank_hits` of its answers;
+        :func:`~umbp.core.lookup.windows.fold_rank_hits` of its answers;
         ``request_hashes`` are the request's block hashes the query was built
         from (vLLM's ``request.block_hashes`` list, passed on uncopied).
         ``has_local_block`` is asked about every object inside the local tokens.
@@ -217,10 +223,10 @@ class HybridLookup:
                 ]
                 for group_id, group_objects in zip(
                     geometry.group_ids,
-                    core_lookup.local_object_hashes(geometry, request_hashes, query.local_tokens),
+                    local_object_hashes(geometry, request_hashes, query.local_tokens),
                 )
             )
-            self._pool.load_hits(core_lookup.coordinator_hit_sets(query, folded, local_hits))
+            self._pool.load_hits(coordinator_hit_sets(query, folded, local_hits))
             hashes = request_hashes if isinstance(request_hashes, list) else list(request_hashes)
             found = self._coordinator.find_longest_cache_hit(hashes, query.max_hit_end)
             hit_blocks, hit_length = found[0], int(found[1])
@@ -230,4 +236,4 @@ class HybridLookup:
             )
         finally:
             self._pool.clear_hits()
-        return core_lookup.load_spec_from_hits(query, hit_length, block_hashes_by_group)
+        return load_spec_from_hits(query, hit_length, block_hashes_by_group)

@@ -1,7 +1,7 @@
 """KV cache events for routers: BlockStored when an object became resident in
 the pool on every rank, BlockRemoved when a published object left it.
 
-umbp.core.events decides; this module only draws residency batches, asks the
+umbp.core.kv_events decides; this module only draws residency batches, asks the
 pool off the scheduler thread, and turns core's event values into vLLM's.
 """
 
@@ -12,12 +12,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
-from umbp.core import events as core_events
-from umbp.core import residency
+from umbp.core import kv_events as core_events
 from umbp.core.identity import KeySpace
 from umbp.core.rank_keys import KeyLayout, object_major_keys
-from umbp.core.store_events import StoreEvent, StoreEventResult
-from umbp.core.store_plans import StoreBatch
+from umbp.core.stores.acks import StoreEvent, StoreEventResult
 from umbp.runtime.contract import Medium, SchedulerStore, TierAware
 from umbp.shell.vllm_compat.versions import block_stored_takes_lookahead
 
@@ -45,7 +43,8 @@ class KVEventPublisher:
 
     def track(self, event: StoreEvent, result: StoreEventResult) -> None:
         """Every worker stored ``event``: its objects become candidates for BlockStored."""
-        objects = [obj for batch in event.batches for obj in _stored_objects(batch)]
+        objects = [obj for plan in event.plans
+                   for obj in core_events.stored_objects(plan, POOL_MEDIUM)]
         self._state = core_events.track_stored(self._state, objects, result.failed)
 
     def take(self, store: SchedulerStore | None, keyspace: KeySpace | None) -> list[Any]:
@@ -90,26 +89,16 @@ class KVEventPublisher:
 def _fold(
     answer: Future[_Answer], layout: KeyLayout
 ) -> tuple[list[bool] | None, list[str] | None]:
-    """The check's answer folded by core (:func:`umbp.core.residency.fold_residency`);
+    """The check's answer folded by core (:func:`umbp.core.kv_events.fold_residency`);
     (None, None) when the check failed or its answer does not fit."""
     try:
         per_key = answer.result()
     except Exception:  # noqa: BLE001 - a failed check publishes nothing this time
         return None, None
-    folded = residency.fold_residency(
+    folded = core_events.fold_residency(
         layout, per_key, disk_medium=Medium.DISK, memory_medium=Medium.CPU
     )
     return (None, None) if folded is None else folded
-
-
-def _stored_objects(batch: StoreBatch) -> list[core_events.StoredObject]:
-    return [
-        core_events.StoredObject(group_id, block_hash, parent, tokens, block_size, POOL_MEDIUM)
-        for group_id, block_hash, parent, tokens, block_size in zip(
-            batch.group_ids, batch.block_hashes, batch.parent_hashes, batch.token_ids,
-            batch.block_sizes,
-        )
-    ]
 
 
 def _to_vllm(event: core_events.KvEvent) -> Any:

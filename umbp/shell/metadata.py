@@ -13,24 +13,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from umbp.core.identity import RankCoord
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.store_events import StoreEventResult, merge_store_results
-from umbp.core.store_plans import StoreBatch
+from umbp.core.plans import LoadPlan, StorePlan
+from umbp.core.stores.acks import StoreEventResult, merge_store_results
 from umbp.runtime.embedded import PoolAddress
 
 
 @dataclass
 class UMBPConnectorMetadata(KVConnectorMetadata):
     """Loads and stores for one step. Each worker builds its own rank's keys
-    from the (group, block hash) identities in the batches."""
+    from the (group, block hash) identities in the plans."""
 
-    loads: list[BlockLoadBatch] = field(default_factory=list)
+    loads: list[LoadPlan] = field(default_factory=list)
     # Requests waiting in WAITING_FOR_REMOTE_KVS: vLLM expects them back as finished
     # receives; synchronous loads must not be reported so.
     async_loads: frozenset[str] = frozenset()
     # Loads that could not be planned: their blocks are reported failed at once.
     unplanned_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    stores: list[StoreBatch] = field(default_factory=list)
+    stores: tuple[StorePlan, ...] = ()
     # Per storing request, the requests whose synchronous load this step fills
     # blocks it reads: if one fails, the worker stores nothing of the request.
     stores_over_loads: dict[str, frozenset[str]] = field(default_factory=dict)

@@ -5,22 +5,22 @@ the store events in flight (one per step that stores anything, pinned until ever
 worker has reported it) and finished requests' partial tails (pinned at finish,
 until the next step's event takes them over). The events' identities are
 *reserved* meanwhile: a later step must not plan them again. The bookkeeping is
-:mod:`umbp.core.store_events`; this class holds the mutable part and the pins.
+:mod:`umbp.core.stores.acks`; this class holds the mutable part and the pins.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from umbp.core.store_events import (
+from umbp.core.plans import StorePlan
+from umbp.core.stores.acks import (
     StoreEvent,
     StoreEventResult,
     acknowledge_reports,
     pinned_block_ids,
     reserved_identities,
 )
-from umbp.core.store_plans import StoreBatch
-from umbp.core.store_reservations import Reservations
+from umbp.core.stores.reservations import Reservations
 from umbp.shell.vllm_compat.objects import BlockPoolLike
 
 __all__ = ["PinnedStores"]
@@ -32,7 +32,7 @@ class PinnedStores:
         self._events: dict[int, tuple[StoreEvent, StoreEventResult]] = {}
         self._next_event = 0
         # Finished requests' last boundary pages, pinned until the next step's event.
-        self._finished_tails: dict[str, StoreBatch] = {}
+        self._finished_tails: dict[str, StorePlan] = {}
 
     def bind_pool(self, pool: BlockPoolLike) -> None:
         self._pool = pool
@@ -52,27 +52,29 @@ class PinnedStores:
         """The identities the in-flight events write: stored once."""
         return reserved_identities(event for event, _ in self._events.values())
 
-    def hold_finished_tail(self, request_id: str, batch: StoreBatch) -> None:
+    def hold_finished_tail(self, request_id: str, plan: StorePlan) -> None:
         """Pin a finished request's tail until the next step's event stores it."""
-        self._pin(batch)
-        self._finished_tails[request_id] = batch
+        self._pin(plan)
+        self._finished_tails[request_id] = plan
 
-    def open_event(self, stores: list[StoreBatch]) -> tuple[list[StoreBatch], int | None]:
+    def open_event(
+        self, stores: tuple[StorePlan, ...]
+    ) -> tuple[tuple[StorePlan, ...], int | None]:
         """This step's stores and the waiting tails as one event, pinned: (every
-        batch the event stores, its id; None when there is nothing to store)."""
+        plan the event stores, its id; None when there is nothing to store)."""
         tails, self._finished_tails = self._finished_tails, {}
-        batches = [*stores, *tails.values()]
+        plans = (*stores, *tails.values())
         event_id = None
-        if batches:
+        if plans:
             event_id = self._next_event
             self._next_event += 1
-            event = StoreEvent(event_id, batches=tuple(batches))
+            event = StoreEvent(event_id, plans=plans)
             self._events[event_id] = (event, StoreEventResult())
             self._pin(event)
         # The event pins the tails now; release the pins taken at request finish.
-        for batch in tails.values():
-            self._unpin(batch)
-        return batches, event_id
+        for plan in tails.values():
+            self._unpin(plan)
+        return plans, event_id
 
     def acknowledge(
         self, reports: Mapping[int, StoreEventResult], num_workers: int
@@ -84,14 +86,14 @@ class PinnedStores:
             self._unpin(event)
         return acknowledged
 
-    def _pin(self, source: StoreEvent | StoreBatch) -> None:
+    def _pin(self, source: StoreEvent | StorePlan) -> None:
         """Pin the source blocks in vLLM's pool until workers have copied them out:
         each block once (:func:`pinned_block_ids`), as :meth:`_unpin` releases them."""
         pool = self._pool
         if pool is not None:
             pool.touch(list(map(pool.blocks.__getitem__, pinned_block_ids(source))))  # C loop
 
-    def _unpin(self, source: StoreEvent | StoreBatch) -> None:
+    def _unpin(self, source: StoreEvent | StorePlan) -> None:
         """Release :meth:`_pin`'s pins, in reverse to keep vLLM's eviction order."""
         pool = self._pool
         if pool is not None:

@@ -1,6 +1,6 @@
 """What the scheduler role keeps per request: one immutable value.
 
-Its decisions live in :class:`umbp.core.request_lifecycle.RequestLifecycle` and the
+Its decisions live in :class:`umbp.core.requests.RequestLifecycle` and the
 functions beside it; this value adds only what core cannot hold: vLLM's request
 object (read through :class:`~umbp.shell.vllm_compat.objects.RequestLike`) and a lookup
 running on the lookup thread pool.
@@ -11,8 +11,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from umbp.core.lookup import EMPTY_LOOKUP_MEMO, LookupMemo, LookupQuery
-from umbp.core.request_lifecycle import LookupProgress, RequestLifecycle
+from umbp.core.lookup.admission import LookupProgress
+from umbp.core.lookup.query import EMPTY_LOOKUP_MEMO, LookupMemo, LookupQuery
+from umbp.core.requests import RequestLifecycle
 from umbp.shell.vllm_compat.objects import RequestLike
 
 
@@ -34,7 +35,7 @@ class PendingLookup:
 class RequestState:
     """``request``: vLLM's request, from its first allocation (None before);
     ``lookup``: a running asynchronous lookup; ``life``: everything core decides
-    from; ``lookups``: core's :class:`~umbp.core.lookup.LookupMemo`, the request's
+    from; ``lookups``: core's :class:`~umbp.core.lookup.query.LookupMemo`, the request's
     last query (a repeated lookup of a waiting request reuses it whole) and, only
     for a store asked by key string, the keys built so far, so none is built twice."""
 

@@ -2,13 +2,15 @@
 
 One :class:`~umbp.shell.request_state.RequestState` per request; every hook is
 "read vLLM's objects (through :mod:`umbp.shell.vllm_compat`) -> ask core
-(:mod:`umbp.core.request_lifecycle` and the plans it sequences) -> apply": store
+(:mod:`umbp.core.lookup`, :mod:`umbp.core.requests`, :mod:`umbp.core.stores`, :mod:`umbp.core.loads`) -> apply": store
 the new state, count, log, pin or unpin. Admission (lookups, hit windows, load
 plans) is :mod:`umbp.shell.admission`, a step's stores :mod:`umbp.shell.store_step`.
 Beside the per-request states the role keeps only what spans requests: the pinned
 stores (:mod:`umbp.shell.pinned_stores`: the store events in flight, the finished
-requests' tails waiting for the next step), the last step's synchronous loads, and
-the bound store and block pool.
+requests' tails waiting for the next step), the requests with a planned load not
+yet sent, the last step's synchronous loads, and the bound store and block pool.
+A step visits only the requests it concerns: those vLLM scheduled that may store,
+finished or preempted ones, and those with a load to send.
 """
 
 from __future__ import annotations
@@ -21,14 +23,29 @@ from typing import Any
 
 from returns.result import Failure, Success
 
-from umbp.core import failed_loads, store_tracking, transfer_plans
-from umbp.core import request_lifecycle as lifecycle
 from umbp.core.config import ConnectorConfig
+from umbp.core.geometry import BlockTable, block_table_of
 from umbp.core.identity import KeySpace, bound_keyspace
-from umbp.core.lookup import BlockTable, block_table_of
+from umbp.core.loads.failures import (
+    NO_SYNC_LOADS,
+    after_failed_load,
+    hit_by_failed_load,
+    loads_in_reach,
+    stores_over_sync_loads,
+    sync_loads_of,
+)
+from umbp.core.plans import StorePlan
 from umbp.core.rank_keys import rank_tags
-from umbp.core.request_lifecycle import RequestLifecycle
-from umbp.core.store_plans import StoreBatch
+from umbp.core.requests import (
+    RequestLifecycle,
+    after_cache_reset,
+    after_preemption,
+    cache_reset_allowed,
+    registers_finished_tail,
+    take_step_loads,
+)
+from umbp.core.stores.handoffs import finished_partial_tail_plans, transfer_store_plan
+from umbp.core.stores.tracking import eagle_store_groups, stores_under_role
 from umbp.runtime.backends import open_scheduler_store
 from umbp.runtime.contract import SchedulerStore
 from umbp.shell import vllm_compat
@@ -84,14 +101,14 @@ class UMBPScheduler:
         )
         self._geometry = geometry if hybrid is None else hybrid.geometry
         # The drafter recomputes the last block of its groups: their masks drop it.
-        self._eagle_store_groups = store_tracking.eagle_store_groups(
+        self._eagle_store_groups = eagle_store_groups(
             vllm_compat.eagle_group_ids(kv_cache_config),
             self._geometry.group_ids, self._geometry.use_eagle,
         )
         self._full_attention_groups = vllm_compat.full_attention_group_ids(
             kv_cache_config, self._geometry.group_ids
         )
-        self._store_enabled = store_tracking.stores_under_role(active, vllm_compat.kv_role(vllm_config))
+        self._store_enabled = stores_under_role(active, vllm_compat.kv_role(vllm_config))
         self._num_workers = vllm_compat.world_size(vllm_config)
         self._topology = vllm_compat.topology_of(vllm_config)
         self._lookup_executor = ThreadPoolExecutor(
@@ -101,11 +118,14 @@ class UMBPScheduler:
         self._keyspace: KeySpace | None = None
         self._gpu_block_pool: BlockPoolLike | None = None
         self._requests: dict[str, RequestState] = {}
+        # Requests whose allocation planned a load (or blocks to recompute) that the
+        # next step's metadata carries, in allocation order.
+        self._loads_to_send: dict[str, None] = {}
         self._pinned = PinnedStores()
         # Requests whose failed load was acted on since the last step's metadata.
         self._settled_load_failures: set[str] = set()
         # The last step's synchronous loads (its failures may not be known yet).
-        self._previous_sync_loads = failed_loads.NO_SYNC_LOADS
+        self._previous_sync_loads = NO_SYNC_LOADS
         self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
         self._kv_events = (
             KVEventPublisher(config.kv_event_max_objects, self._lookup_executor)
@@ -166,9 +186,12 @@ class UMBPScheduler:
         self, request: RequestLike, blocks: KVCacheBlocksLike, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
-        self._requests[request_id] = self._admission.allocated(
+        state = self._admission.allocated(
             request, blocks, num_external_tokens, self._requests.get(request_id, UNKNOWN)
         )
+        self._requests[request_id] = state
+        if state.life.load is not None or state.life.unplanned_load is not None:
+            self._loads_to_send[request_id] = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata()
@@ -177,26 +200,27 @@ class UMBPScheduler:
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
-        # A consumer stores nothing (core.store_tracking.stores_under_role).
+        # A consumer stores nothing (core.stores.tracking.stores_under_role).
         stores = self._store_step.plan(
             scheduler_output, self._requests, reserved, preempted, self._store, self._keyspace
-        ) if self._store_enabled else []
-        loads = lifecycle.take_step_loads({r: s.life for r, s in self._requests.items()})
+        ) if self._store_enabled else ()
+        loads = take_step_loads({
+            r: self._requests[r].life for r in self._loads_to_send if r in self._requests
+        })
+        self._loads_to_send.clear()
         self._apply(loads.states)
         meta.loads = list(loads.loads)
         meta.unplanned_loads = dict(loads.unplanned)
         meta.async_loads = loads.async_loads
-        sync_loads = failed_loads.sync_loads_of(loads)
-        in_reach = failed_loads.loads_in_reach(self._previous_sync_loads, sync_loads)
+        sync_loads = sync_loads_of(loads)
+        in_reach = loads_in_reach(self._previous_sync_loads, sync_loads)
         if stores and in_reach is not None:
-            meta.stores_over_loads = failed_loads.stores_over_sync_loads(
-                in_reach, self._tables_of(stores)
-            )
+            meta.stores_over_loads = stores_over_sync_loads(in_reach, self._tables_of(stores))
         self._previous_sync_loads = sync_loads
-        self._apply({r: lifecycle.after_preemption(self._requests[r].life)
+        self._apply({r: after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
-        # The worker stores for these again (core.load_outcomes.still_computing_over_failures).
+        # The worker stores for these again (core.loads.failures.still_computing_over_failures).
         meta.settled_load_failures = frozenset(self._settled_load_failures).union(
             scheduler_output.finished_req_ids, preempted
         )
@@ -205,13 +229,13 @@ class UMBPScheduler:
         meta.stores, meta.store_event = self._pinned.open_event(stores)
         return meta
 
-    def _tables_of(self, stores: list[StoreBatch]) -> dict[str, BlockTable]:
+    def _tables_of(self, stores: tuple[StorePlan, ...]) -> dict[str, BlockTable]:
         """The block tables the storing requests read from this step."""
         tables: dict[str, BlockTable] = {}
-        for batch in stores:
-            tracker = self._requests.get(batch.request_id, UNKNOWN).life.tracker
+        for plan in stores:
+            tracker = self._requests.get(plan.request_id, UNKNOWN).life.tracker
             if tracker is not None:
-                tables[batch.request_id] = tracker.block_table
+                tables[plan.request_id] = tracker.block_table
         return tables
 
     def _apply(self, lives: Mapping[str, RequestLifecycle]) -> None:
@@ -235,16 +259,17 @@ class UMBPScheduler:
         """vLLM has cut the failed requests' computed tokens by now; their
         watermarks follow, so what vLLM recomputes is stored again."""
         hash_block_size = self._geometry.hash_block_size
+        rewound: set[str] = set()
         for request_id, state in list(self._requests.items()):
             request, failed = state.request, request_id in failed_requests
-            if request is None or not failed_loads.hit_by_failed_load(
-                state.life, failed_blocks, failed
-            ):
+            if request is None or not hit_by_failed_load(state.life, failed_blocks, failed):
                 continue
-            self._requests[request_id] = state.with_life(failed_loads.after_failed_load(
+            self._requests[request_id] = state.with_life(after_failed_load(
                 state.life, failed_blocks, failed, request.num_computed_tokens, hash_block_size,
             ))
-            self._settled_load_failures.add(request_id)
+            rewound.add(request_id)
+        self._settled_load_failures |= rewound
+        self._store_step.may_store_again(rewound)
 
     # -- request lifecycle --------------------------------------------------------
 
@@ -255,7 +280,7 @@ class UMBPScheduler:
         """Pin a finished request's last boundary pages for next step's store.
         Returns False: vLLM may clean the request up now, the pins keep the pages."""
         pool, request_id = self._gpu_block_pool, request.request_id
-        if not lifecycle.registers_finished_tail(
+        if not registers_finished_tail(
             self._store_enabled, pool is not None, bool(offloads),
             self._pinned.has_tail(request_id),
             self._requests.get(request_id, UNKNOWN).life.tracker is not None,
@@ -263,7 +288,7 @@ class UMBPScheduler:
             return False
         assert pool is not None  # registers_finished_tail requires a bound pool
         geometry = self._geometry
-        plans = transfer_plans.finished_partial_tail_plans(
+        plans = finished_partial_tail_plans(
             request_id, geometry, offloads, block_table_of(block_ids, geometry.group_ids),
             tuple(request.block_hashes), request.num_computed_tokens,
             request.num_in_flight_tokens, self._full_attention_groups,
@@ -272,7 +297,7 @@ class UMBPScheduler:
         match plans:
             case Success(tail):
                 self._pinned.hold_finished_tail(
-                    request_id, transfer_plans.transfer_batch(request_id, tail)
+                    request_id, transfer_store_plan(request_id, tail, self._events_enabled)
                 )
             case Failure(reason):
                 logger.debug("umbp partial tail of request %s not stored: %s", request_id, reason)
@@ -297,12 +322,12 @@ class UMBPScheduler:
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: empty the pool too."""
-        if not lifecycle.cache_reset_allowed(self._pinned.events_in_flight,
+        if not cache_reset_allowed(self._pinned.events_in_flight,
                                              self._pinned.tails_waiting):
             return False
         for request_id, state in list(self._requests.items()):
             self._requests[request_id] = state.without_lookup().with_life(
-                lifecycle.after_cache_reset(state.life)
+                after_cache_reset(state.life)
             )
         cleared = True if self._store is None else self._store.clear()
         if cleared and self._kv_events is not None:
@@ -319,3 +344,5 @@ class UMBPScheduler:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, UNKNOWN).without_lookup()
+        self._loads_to_send.pop(request_id, None)
+        self._store_step.forget(request_id)

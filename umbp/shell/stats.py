@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from umbp.core.load_outcomes import LOAD_FAILURES, LoadStatus
+from umbp.core.loads.outcomes import LOAD_FAILURES, LoadStatus
 from umbp.runtime.contract import Medium, ReportsTiers, WorkerStore
 
 logger = logging.getLogger("umbp")

@@ -7,7 +7,7 @@ fails for any reason is reported, so vLLM recomputes those tokens: a failed
 load is never served.
 
 Each transfer is read -> core -> apply: the store's per-object answers go to
-``umbp.core.load_outcomes``, which decides which rows reach the KV cache, which
+``umbp.core.loads.outcomes``, which decides which rows reach the KV cache, which
 blocks failed and how vLLM hears of it; this module copies, counts and reports.
 """
 
@@ -16,33 +16,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from umbp.core.config import ConnectorConfig
-from umbp.core.identity import Identity, KeySpace, RankCoord, resolve_namespace
-from umbp.core.load_outcomes import (
+from umbp.core.identity import KeySpace, ObjectId, RankCoord, resolve_namespace
+from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
+from umbp.core.loads.outcomes import (
     GroupLoadOutcome,
     LoadReport,
     LoadStatus,
     RequestLoadOutcome,
-    batch_load_outcome,
-    computed_over_failed_loads,
-    failed_store_identities,
     failure_reporting,
     failure_unreportable,
-    pool_page_bytes,
+    plan_load_outcome,
     report_load,
-    rows_by_group,
-    still_computing_over_failures,
-    stores_past_failed_loads,
     unplanned_load_outcome,
 )
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.store_events import StoreEventResult
-from umbp.core.store_plans import StoreBatch
+from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
+from umbp.core.pool_pages import pool_page_bytes
+from umbp.core.stores.acks import StoreEventResult
+from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.staging import StagingRows
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
@@ -206,46 +201,43 @@ class UMBPWorker:
             computed_over_failed_loads(outcomes), meta.stores_over_loads,
         )
 
-    def _load(self, batch: BlockLoadBatch, is_async: bool) -> RequestLoadOutcome:
-        statuses = {
-            group_id: self._read_group(group_id, batch, rows)
-            for group_id, rows in rows_by_group(batch.group_ids)
-        }
-        outcome = batch_load_outcome(batch, statuses, is_async)
-        for group in outcome.groups:
-            self._scatter_loaded(group)
+    def _load(self, plan: LoadPlan, is_async: bool) -> RequestLoadOutcome:
+        reads = [self._read_group(group) for group in plan.groups]
+        outcome = plan_load_outcome(plan, [statuses for statuses, _ in reads], is_async)
+        for group, (_, staging) in zip(outcome.groups, reads):
+            self._scatter_loaded(group, staging)
         return outcome
 
     def _read_group(
-        self, group_id: int, batch: BlockLoadBatch, rows: Sequence[int]
-    ) -> tuple[LoadStatus, ...] | None:
-        """The statuses of reading the group's objects into its staging rows; None
-        when the group cannot be read (no store, or no KV memory while asleep)."""
-        copier = self._copiers.get(group_id)
+        self, group: GroupBlocks
+    ) -> tuple[tuple[LoadStatus, ...] | None, torch.Tensor | None]:
+        """The statuses of reading the group's objects into its staging rows, and
+        those rows; (None, None) when the group cannot be read (no store, or no KV
+        memory while asleep)."""
+        copier = self._copiers.get(group.group_id)
         if copier is None or self._store is None:
-            return None
-        staging = self._staging.rows(group_id, len(rows), copier.object_bytes, copier.device)
+            return None, None
+        staging = self._staging.rows(group.group_id, len(group), copier.object_bytes,
+                                     copier.device)
         payload = staging.numpy()
         try:
             return self._store.get_batch_into(
-                self._keys(batch, rows), [payload[i] for i in range(len(rows))]
-            )
+                self._keys(group), [payload[i] for i in range(len(group))]
+            ), staging
         # A store answers its failures as values (umbp.runtime.contract); one that
         # raises breaks it (a binding's own error, unknown here), and umbp must never
         # be the reason a request fails: the group counts as unread and is recomputed.
         except Exception as error:  # noqa: BLE001
             logger.warning("umbp load failed: %s", error)
-            return None
+            return None, None
 
-    def _scatter_loaded(self, group: GroupLoadOutcome) -> None:
+    def _scatter_loaded(self, group: GroupLoadOutcome, staging: torch.Tensor | None) -> None:
         """Only the rows core says loaded intact reach the KV cache."""
         if group.problem is not None:
             logger.error("umbp load: %s", group.problem)
-        if not group.loaded_rows:
+        if not group.loaded_rows or staging is None:
             return
         copier = self._copiers[group.group_id]
-        size = len(group.loaded_rows) + len(group.failed_block_ids)
-        staging = self._staging.rows(group.group_id, size, copier.object_bytes, copier.device)
         if not group.all_loaded:  # rare: pick the intact rows
             staging = staging.index_select(0, torch.tensor(group.loaded_rows, dtype=torch.long))
         copier.scatter(group.loaded_block_ids, staging)
@@ -293,7 +285,7 @@ class UMBPWorker:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; what vLLM recomputes is stored when computed",
                            len(not_stored))
-        failed = not_stored.union(*(self._store_objects(batch) for batch in stores))
+        failed = not_stored.union(*(self._store_objects(plan) for plan in stores))
         self.counters.store_seconds += time.perf_counter() - started
         with self._lock:
             self._store_results[meta.store_event] = StoreEventResult(1, failed)
@@ -309,11 +301,9 @@ class UMBPWorker:
             self._backend.close()
             self._backend = None
 
-    def _keys(self, batch: BlockLoadBatch | StoreBatch, rows: Sequence[int]) -> list[str]:
-        return [
-            self._keyspace.key(self._rank, batch.group_ids[row], batch.block_hashes[row])
-            for row in rows
-        ]
+    def _keys(self, group: GroupBlocks) -> list[str]:
+        keyspace, rank, group_id = self._keyspace, self._rank, group.group_id
+        return [keyspace.key(rank, group_id, block_hash) for block_hash in group.block_hashes]
 
     def _register(self, staging: torch.Tensor) -> None:
         """Let a transport that moves bytes only from registered memory (Mooncake,
@@ -334,35 +324,33 @@ class UMBPWorker:
             except OSError as error:
                 logger.debug("umbp: unregistering the staging buffer: %s", error)
 
-    def _store_objects(self, batch: StoreBatch) -> frozenset[Identity]:
-        """Store every object of the batch; returns the identities that failed."""
-        failed: frozenset[Identity] = frozenset()
-        for group_id, rows in rows_by_group(batch.group_ids):
-            identities = [(group_id, batch.block_hashes[row]) for row in rows]
-            stored = self._write_group(group_id, batch, rows)
-            group_failed = failed_store_identities(identities, stored)
-            written = len(rows) - len(group_failed)
-            object_bytes = self._object_bytes.get(group_id, 0)
+    def _store_objects(self, plan: StorePlan) -> frozenset[ObjectId]:
+        """Store every object of the plan; returns the identities that failed."""
+        failed: frozenset[ObjectId] = frozenset()
+        for group in plan.groups:
+            group_failed = failed_store_identities(
+                tuple(group.identities()), self._write_group(group)
+            )
+            written = len(group) - len(group_failed)
             self.counters.stored_blocks += written
-            self.counters.stored_bytes += written * object_bytes
+            self.counters.stored_bytes += written * self._object_bytes.get(group.group_id, 0)
             self.counters.store_failures += len(group_failed)
             failed |= group_failed
         return failed
 
-    def _write_group(
-        self, group_id: int, batch: StoreBatch, rows: Sequence[int]
-    ) -> tuple[bool, ...] | None:
+    def _write_group(self, group: GroupBlocks) -> tuple[bool, ...] | None:
         """Gather the group's blocks and put them; None when the group cannot be
         written (no store, or no KV memory while asleep)."""
-        copier = self._copiers.get(group_id)
+        copier = self._copiers.get(group.group_id)
         if copier is None or self._store is None:
             return None
-        staging = self._staging.rows(group_id, len(rows), copier.object_bytes, copier.device)
-        copier.gather([batch.block_ids[row] for row in rows], staging)
+        staging = self._staging.rows(group.group_id, len(group), copier.object_bytes,
+                                     copier.device)
+        copier.gather(list(group.block_ids), staging)
         payload = staging.numpy()
         try:
             return self._store.put_batch(
-                self._keys(batch, rows), [payload[i] for i in range(len(rows))]
+                self._keys(group), [payload[i] for i in range(len(group))]
             )
         # As in _read_group: a store raising breaks its contract, and must not fail
         # the request; the group counts as not stored.

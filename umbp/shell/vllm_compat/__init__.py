@@ -16,6 +16,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from umbp.core.geometry import CacheGeometry, lookup_unit, needs_coordinator
 from umbp.core.identity import (
     CacheGroupShape,
     NamespaceInputs,
@@ -24,8 +25,6 @@ from umbp.core.identity import (
     namespace_fingerprint,
     rank_coord,
 )
-from umbp.core.lookup import LookupGeometry, lookup_unit
-from umbp.core.request_lifecycle import needs_coordinator
 from umbp.core.support import SupportInputs
 from umbp.runtime.weights import WeightsUnknown, weights_identity
 from umbp.shell.vllm_compat.objects import RequestLike, SchedulerOutputLike
@@ -287,14 +286,14 @@ def current_block_ids(
     return None if block_state is None else block_state.get_block_ids(request_id)
 
 
-def lookup_geometry(vllm_config: Any, kv_cache_config: Any, partial_hash_hits: bool) -> LookupGeometry:
+def lookup_geometry(vllm_config: Any, kv_cache_config: Any, partial_hash_hits: bool) -> CacheGeometry:
     """The cache groups' shape as core's lookups and plans see it."""
     block_size, hash_block_size = block_sizes(vllm_config, kv_cache_config)
     group_ids = prefix_cacheable_group_ids(kv_cache_config)
     dcp = parallel_sizes(vllm_config)[2]
     groups = kv_cache_config.kv_cache_groups
     sizes = tuple(group_block_size(groups[g].kv_cache_spec, dcp) for g in group_ids)
-    return LookupGeometry(
+    return CacheGeometry(
         group_ids=group_ids,
         group_block_sizes=sizes,
         lookup_units=tuple(

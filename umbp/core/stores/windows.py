@@ -1,12 +1,11 @@
 """One request's store window in the scheduler role: each step, the blocks that
 became full since its watermark and the block table they are read from, and the
-candidates vLLM's masks keep (the store pass's input,
-:class:`umbp.core.store_pass.StoreCandidates`).
+candidates vLLM's masks keep (:class:`StoreCandidates`, the store pass's input).
 
-The shell's store step calls :func:`new_request_store_window` for a request
-scheduled for the first time, :func:`cached_request_stores` then
-:func:`cached_request_store_window` for one scheduled before, and
-:func:`store_candidates` with vLLM's masks.
+:func:`new_request_store_window` serves a request scheduled for the first time,
+:func:`cached_request_stores` then :func:`cached_request_store_window` one scheduled
+before, and :func:`store_candidates` applies vLLM's masks
+(:mod:`umbp.core.stores.step` sequences them).
 """
 
 from __future__ import annotations
@@ -14,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from returns.result import Result
 
-from umbp.core.lookup import BlockTable, LookupGeometry
-from umbp.core.request_lifecycle import RequestLifecycle
-from umbp.core.store_pass import StoreCandidates
-from umbp.core.store_plans import apply_store_masks
-from umbp.core.store_tracking import (
+from umbp.core.geometry import BlockTable, CacheGeometry
+from umbp.core.stores.plans import StoreSelection, apply_store_masks
+from umbp.core.stores.tracking import (
     StoreTracker,
     save_watermark,
     storable_tokens,
@@ -30,13 +28,34 @@ from umbp.core.store_tracking import (
     stores_this_step,
 )
 
+if TYPE_CHECKING:  # core.requests imports this package's tracker
+    from umbp.core.requests import RequestLifecycle
+
 __all__ = [
+    "StoreCandidates",
     "StoreWindow",
     "cached_request_store_window",
     "cached_request_stores",
     "new_request_store_window",
     "store_candidates",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCandidates:
+    """One request's blocks chosen for storing this step (after vLLM's masks).
+
+    ``cached_tokens``: the tokens the request had when it was scheduled without
+    computing them (vLLM's prefix-cache hits plus umbp's restored window). Its
+    blocks that end at or below that count may already be in the pool.
+    """
+
+    request_id: str
+    selected: StoreSelection
+    block_table: BlockTable
+    block_hashes: tuple[bytes, ...]
+    cached_tokens: int = 0
+    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +69,7 @@ class StoreWindow:
 
 def _advance(
     tracker: StoreTracker,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     boundary_groups: AbstractSet[int],
     table: BlockTable,
     total_tokens: int,
@@ -67,7 +86,7 @@ def _advance(
 
 def new_request_store_window(
     state: RequestLifecycle,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     boundary_groups: AbstractSet[int],
     num_computed_tokens: int,
     num_scheduled_tokens: int,
@@ -106,7 +125,7 @@ def cached_request_stores(
 
 def cached_request_store_window(
     state: RequestLifecycle,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     boundary_groups: AbstractSet[int],
     num_computed_tokens: int,
     num_scheduled_tokens: int,

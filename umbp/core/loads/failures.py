@@ -1,32 +1,41 @@
-"""Failed loads in the scheduler role: which requests a step's synchronous loads
-leave exposed, and what vLLM's report of a failed load rewinds.
+"""Failed loads and the stores that read over them.
 
-vLLM's async scheduling plans the next step before a step's failures are known,
-so the scheduler keeps a step's synchronous loads (:func:`sync_loads_of`, a
-:class:`SyncLoads`), joins them to the next step's (:func:`loads_in_reach`) and
-tells workers which stores depend on them (:func:`stores_over_sync_loads`); once
-vLLM reports a failure, each request it concerns (:func:`hit_by_failed_load`)
-gets its store watermark rewound to where vLLM recomputes from
-(:func:`after_failed_load`).
+A synchronous load lands before the step's forward pass; if it fails, every request
+of that step reading its blocks computes over stale KV, and what it writes must not
+be stored under the right hashes. In the scheduler role: a step's synchronous loads
+are kept (:func:`sync_loads_of`), joined to the next step's (:func:`loads_in_reach`,
+vLLM's async scheduling plans a step before the last one's failures are known), and
+the storing requests that read their blocks are named for the workers
+(:func:`stores_over_sync_loads`); once vLLM reports a failure, each request it
+concerns (:func:`hit_by_failed_load`) gets its store watermark rewound to where vLLM
+recomputes from (:func:`after_failed_load`). In the worker role: the requests whose
+stores are left out this step (:func:`computed_over_failed_loads`,
+:func:`still_computing_over_failures`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.lookup import BlockTable
-from umbp.core.request_lifecycle import RequestLifecycle, StepLoads
+from umbp.core.geometry import BlockTable
+from umbp.core.loads.outcomes import RequestLoadOutcome
+from umbp.core.plans import LoadPlan, plan_block_ids
+
+if TYPE_CHECKING:  # core.requests imports this package's plans
+    from umbp.core.requests import RequestLifecycle, StepLoads
 
 __all__ = [
     "NO_SYNC_LOADS",
     "SyncLoads",
     "after_failed_load",
+    "computed_over_failed_loads",
     "hit_by_failed_load",
     "loads_in_reach",
     "rewound_watermark",
+    "still_computing_over_failures",
     "stores_over_sync_loads",
     "sync_loads_of",
 ]
@@ -34,10 +43,10 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class SyncLoads:
-    """Synchronous loads: the planned batches and, per request, the block ids of
+    """Synchronous loads: the planned loads and, per request, the block ids of
     loads that could not be planned (reported failed by the worker)."""
 
-    loads: tuple[BlockLoadBatch, ...]
+    loads: tuple[LoadPlan, ...]
     unplanned: Mapping[str, tuple[int, ...]]
 
 
@@ -80,12 +89,12 @@ def stores_over_sync_loads(
     A synchronous load lands before the step's forward pass, and vLLM lets other
     requests of the same step hit its blocks (they are cached at allocation): if
     the load fails, every such request computes over stale blocks, and the worker
-    must not store what it computed (``umbp.core.load_outcomes.stores_past_failed_loads``).
+    must not store what it computed (``umbp.core.stores.results.stores_past_failed_loads``).
     Block ids are compared across groups: synchronous loads exist only for one-group
     models (``effective_load_async``), and a false match only drops a store."""
     filled: dict[int, set[str]] = {}
     for request_id, block_ids in (
-        *((b.request_id, b.block_ids) for b in sync.loads), *sync.unplanned.items()
+        *((plan.request_id, plan_block_ids(plan)) for plan in sync.loads), *sync.unplanned.items()
     ):
         for block in block_ids:
             filled.setdefault(block, set()).add(request_id)
@@ -141,3 +150,34 @@ def after_failed_load(
     if saved == tracker.saved_tokens:
         return state
     return state.with_tracker(replace(tracker, saved_tokens=saved))
+
+
+
+def computed_over_failed_loads(outcomes: Sequence[RequestLoadOutcome]) -> frozenset[str]:
+    """The requests whose synchronous load failed this step. Their load lands before
+    the forward pass, which then computes every new token of theirs attending to the
+    failed blocks' stale contents: what that step writes is wrong KV under the
+    right hashes. (An asynchronous load's request is not computed in its step.)"""
+    return frozenset(o.request_id for o in outcomes if o.failed and not o.is_async)
+
+
+def still_computing_over_failures(
+    previous: AbstractSet[str],
+    settled: AbstractSet[str],
+    failed_sync_loads: AbstractSet[str],
+    read_over: Mapping[str, AbstractSet[str]],
+) -> frozenset[str]:
+    """The requests whose stores the worker leaves out this step: those whose own
+    synchronous load failed this step (:func:`computed_over_failed_loads`), those
+    of earlier steps the scheduler has not yet ``settled``, and those that read
+    blocks one of these loads filled (``read_over``, the scheduler's
+    ``stores_over_sync_loads``, over this step's and the last step's loads). vLLM
+    plans a step before the previous step's failure is known (async scheduling):
+    such a step still computes over the stale blocks. Settled
+    (the scheduler saw vLLM cut their computed tokens before planning this step, or
+    they finished or were preempted): what they compute from now on is the
+    recompute."""
+    unsettled = (set(previous) - set(settled)) | failed_sync_loads
+    followers = {r for r, loads in read_over.items() if not unsettled.isdisjoint(loads)}
+    return frozenset(unsettled | followers)
+

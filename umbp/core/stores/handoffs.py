@@ -1,7 +1,9 @@
-"""Transfer plans: single blocks stored under one identity outside the prompt's
-store window: Mamba "align" states that vLLM hands off at committed boundaries
-(:func:`boundary_state_plans`) and the pages of a finished request's
-fine-grained last boundary (:func:`finished_partial_tail_plans`).
+"""Hand-offs: single blocks stored under one identity outside the prompt's store
+window: Mamba "align" states that vLLM hands off at committed boundaries
+(:func:`boundary_state_plans`) and the pages of a finished request's fine-grained
+last boundary (:func:`finished_partial_tail_plans`). Each becomes a
+:class:`BlockTransferPlan`; a request's become one store plan
+(:func:`transfer_store_plan`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from dataclasses import dataclass
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.identity import Identity
-from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
-from umbp.core.store_plans import StoreBatch
+from umbp.core.geometry import NULL_BLOCK_ID, BlockTable, CacheGeometry
+from umbp.core.identity import ObjectId
+from umbp.core.plans import GroupBlocks, StoredBlockFacts, StorePlan
 
 __all__ = [
     "BlockTransferPlan",
@@ -23,8 +25,8 @@ __all__ = [
     "DroppedOffloads",
     "boundary_state_plans",
     "finished_partial_tail_plans",
-    "transfer_batch",
-    "transfer_batches",
+    "transfer_store_plan",
+    "transfer_store_plans",
 ]
 
 
@@ -40,7 +42,7 @@ class BlockTransferPlan:
     block_size: int
 
     @property
-    def identity(self) -> Identity:
+    def identity(self) -> ObjectId:
         return (self.group_id, self.block_hash)
 
 
@@ -89,7 +91,7 @@ def boundary_state_plans(
         if hashes is None:
             dropped.append(DroppedOffloads(request_id, len(entries), DropReason.UNTRACKED))
             continue
-        seen: set[Identity] = set()
+        seen: set[ObjectId] = set()
         for group_id, block_id, boundary_tokens in entries:
             if group_id not in prefix_groups or block_id == NULL_BLOCK_ID:
                 continue
@@ -117,31 +119,45 @@ def boundary_state_plans(
     return tuple(plans), tuple(dropped)
 
 
-def transfer_batch(request_id: str, plans: Sequence[BlockTransferPlan]) -> StoreBatch:
-    """Transfer plans of one request as a store batch (whole pages, no token ids:
-    a state page is not token-addressable)."""
-    return StoreBatch(
-        request_id,
-        tuple(plan.group_id for plan in plans),
-        tuple(plan.block_id for plan in plans),
-        tuple(plan.block_hash for plan in plans),
-        tuple(plan.parent_hash for plan in plans),
-        tuple(() for _ in plans),
-        tuple(plan.block_size for plan in plans),
+def transfer_store_plan(
+    request_id: str, plans: Sequence[BlockTransferPlan], events_enabled: bool
+) -> StorePlan:
+    """Transfer plans of one request as one store plan, grouped by cache group in
+    first-seen order (whole pages; no token ids: a state page is not
+    token-addressable)."""
+    by_group: dict[int, list[BlockTransferPlan]] = {}
+    for plan in plans:
+        by_group.setdefault(plan.group_id, []).append(plan)
+    groups = tuple(
+        GroupBlocks(
+            group_id, group[0].block_size, tuple(p.block_id for p in group),
+            tuple(p.block_hash for p in group),
+        )
+        for group_id, group in by_group.items()
     )
+    facts = tuple(
+        StoredBlockFacts(tuple(p.parent_hash for p in group), tuple(() for _ in group))
+        for group in by_group.values()
+    ) if events_enabled else None
+    return StorePlan(request_id, groups, facts)
 
 
-def transfer_batches(plans: Sequence[BlockTransferPlan]) -> tuple[StoreBatch, ...]:
-    """One store batch per request, in first-seen request order."""
+def transfer_store_plans(
+    plans: Sequence[BlockTransferPlan], events_enabled: bool
+) -> tuple[StorePlan, ...]:
+    """One store plan per request, in first-seen request order."""
     by_request: dict[str, list[BlockTransferPlan]] = {}
     for plan in plans:
         by_request.setdefault(plan.request_id, []).append(plan)
-    return tuple(transfer_batch(request_id, group) for request_id, group in by_request.items())
+    return tuple(
+        transfer_store_plan(request_id, group, events_enabled)
+        for request_id, group in by_request.items()
+    )
 
 
 def finished_partial_tail_plans(
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     entries: Sequence[tuple[int, int, int]],
     block_table: BlockTable,
     request_hashes: Sequence[bytes],

@@ -1,16 +1,12 @@
-"""The shape of the cache as lookups see it, and the guards and limits of a lookup.
+"""The shape of the KV cache as lookups and plans see it; fixed for an engine.
 
-:class:`LookupGeometry` is fixed for an engine: its prefix-cacheable groups, their
-block sizes and the tokens between two probed objects. The functions here decide
-whether a request is looked up at all (:func:`lookup_skip_reason`), how far a lookup
-may probe (:func:`lookup_limit`), and which of the request's hashes identify the
-objects ending at given tokens (:func:`hashes_at_token_ends`). :mod:`umbp.core.lookup`
-builds queries and hit windows on them and re-exports every name here.
+:class:`CacheGeometry` names the prefix-cacheable groups, their block sizes and the
+tokens between two probed objects; block tables align with its groups. The
+helpers here read a request's chained block hashes at given token ends.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, TypeAlias
@@ -18,20 +14,19 @@ from typing import Final, TypeAlias
 __all__ = [
     "NULL_BLOCK_ID",
     "BlockTable",
-    "LookupGeometry",
-    "LookupSkip",
+    "CacheGeometry",
     "block_table_of",
     "hashes_at_token_ends",
-    "lookup_limit",
-    "lookup_skip_reason",
     "lookup_unit",
+    "needs_coordinator",
 ]
 
 NULL_BLOCK_ID: Final = 0
 """vLLM's null block: a placeholder in a block table that holds no KV."""
 
+
 BlockTable: TypeAlias = tuple[tuple[int, ...], ...]
-"""Block ids per prefix-cacheable group, aligned with ``LookupGeometry.group_ids``."""
+"""Block ids per prefix-cacheable group, aligned with ``CacheGeometry.group_ids``."""
 
 
 def block_table_of(block_ids: Sequence[Sequence[int]], group_ids: Sequence[int]) -> BlockTable:
@@ -43,7 +38,7 @@ def block_table_of(block_ids: Sequence[Sequence[int]], group_ids: Sequence[int])
 
 
 @dataclass(frozen=True, slots=True)
-class LookupGeometry:
+class CacheGeometry:
     """The shape of the cache as lookups and plans see it; fixed for an engine.
 
     ``group_ids`` are the prefix-cacheable KV cache groups in vLLM's order;
@@ -119,59 +114,12 @@ def lookup_unit(
     return group_block_size
 
 
-class LookupSkip(enum.Enum):
-    """Why a request is not looked up at all (each answers ``0, False``)."""
 
-    DISABLED = "lookup disabled"
-    NO_HASHES = "request has no block hashes"
-    PROMPT_SHORTER_THAN_ALIGNMENT = "request is shorter than one lookup alignment"
-    LOCAL_NOT_BLOCK_ALIGNED = "locally computed tokens are not block aligned"
-    NO_CACHEABLE_GROUPS = "no prefix-cacheable KV cache group"
-    NO_TOKEN_LEFT_TO_LOAD = "every token but the last is already local"
+def needs_coordinator(group_count: int, single_group_is_full_attention: bool) -> bool:
+    """Several cache groups, or one that is not plain full attention: vLLM's own
+    coordinator decides the hit window from umbp's answers."""
+    return group_count > 1 or (group_count == 1 and not single_group_is_full_attention)
 
-
-def lookup_skip_reason(
-    geometry: LookupGeometry,
-    enabled: bool,
-    num_hashes: int,
-    num_tokens: int,
-    local_tokens: int,
-) -> LookupSkip | None:
-    """The first guard that rules out a lookup, in the reference's order, or None.
-
-    ``enabled`` folds together the user's switch and the runtime being bound.
-    On any skip the caller also forgets an earlier load spec of the request: the
-    answer is then 0 tokens, so an older window no longer describes what vLLM
-    allocates (the reference forgets it only on ``NO_TOKEN_LEFT_TO_LOAD``).
-    """
-    if not enabled:
-        return LookupSkip.DISABLED
-    if num_hashes <= 0:
-        return LookupSkip.NO_HASHES
-    if num_tokens < geometry.lookup_alignment:
-        return LookupSkip.PROMPT_SHORTER_THAN_ALIGNMENT
-    if local_tokens % geometry.block_size:
-        return LookupSkip.LOCAL_NOT_BLOCK_ALIGNED
-    if not geometry.group_ids:
-        return LookupSkip.NO_CACHEABLE_GROUPS
-    # vLLM must execute at least the final prompt token.
-    if num_tokens - 1 <= local_tokens:
-        return LookupSkip.NO_TOKEN_LEFT_TO_LOAD
-    return None
-
-
-def lookup_limit(geometry: LookupGeometry, num_tokens: int, num_hashes: int) -> int:
-    """The last token end worth probing.
-
-    ``num_tokens - 1`` (the last token is always computed), except that with EAGLE
-    the coordinator must see the block that ends at the prompt's end: it matches it
-    and then drops back a block itself. Never past the hashes' coverage, since an
-    object without a hash has no identity.
-    """
-    covered = num_hashes * geometry.hash_block_size
-    if geometry.use_eagle and geometry.coordinated:
-        return min(num_tokens, covered)
-    return min(num_tokens - 1, covered)
 
 
 def hashes_at_token_ends(
@@ -196,3 +144,4 @@ def hashes_at_token_ends(
     if start < 0 or stop > len(hashes):
         raise ValueError(f"request has {len(hashes)} hashes, needs indices {start}..{stop - 1}")
     return tuple(hashes[start:stop:stride])
+

@@ -1,7 +1,7 @@
 """Store tracking: what the scheduler remembers of each request for storing
 (:class:`StoreTracker`), its hash-aligned save watermark, and the blocks that
 became full since it (:func:`store_candidate_ranges`, the start of a step's
-store plan in :mod:`umbp.core.store_plans`); plus the small rules of which
+store plan in :mod:`umbp.core.stores.plans`); plus the small rules of which
 requests and groups store at all.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from umbp.core.lookup import BlockTable, LookupGeometry
+from umbp.core.geometry import BlockTable, CacheGeometry
 
 __all__ = [
     "StoreTracker",
@@ -43,7 +43,7 @@ class StoreTracker:
 
     def with_blocks_replaced(self, block_table: Sequence[Sequence[int]]) -> StoreTracker:
         """vLLM's whole table: at allocation, and each step that stores (vLLM's
-        current table, :func:`umbp.core.store_windows.cached_request_store_window`)."""
+        current table, :func:`umbp.core.stores.windows.cached_request_store_window`)."""
         return StoreTracker(
             self.saved_tokens, tuple(tuple(group) for group in block_table), self.cached_tokens
         )
@@ -113,7 +113,7 @@ def stores_this_step(
 
 
 def store_candidate_ranges(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     previous_saved: int,
     save_to: int,
     block_table: BlockTable,
@@ -137,7 +137,7 @@ def store_candidate_ranges(
 
 
 def _candidate_ranges_per_group(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     previous_saved: int,
     save_to: int,
     block_table: BlockTable,

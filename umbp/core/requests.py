@@ -1,47 +1,50 @@
-"""One request's life in the scheduler role, as values and the rules that move them.
-
-The scheduler shell keeps one :class:`RequestLifecycle` per request (inside its
-``RequestState``) and every vLLM hook is "read vLLM's objects -> one function here
--> apply the result": which lookup step comes next, what an allocation plans, which
-loads a step forwards, what a preemption or a cache reset forgets, and whether a
-finished request's tail is stored. Each step's store window is
-:mod:`umbp.core.store_windows`; what a failed load rewinds,
-:mod:`umbp.core.failed_loads`. The plans themselves come from
-:mod:`umbp.core.load_plans`, :mod:`umbp.core.store_tracking`,
-:mod:`umbp.core.store_plans` and :mod:`umbp.core.lookup`; these modules only
-sequence them.
+"""One request's life in the scheduler role, as a value, and the rules every hook
+applies to it outside lookups and stores: what an allocation plans, which loads a
+step forwards, what a preemption or a cache reset forgets, and whether a finished
+request's tail is stored. The lookup's rules are :mod:`umbp.core.lookup`, the
+store rules :mod:`umbp.core.stores`, the load rules :mod:`umbp.core.loads`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.load_plans import BlockLoadBatch, UnplannedLoad, plan_allocated_load
-from umbp.core.lookup import BlockTable, LoadSpec, LookupGeometry, LookupQuery, LookupSkip
-from umbp.core.store_tracking import StoreTracker
+from umbp.core.geometry import BlockTable, CacheGeometry
+from umbp.core.loads.plans import UnplannedLoad, plan_allocated_load
+from umbp.core.lookup.windows import LoadSpec
+from umbp.core.plans import LoadPlan
+from umbp.core.stores.tracking import StoreTracker
 
 __all__ = [
     "AllocationOutcome",
-    "LookupAction",
-    "LookupProgress",
     "RequestLifecycle",
+    "RequestView",
     "StepLoads",
     "after_allocation",
     "after_cache_reset",
-    "after_lookup_skip",
-    "after_match",
     "after_preemption",
     "cache_reset_allowed",
-    "lookup_still_current",
-    "needs_coordinator",
-    "next_lookup_action",
     "registers_finished_tail",
     "take_step_loads",
 ]
+
+
+class RequestView(Protocol):
+    """What core reads of a serving stack's request (vLLM's ``Request`` has these):
+    its chained block hashes, prompt length and every token id so far."""
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class RequestLifecycle:
 
     load_spec: LoadSpec | None = None
     load_async: bool = False
-    load: BlockLoadBatch | None = None
+    load: LoadPlan | None = None
     unplanned_load: tuple[int, ...] | None = None
     tracker: StoreTracker | None = None
 
@@ -72,84 +75,14 @@ class RequestLifecycle:
         )
 
 
-# ----------------------------------------------------------------------- lookup
-
-
-class LookupProgress(enum.Enum):
-    """Where an asynchronous lookup of the request stands."""
-
-    NONE = "no lookup running"
-    RUNNING = "lookup running"
-    ANSWERED = "lookup answered"
-
-
-class LookupAction(enum.Enum):
-    """What ``get_num_new_matched_tokens`` does next."""
-
-    ANSWER_NOTHING = "answer 0 tokens and forget an earlier load spec"
-    WAIT = "answer 'not yet': vLLM asks again next step"
-    SUBMIT = "start an asynchronous lookup and answer 'not yet'"
-    LOOKUP_NOW = "look up on the scheduler thread"
-    READ_ANSWER = "read the finished asynchronous lookup"
-
-
-def lookup_still_current(
-    same_request: bool,
-    query: LookupQuery,
-    local_tokens: int,
-    num_tokens: int,
-    hashes: Sequence[bytes],
-) -> bool:
-    """Whether a running lookup still answers for the request vLLM asks about: the
-    same request object (an id can be reused) in the same state (local tokens,
-    length, hashes). A stale one is cancelled before anything else is decided."""
-    return same_request and query.describes(local_tokens, num_tokens, hashes)
-
-
-def next_lookup_action(
-    skip: LookupSkip | None, progress: LookupProgress, lookup_async: bool
-) -> LookupAction:
-    """A skip reason (:func:`umbp.core.lookup.lookup_skip_reason`) wins over a
-    running lookup (its answer would be for tokens vLLM no longer asks about); a
-    running lookup is waited for; otherwise a new lookup runs, off the scheduler
-    thread when ``lookup_async``."""
-    if skip is not None:
-        return LookupAction.ANSWER_NOTHING
-    if progress is LookupProgress.RUNNING:
-        return LookupAction.WAIT
-    if progress is LookupProgress.ANSWERED:
-        return LookupAction.READ_ANSWER
-    return LookupAction.SUBMIT if lookup_async else LookupAction.LOOKUP_NOW
-
-
-def after_lookup_skip(state: RequestLifecycle) -> RequestLifecycle:
-    """On every skip the earlier load spec is forgotten: the answer is 0 tokens, so
-    it no longer describes what vLLM allocates (see ``lookup_skip_reason``)."""
-    return replace(state, load_spec=None)
-
-
-def after_match(state: RequestLifecycle, spec: LoadSpec, load_async: bool) -> RequestLifecycle:
-    """umbp answered ``spec``: it is what the allocation plans from."""
-    return replace(state, load_spec=spec, load_async=load_async)
-
-
-def needs_coordinator(group_count: int, single_group_is_full_attention: bool) -> bool:
-    """Several cache groups, or one that is not plain full attention: vLLM's own
-    coordinator decides the hit window from umbp's answers."""
-    return group_count > 1 or (group_count == 1 and not single_group_is_full_attention)
-
-
-# ------------------------------------------------------------------- allocation
-
-
-AllocationOutcome = Result[BlockLoadBatch, UnplannedLoad] | None
+AllocationOutcome = Result[LoadPlan, UnplannedLoad] | None
 """A planned load, the blocks vLLM must recompute, or None: nothing to load."""
 
 
 def after_allocation(
     state: RequestLifecycle,
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
     num_external_tokens: int,
@@ -179,14 +112,11 @@ def after_allocation(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# ------------------------------------------------------------------ step loads
-
-
 @dataclass(frozen=True, slots=True)
 class StepLoads:
     """What one step's metadata carries for loads, and the states after it."""
 
-    loads: tuple[BlockLoadBatch, ...]
+    loads: tuple[LoadPlan, ...]
     unplanned: Mapping[str, tuple[int, ...]]
     async_loads: frozenset[str]
     states: Mapping[str, RequestLifecycle]
@@ -198,7 +128,7 @@ def take_step_loads(states: Mapping[str, RequestLifecycle]) -> StepLoads:
     ``async_loads`` are reported back as finished receives. A request whose load
     went out forgets its spec and its async flag; only changed states are returned.
     """
-    loads: list[BlockLoadBatch] = []
+    loads: list[LoadPlan] = []
     unplanned: dict[str, tuple[int, ...]] = {}
     async_loads: list[str] = []
     changed: dict[str, RequestLifecycle] = {}
@@ -215,9 +145,6 @@ def take_step_loads(states: Mapping[str, RequestLifecycle]) -> StepLoads:
             state, load=None, unplanned_load=None, load_spec=None, load_async=False
         )
     return StepLoads(tuple(loads), unplanned, frozenset(async_loads), changed)
-
-
-# -------------------------------------------- preemption, cache reset, finish
 
 
 def after_preemption(state: RequestLifecycle) -> RequestLifecycle:
@@ -252,3 +179,4 @@ def registers_finished_tail(
     something off, the request is tracked, and only once per request (its pins are
     taken once and released once)."""
     return stores_enabled and pool_bound and has_entries and tracked and not already_registered
+

@@ -1,4 +1,5 @@
-"""Store events: one step's stores, the device blocks they pin, and their acks.
+"""Store events: one step's store plans, the device blocks they pin, and the
+workers' acknowledgements.
 
 Every step that stores anything becomes one event. The scheduler pins the event's
 source blocks in vLLM's block pool (so vLLM cannot reuse them while workers still
@@ -12,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from umbp.core.identity import Identity
-from umbp.core.store_plans import StoreBatch
-from umbp.core.store_reservations import Reservations
+from umbp.core.identity import ObjectId
+from umbp.core.plans import StorePlan, plan_block_ids
+from umbp.core.stores.reservations import Reservations
 
 __all__ = [
     "StoreEvent",
@@ -29,39 +30,41 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
-    """The stores of one scheduler step: one batch per request and kind (new
+    """The stores of one scheduler step: one plan per request and kind (new
     blocks, boundary states, finished partial tails).
 
-    ``_reserved`` caches :meth:`hashes_by_group` (a function of ``batches``, so
+    ``_reserved`` caches :meth:`hashes_by_group` (a function of ``plans``, so
     the value stays immutable to its users): a later step asks for it while the
     event is in flight, and it is built once per event, not once per step."""
 
     event_id: int
-    batches: tuple[StoreBatch, ...] = ()
+    plans: tuple[StorePlan, ...] = ()
     _reserved: dict[int, frozenset[bytes]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
 
     def __bool__(self) -> bool:
-        return any(self.batches)
+        return any(self.plans)
 
     def hashes_by_group(self) -> Mapping[int, frozenset[bytes]]:
         """The block hashes the event writes, per group id."""
         if self._reserved is None:
-            object.__setattr__(self, "_reserved", _hashes_by_group(self.batches))
+            object.__setattr__(self, "_reserved", _hashes_by_group(self.plans))
         assert self._reserved is not None
         return self._reserved
 
 
 
-def pinned_block_ids(event: StoreEvent | StoreBatch) -> tuple[int, ...]:
-    """The source blocks to pin until the event (or a batch waiting for one) is
+def pinned_block_ids(source: StoreEvent | StorePlan) -> tuple[int, ...]:
+    """The source blocks to pin until the event (or a plan waiting for one) is
     acknowledged: each once, in first-seen order (unpin the same ids, in reverse
     to keep vLLM's eviction order)."""
-    batches = (event,) if isinstance(event, StoreBatch) else event.batches
-    block_ids = tuple(chain.from_iterable(batch.block_ids for batch in batches))
-    # Usually every block appears once (the store pass plans an identity once):
-    # a set of ints tells so at a quarter of the cost of an ordered dict.
+    plans = (source,) if isinstance(source, StorePlan) else source.plans
+    block_ids = (
+        plan_block_ids(plans[0]) if len(plans) == 1
+        else tuple(chain.from_iterable(map(plan_block_ids, plans)))
+    )
+    # Usually every block appears once (the store pass plans an identity once).
     if len(set(block_ids)) == len(block_ids):
         return block_ids
     return tuple(dict.fromkeys(block_ids))
@@ -73,18 +76,11 @@ def reserved_identities(events: Iterable[StoreEvent]) -> Reservations:
     return Reservations(tuple(held for event in events if (held := event.hashes_by_group())))
 
 
-def _hashes_by_group(batches: Iterable[StoreBatch]) -> dict[int, frozenset[bytes]]:
+def _hashes_by_group(plans: Iterable[StorePlan]) -> dict[int, frozenset[bytes]]:
     groups: dict[int, set[bytes]] = {}
-    for batch in batches:
-        group_ids = batch.group_ids
-        if not group_ids:
-            continue
-        first = group_ids[0]
-        if group_ids.count(first) == len(group_ids):  # one group (the usual batch): in C
-            groups.setdefault(first, set()).update(batch.block_hashes)
-            continue
-        for group_id, block_hash in zip(group_ids, batch.block_hashes):
-            groups.setdefault(group_id, set()).add(block_hash)
+    for plan in plans:
+        for group in plan.groups:
+            groups.setdefault(group.group_id, set()).update(group.block_hashes)
     return {group_id: frozenset(hashes) for group_id, hashes in groups.items()}
 
 
@@ -93,7 +89,7 @@ class StoreEventResult:
     """What the workers reported for one event so far."""
 
     completed_workers: int = 0
-    failed: frozenset[Identity] = frozenset()
+    failed: frozenset[ObjectId] = frozenset()
 
 
 def merge_store_results(first: StoreEventResult, second: StoreEventResult) -> StoreEventResult:

@@ -1,36 +1,27 @@
-"""Store plans: which device blocks to copy into the pool.
-
-Store plans are computed in steps, so the shell can put vLLM's reachability masks
-and one residency lookup per step between them:
-:func:`umbp.core.store_tracking.store_candidate_ranges` (the blocks new since the
-watermark), :func:`apply_store_masks`, then :mod:`umbp.core.store_pass` (the
-residency check of every request of the step and the batches, built with
-:func:`store_batch`). Store-event bookkeeping (pins and acknowledgements) lives in
-:mod:`umbp.core.store_events`; what in-flight events write, in
-:mod:`umbp.core.store_reservations`.
+"""One request's store plan: the selected blocks that still need storing, per
+cache group (:func:`store_plan`), after vLLM's reachability masks chose which of
+the candidate blocks are worth storing (:func:`apply_store_masks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from functools import lru_cache
-from itertools import chain, compress, repeat
+from itertools import compress, repeat
 from typing import TypeAlias
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.identity import Identity
-from umbp.core.lookup import NULL_BLOCK_ID, BlockTable, LookupGeometry
-from umbp.core.store_reservations import Reservations
+from umbp.core.geometry import NULL_BLOCK_ID, BlockTable, CacheGeometry
+from umbp.core.identity import ObjectId
+from umbp.core.plans import GroupBlocks, StoredBlockFacts, StorePlan
+from umbp.core.stores.reservations import Reservations
 
 __all__ = [
-    "StoreBatch",
     "StoreSelection",
     "apply_store_masks",
-    "store_batch",
-    "whole_run_batch",
+    "store_plan",
+    "whole_run_plan",
 ]
 
 StoreSelection: TypeAlias = tuple[tuple[int, Sequence[int]], ...]
@@ -45,7 +36,7 @@ def apply_store_masks(
     """Keep the blocks vLLM's cache semantics can later reuse (its reachability
     masks, one entry per candidate; None or absent keeps all). A mask of the wrong
     length is an error value. A group whose mask keeps every block keeps its
-    ``range``: :func:`store_batch` plans a contiguous run without a per-block loop.
+    ``range``: :func:`store_plan` plans a contiguous run without a per-block loop.
 
     Masked-out blocks are never retried: the save watermark passes every candidate
     before the masks apply, so a block masked out once (or a step whose mask was
@@ -72,7 +63,7 @@ def apply_store_masks(
     return Success(tuple(selected))
 
 
-def _holds_none(excluded: AbstractSet[Identity], group_id: int, hashes: Sequence[bytes]) -> bool:
+def _holds_none(excluded: AbstractSet[ObjectId], group_id: int, hashes: Sequence[bytes]) -> bool:
     """No ``(group_id, hash)`` of ``hashes`` is in ``excluded``, checked in C:
     against each event's hashes for :class:`Reservations`, else through a zip
     (which reuses its pair, so nothing per block stays)."""
@@ -81,56 +72,35 @@ def _holds_none(excluded: AbstractSet[Identity], group_id: int, hashes: Sequence
     return excluded.isdisjoint(zip(repeat(group_id), hashes))
 
 
-@dataclass(frozen=True, slots=True)
-class StoreBatch:
-    """Blocks of one request to copy into the pool; columns align.
-
-    ``parent_hashes`` and ``token_ids`` feed KV events: without events they are
-    None and empty per block.
-    """
-
-    request_id: str
-    group_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-    parent_hashes: tuple[bytes | None, ...]
-    token_ids: tuple[tuple[int, ...], ...]
-    block_sizes: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
+# One group's kept blocks: their indices, block ids and hashes. A contiguous run
+# keeps its indices as a range and its ids and hashes as tuple slices, so no
+# per-block object is built.
+_Kept: TypeAlias = tuple[Sequence[int], tuple[int, ...], tuple[bytes, ...]]
 
 
-assert NULL_BLOCK_ID == 0, "the contiguous store path tests block ids for truth"
-
-# One group's part of a store batch: (group id, block size, block indices,
-# block ids, block hashes); a contiguous run keeps its indices as a range and its
-# ids and hashes as slices, so no per-block object is built.
-_GroupStores: TypeAlias = tuple[int, int, Sequence[int], Sequence[int], Sequence[bytes]]
-
-
-def store_batch(
+def store_plan(
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     selected: StoreSelection,
     block_table: BlockTable,
-    request_hashes: Sequence[bytes],
+    request_hashes: tuple[bytes, ...],
     *,
     planned: dict[int, set[bytes]],
-    resident: AbstractSet[Identity] = frozenset(),
-    reserved: AbstractSet[Identity] = frozenset(),
+    resident: AbstractSet[ObjectId] = frozenset(),
+    reserved: AbstractSet[ObjectId] = frozenset(),
     events_enabled: bool = False,
     token_ids: Sequence[int] = (),
-) -> StoreBatch:
+) -> StorePlan:
     """The selected blocks that still need storing.
 
     Skips null blocks, blocks past the hash coverage, restored blocks still resident
     (``resident``), identities an in-flight store event already writes
     (``reserved``), hashes the store pass has already planned (``planned``, per
-    group id) and repeats of one identity. The batch's hashes are added to
+    group id) and repeats of one identity. The plan's hashes are added to
     ``planned``: that record is this function's only effect, and it belongs to
-    the caller's pass (one dict per pass, :func:`umbp.core.store_pass.plan_stores`;
-    ``{}`` for one request alone).
+    the caller's pass (one dict per pass, :func:`umbp.core.stores.step.plan_stores`;
+    ``{}`` for one request alone). With ``events_enabled`` every group carries its
+    blocks' KV-event facts (parents, token ids).
 
     A group's contiguous run with nothing null, repeated, resident, reserved or
     planned is taken as slices (:func:`_contiguous_group_stores`); any other group
@@ -139,7 +109,8 @@ def store_batch(
     """
     hash_block_size = geometry.hash_block_size
     covered = len(request_hashes) * hash_block_size
-    parts: list[_GroupStores] = []
+    groups: list[GroupBlocks] = []
+    facts: list[StoredBlockFacts] = []
     for group_id, indices in selected:
         position = geometry.position(group_id)
         block_size = geometry.group_block_sizes[position]
@@ -154,44 +125,49 @@ def store_batch(
             group_id, indices, table, request_hashes, limit, per_block,
             resident, reserved, group_planned,
         )
-        if kept[2]:
-            parts.append((group_id, block_size, *kept))
-    return _batch_of(
-        request_id, parts, request_hashes, hash_block_size, events_enabled, token_ids
-    )
+        kept_indices, block_ids, block_hashes = kept
+        if not block_ids:
+            continue
+        groups.append(GroupBlocks(group_id, block_size, block_ids, block_hashes))
+        if events_enabled:
+            facts.append(_stored_facts(kept_indices, block_size, hash_block_size,
+                                       request_hashes, token_ids))
+    return StorePlan(request_id, tuple(groups), tuple(facts) if events_enabled else None)
 
 
-def whole_run_batch(
+def whole_run_plan(
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     selected: StoreSelection,
     block_table: BlockTable,
-    request_hashes: Sequence[bytes],
+    request_hashes: tuple[bytes, ...],
     planned: dict[int, set[bytes]],
-) -> StoreBatch | None:
-    """:func:`store_batch`'s batch for the usual request of a store pass with
-    nothing resident, reserved or evented (the caller knows that; store_batch is
+) -> StorePlan | None:
+    """:func:`store_plan`'s plan for the usual request of a store pass with
+    nothing resident, reserved or evented (the caller knows that; store_plan is
     asked with ``resident``, ``reserved`` and ``events_enabled`` left out): one
     group, whose selection is one contiguous run that stores whole. None, with
-    ``planned`` unchanged, in any other case: store_batch decides then.
+    ``planned`` unchanged, in any other case: store_plan decides then.
 
-    The same rule (:func:`_contiguous_group_stores`) without store_batch's
-    per-group loop and column joins: every request of a step comes here, and they
-    cost 10-25% of its batch (a property holds the two equal)."""
+    The same rule (:func:`_contiguous_group_stores`) without store_plan's
+    per-group loop: every request of a step comes here (a property holds the two
+    equal)."""
     group_id = geometry.group_ids[0]
     if len(selected) != 1 or len(geometry.group_ids) != 1 or selected[0][0] != group_id:
         return None
     block_size = geometry.group_block_sizes[0]
-    hash_block_size = geometry.hash_block_size
     table = block_table[0]
     kept = _contiguous_group_stores(
         group_id, selected[0][1], table, request_hashes,
-        min(len(request_hashes) * hash_block_size // block_size, len(table)),
-        block_size // hash_block_size, frozenset(), frozenset(), _planned_of(planned, group_id),
+        min(len(request_hashes) * geometry.hash_block_size // block_size, len(table)),
+        block_size // geometry.hash_block_size, frozenset(), frozenset(),
+        _planned_of(planned, group_id),
     )
     if kept is None:
         return None
-    return _one_group_batch(request_id, group_id, block_size, kept[1], kept[2])
+    if not kept[1]:
+        return StorePlan(request_id, ())
+    return StorePlan(request_id, (GroupBlocks(group_id, block_size, kept[1], kept[2]),))
 
 
 def _planned_of(planned: dict[int, set[bytes]], group_id: int) -> set[bytes]:
@@ -205,14 +181,14 @@ def _planned_of(planned: dict[int, set[bytes]], group_id: int) -> set[bytes]:
 def _contiguous_group_stores(
     group_id: int,
     indices: Sequence[int],
-    table: Sequence[int],
-    request_hashes: Sequence[bytes],
+    table: tuple[int, ...],
+    request_hashes: tuple[bytes, ...],
     limit: int,
     per_block: int,
-    resident: AbstractSet[Identity],
-    reserved: AbstractSet[Identity],
+    resident: AbstractSet[ObjectId],
+    reserved: AbstractSet[ObjectId],
     planned: set[bytes],
-) -> tuple[range, Sequence[int], Sequence[bytes]] | None:
+) -> _Kept | None:
     """A run of consecutive indices whose blocks all store: their indices, ids
     and hashes as slices (the hashes added to ``planned``); None, with
     ``planned`` unchanged, when the run is not consecutive or any block would be
@@ -224,7 +200,7 @@ def _contiguous_group_stores(
     if stop <= start:
         return range(0), (), ()
     block_ids = table[start:stop]
-    if not all(block_ids):  # the null block is id 0: a truth test, no comparison
+    if NULL_BLOCK_ID in block_ids:
         return None
     hashes = request_hashes[start * per_block + per_block - 1 : stop * per_block : per_block]
     for excluded in (resident, reserved):
@@ -259,15 +235,15 @@ def _run_start(indices: Sequence[int]) -> int | None:
 def _scanned_group_stores(
     group_id: int,
     indices: Sequence[int],
-    table: Sequence[int],
-    request_hashes: Sequence[bytes],
+    table: tuple[int, ...],
+    request_hashes: tuple[bytes, ...],
     limit: int,
     per_block: int,
-    resident: AbstractSet[Identity],
-    reserved: AbstractSet[Identity],
+    resident: AbstractSet[ObjectId],
+    reserved: AbstractSet[ObjectId],
     planned: set[bytes],
-) -> tuple[Sequence[int], Sequence[int], Sequence[bytes]]:
-    """Block by block: every rule of :func:`store_batch` checked per index;
+) -> _Kept:
+    """Block by block: every rule of :func:`store_plan` checked per index;
     ``planned`` gains the hashes kept."""
     kept_indices: list[int] = []
     kept_ids: list[int] = []
@@ -288,94 +264,23 @@ def _scanned_group_stores(
         kept_indices.append(index)
         kept_ids.append(block_id)
         kept_hashes.append(block_hash)
-    return kept_indices, kept_ids, kept_hashes
+    return kept_indices, tuple(kept_ids), tuple(kept_hashes)
 
 
-def _batch_of(
-    request_id: str,
-    parts: Sequence[_GroupStores],
-    request_hashes: Sequence[bytes],
+def _stored_facts(
+    indices: Sequence[int],
+    block_size: int,
     hash_block_size: int,
-    events_enabled: bool,
+    request_hashes: Sequence[bytes],
     token_ids: Sequence[int],
-) -> StoreBatch:
-    """The columns of the groups' parts, in order."""
-    if not parts:
-        return StoreBatch(request_id, (), (), (), (), (), ())
-    if len(parts) == 1 and not events_enabled:
-        group_id, block_size, _, ids, hashes = parts[0]
-        return _one_group_batch(request_id, group_id, block_size, ids, hashes)
-    if len(parts) == 1:
-        group_id, block_size, indices, ids, hashes = parts[0]
-        group_ids = _repeated_int(group_id, len(indices))
-        block_sizes = _repeated_int(block_size, len(indices))
-        block_ids = tuple(ids)
-        block_hashes = tuple(hashes)
-    else:
-        group_ids = tuple(chain.from_iterable(repeat(part[0], len(part[2])) for part in parts))
-        block_sizes = tuple(chain.from_iterable(repeat(part[1], len(part[2])) for part in parts))
-        block_ids = tuple(chain.from_iterable(part[3] for part in parts))
-        block_hashes = tuple(chain.from_iterable(part[4] for part in parts))
-    if events_enabled:
-        parent_hashes: tuple[bytes | None, ...] = tuple(
-            request_hashes[index * size // hash_block_size - 1] if index else None
-            for _, size, indices, _, _ in parts
+) -> StoredBlockFacts:
+    """The KV-event facts of a group's kept blocks: each block's parent (the hash
+    ending where it starts) and its token ids."""
+    return StoredBlockFacts(
+        tuple(
+            request_hashes[index * block_size // hash_block_size - 1] if index else None
             for index in indices
-        )
-        tokens = tuple(
-            tuple(token_ids[index * size : (index + 1) * size])
-            for _, size, indices, _, _ in parts
-            for index in indices
-        )
-    else:
-        parent_hashes = _nones(len(block_ids))
-        tokens = _no_tokens(len(block_ids))
-    return StoreBatch(
-        request_id, group_ids, block_ids, block_hashes, parent_hashes, tokens, block_sizes
+        ),
+        tuple(tuple(token_ids[index * block_size : (index + 1) * block_size])
+              for index in indices),
     )
-
-
-def _one_group_batch(
-    request_id: str, group_id: int, block_size: int, block_ids: Sequence[int],
-    block_hashes: Sequence[bytes],
-) -> StoreBatch:
-    """A batch of one group's blocks without events: its constant columns shared."""
-    group_ids, parents, tokens, block_sizes = _constant_columns(
-        group_id, block_size, len(block_ids)
-    )
-    return StoreBatch(
-        request_id, group_ids, tuple(block_ids), tuple(block_hashes), parents, tokens,
-        block_sizes,
-    )
-
-
-# The constant columns of a batch, one shared tuple per value and length: requests
-# of one step have the same few lengths, and a tuple kept per request would feed
-# the garbage collector (the columns are immutable, so sharing them is safe).
-
-
-@lru_cache(maxsize=1024)
-def _constant_columns(
-    group_id: int, block_size: int, count: int
-) -> tuple[tuple[int, ...], tuple[None, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """A one-group batch's constant columns without events (group ids, parents,
-    tokens, block sizes): one cache lookup per request instead of four."""
-    return (
-        _repeated_int(group_id, count), _nones(count), _no_tokens(count),
-        _repeated_int(block_size, count),
-    )
-
-
-@lru_cache(maxsize=1024)
-def _repeated_int(value: int, count: int) -> tuple[int, ...]:
-    return (value,) * count
-
-
-@lru_cache(maxsize=256)
-def _nones(count: int) -> tuple[None, ...]:
-    return (None,) * count
-
-
-@lru_cache(maxsize=256)
-def _no_tokens(count: int) -> tuple[tuple[int, ...], ...]:
-    return ((),) * count

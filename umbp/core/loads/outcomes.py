@@ -1,49 +1,34 @@
-"""What a worker's transfers mean: which blocks reached the KV cache, which failed
-and why, and how vLLM is told to recompute them.
+"""What a worker's loads did: which blocks reached the KV cache, which failed and
+why, and how vLLM is told to recompute them.
 
-The worker shell reads objects from the store into staging rows, hands the
-per-object statuses here, and applies the answer: it scatters the rows this module
-says loaded intact, counts the failures by kind, and reports the rest to vLLM in
-the one form vLLM accepts for the model (:func:`failure_reporting`). Every block a
-load plan names ends up in exactly one of "loaded" or "failed"; nothing outside the
-plan is ever reported.
-
-Also here, because it is decided from the same copier facts: the pool's page size
-(:func:`pool_page_bytes`).
+The worker reads each group of a :class:`~umbp.core.plans.LoadPlan` from the store
+into that group's staging rows, hands the per-object statuses here, and applies the
+answer: it scatters the rows this module says loaded intact, counts the failures
+by kind, and reports the rest to vLLM in the one form vLLM accepts for the model
+(:func:`failure_reporting`). Every block a load plan names ends up in exactly one
+of "loaded" or "failed"; nothing outside the plan is ever reported.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from umbp.core.identity import Identity
-from umbp.core.load_plans import BlockLoadBatch
-from umbp.core.store_plans import StoreBatch
+from umbp.core.plans import LoadPlan
 
 __all__ = [
-    "DEFAULT_AUTO_PAGE_BYTES",
     "LOAD_FAILURES",
-    "PAGE_ALIGN_BYTES",
     "FailureReporting",
     "GroupLoadOutcome",
     "LoadReport",
     "LoadStatus",
     "RequestLoadOutcome",
-    "auto_page_bytes",
-    "batch_load_outcome",
-    "computed_over_failed_loads",
-    "failed_store_identities",
     "failure_reporting",
     "failure_unreportable",
     "group_load_outcome",
-    "pool_page_bytes",
+    "plan_load_outcome",
     "report_load",
-    "rows_by_group",
-    "still_computing_over_failures",
-    "stores_past_failed_loads",
     "unplanned_load_outcome",
 ]
 
@@ -71,9 +56,6 @@ LOAD_FAILURES: tuple[LoadStatus, ...] = tuple(s for s in LoadStatus if s is not 
 """Every failure kind, in declaration order (what metrics label failures by)."""
 
 
-# ------------------------------------------------------------ how vLLM is told
-
-
 class FailureReporting(enum.Enum):
     """The one way vLLM accepts failed loads for a model."""
 
@@ -90,18 +72,6 @@ def failure_reporting(num_cache_groups: int) -> FailureReporting:
     refuses block-level failures (its scheduler raises) and takes request-level
     ones; with one group, block-level failures keep the loaded prefix."""
     return FailureReporting.BLOCK_IDS if num_cache_groups <= 1 else FailureReporting.REQUEST_IDS
-
-
-# ------------------------------------------------------------ one load's outcome
-
-
-def rows_by_group(group_ids: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The rows of a batch's columns per cache group, groups in first-seen order:
-    each group is read or written through its own copier and staging buffer."""
-    rows: dict[int, list[int]] = {}
-    for row, group_id in enumerate(group_ids):
-        rows.setdefault(group_id, []).append(row)
-    return tuple((group_id, tuple(group_rows)) for group_id, group_rows in rows.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,21 +156,22 @@ class RequestLoadOutcome:
         return bool(self.unplanned_block_ids) or not all(g.all_loaded for g in self.groups)
 
 
-def batch_load_outcome(
-    batch: BlockLoadBatch,
-    statuses_by_group: Mapping[int, Sequence[LoadStatus] | None],
+def plan_load_outcome(
+    plan: LoadPlan,
+    statuses: Sequence[Sequence[LoadStatus] | None],
     is_async: bool,
 ) -> RequestLoadOutcome:
-    """The outcome of a load batch from what each group's read answered (statuses
-    in the order of :func:`rows_by_group`'s rows; a group missing from the map was
-    not read and fails whole)."""
+    """The outcome of a load plan from what each of its groups' reads answered
+    (``statuses`` aligned with ``plan.groups``, each in its group's block order;
+    None, or a group past the end, was not read and fails whole)."""
     groups = tuple(
         group_load_outcome(
-            group_id, [batch.block_ids[row] for row in rows], statuses_by_group.get(group_id)
+            group.group_id, group.block_ids,
+            statuses[index] if index < len(statuses) else None,
         )
-        for group_id, rows in rows_by_group(batch.group_ids)
+        for index, group in enumerate(plan.groups)
     )
-    return RequestLoadOutcome(batch.request_id, is_async, groups)
+    return RequestLoadOutcome(plan.request_id, is_async, groups)
 
 
 def unplanned_load_outcome(
@@ -208,9 +179,6 @@ def unplanned_load_outcome(
 ) -> RequestLoadOutcome:
     """A load the scheduler could not plan: every block vLLM allocated for it fails."""
     return RequestLoadOutcome(request_id, is_async, unplanned_block_ids=tuple(block_ids))
-
-
-# ------------------------------------------------------------ what vLLM is owed
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,89 +225,3 @@ def failure_unreportable(outcome: RequestLoadOutcome, reporting: FailureReportin
     several-group model asynchronous, so this marks a broken invariant."""
     return outcome.failed and not outcome.is_async and reporting is FailureReporting.REQUEST_IDS
 
-
-# ------------------------------------------------------------ stores
-
-
-def failed_store_identities(
-    identities: Sequence[Identity], stored: Sequence[bool] | None
-) -> frozenset[Identity]:
-    """The objects a group's store did not write. ``stored`` None (the group could
-    not be written) or an answer of another length than the keys (a store breaking
-    its contract) fails them all: an object reported stored that is not would be
-    published in KV events and never stored again."""
-    if stored is None or len(stored) != len(identities):
-        return frozenset(identities)
-    return frozenset(identity for identity, ok in zip(identities, stored) if not ok)
-
-
-def computed_over_failed_loads(outcomes: Sequence[RequestLoadOutcome]) -> frozenset[str]:
-    """The requests whose synchronous load failed this step. Their load lands before
-    the forward pass, which then computes every new token of theirs attending to the
-    failed blocks' stale contents: what that step writes is wrong KV under the
-    right hashes. (An asynchronous load's request is not computed in its step.)"""
-    return frozenset(o.request_id for o in outcomes if o.failed and not o.is_async)
-
-
-def still_computing_over_failures(
-    previous: AbstractSet[str],
-    settled: AbstractSet[str],
-    failed_sync_loads: AbstractSet[str],
-    read_over: Mapping[str, AbstractSet[str]],
-) -> frozenset[str]:
-    """The requests whose stores the worker leaves out this step: those whose own
-    synchronous load failed this step (:func:`computed_over_failed_loads`), those
-    of earlier steps the scheduler has not yet ``settled``, and those that read
-    blocks one of these loads filled (``read_over``, the scheduler's
-    ``stores_over_sync_loads``, over this step's and the last step's loads). vLLM
-    plans a step before the previous step's failure is known (async scheduling):
-    such a step still computes over the stale blocks. Settled
-    (the scheduler saw vLLM cut their computed tokens before planning this step, or
-    they finished or were preempted): what they compute from now on is the
-    recompute."""
-    unsettled = (set(previous) - set(settled)) | failed_sync_loads
-    followers = {r for r, loads in read_over.items() if not unsettled.isdisjoint(loads)}
-    return frozenset(unsettled | followers)
-
-
-def stores_past_failed_loads(
-    stores: Sequence[StoreBatch], computed_over_failures: AbstractSet[str]
-) -> tuple[tuple[StoreBatch, ...], frozenset[Identity]]:
-    """The step's store batches without those of the requests
-    :func:`still_computing_over_failures` names, and the identities left out. A
-    put of a resident key writes nothing, so a wrong object stored once would be
-    served until evicted; vLLM recomputes those blocks and the scheduler plans
-    them again (:func:`umbp.core.failed_loads.after_failed_load`). The
-    identities count as not stored: no KV event announces them."""
-    if not computed_over_failures:
-        return tuple(stores), frozenset()
-    kept = tuple(b for b in stores if b.request_id not in computed_over_failures)
-    dropped = frozenset(
-        identity
-        for batch in stores if batch.request_id in computed_over_failures
-        for identity in zip(batch.group_ids, batch.block_hashes)
-    )
-    return kept, dropped
-
-
-# ------------------------------------------------------------ pool geometry
-
-PAGE_ALIGN_BYTES = 4096
-"""Pages are whole 4 KiB OS pages."""
-DEFAULT_AUTO_PAGE_BYTES = 256 * 1024
-"""The page size when the worker has no cache group to size it by."""
-
-
-def auto_page_bytes(object_sizes: Sequence[int]) -> int:
-    """One page per object of the smallest group, rounded up to 4 KiB: its objects
-    waste no page space beyond the rounding, larger groups' objects span several
-    pages (the pool stores an object on ceil(size / page) pages). Not sized for the
-    largest object: a page that large would waste most of every smaller group's."""
-    smallest = min(object_sizes) if object_sizes else DEFAULT_AUTO_PAGE_BYTES
-    return max(PAGE_ALIGN_BYTES, -(-smallest // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES)
-
-
-def pool_page_bytes(configured: int | None, object_sizes: Sequence[int]) -> int:
-    """The embedded pool's page size: ``page_bytes`` when configured (validated with
-    the config), otherwise :func:`auto_page_bytes` of the worker's objects."""
-    return configured if configured is not None else auto_page_bytes(object_sizes)

@@ -1,61 +1,40 @@
 """Load plans: which device blocks to fill from the pool.
 
-A load plan turns a :class:`~umbp.core.lookup.LoadSpec` and what vLLM allocated
-(its external token count, the block table) into destination blocks, or into the
-blocks vLLM must recompute (:func:`plan_allocated_load`). Plans carry object
-identities ``(group_id, block_hash)``, never key strings: each worker builds its
-own rank's key. Block ``i`` of a group with block size ``B`` holds tokens
-``[i*B, (i+1)*B)`` and is identified by the hash ending at ``(i+1)*B``.
+A load plan turns a :class:`~umbp.core.lookup.windows.LoadSpec` and what vLLM
+allocated (its external token count, the block table) into a
+:class:`~umbp.core.plans.LoadPlan`, or into the blocks vLLM must recompute
+(:func:`plan_allocated_load`). Block ``i`` of a group with block size ``B`` holds
+tokens ``[i*B, (i+1)*B)`` and is identified by the hash ending at ``(i+1)*B``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
-from typing import TypeAlias
 
 from returns.result import Failure, Result, Success
 
-from umbp.core.lookup import (
-    NULL_BLOCK_ID,
-    BlockTable,
-    LoadSpec,
-    LookupGeometry,
-    hashes_at_token_ends,
-)
+from umbp.core.geometry import NULL_BLOCK_ID, BlockTable, CacheGeometry, hashes_at_token_ends
+from umbp.core.lookup.windows import LoadSpec
+from umbp.core.plans import GroupBlocks, LoadPlan, plan_block_ids
 
 __all__ = [
-    "BlockLoadBatch",
     "UnplannedLoad",
     "allocated_window",
-    "load_batch",
+    "load_plan",
     "plan_allocated_load",
     "window_block_ids",
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockLoadBatch:
-    """Objects to read from the pool into one request's blocks; columns align."""
-
-    request_id: str
-    group_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-
-def load_batch(
+def load_plan(
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     spec: LoadSpec,
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
     num_external_tokens: int,
-) -> Result[BlockLoadBatch, str]:
+) -> Result[LoadPlan, str]:
     """The objects of a hit window and the allocated blocks they fill.
 
     With the coordinator's per-group hashes, every named block past the local
@@ -75,26 +54,26 @@ def load_batch(
             f"request {request_id}: block table has {len(block_table)} groups, "
             f"expected {len(geometry.group_ids)}"
         )
-    planned = (
+    groups = (
         _coordinated_loads(geometry, spec, block_table)
         if spec.block_hashes_by_group
         else _positional_loads(geometry, spec, block_table, request_hashes)
     )
-    if isinstance(planned, str):
-        return Failure(f"request {request_id}: {planned}")
-    group_ids, block_ids, block_hashes = planned
-    # One set answers both checks; it is most of a plan's cost (no per-block
-    # Python work is left beside it).
+    if isinstance(groups, str):
+        return Failure(f"request {request_id}: {groups}")
+    # One set answers both checks, across groups (vLLM's groups share one block
+    # pool); it is most of a plan's cost.
+    block_ids = plan_block_ids(LoadPlan(request_id, groups))
     destinations = set(block_ids)
     if NULL_BLOCK_ID in destinations:
-        group_id = group_ids[block_ids.index(NULL_BLOCK_ID)]
+        group_id = next(g.group_id for g in groups if NULL_BLOCK_ID in g.block_ids)
         return Failure(
             f"request {request_id}: a pool object maps to a null destination block "
             f"in group {group_id}"
         )
     if len(destinations) != len(block_ids):
         return Failure(f"request {request_id}: a destination block is written twice")
-    return Success(BlockLoadBatch(request_id, group_ids, block_ids, block_hashes))
+    return Success(LoadPlan(request_id, groups))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +86,7 @@ class UnplannedLoad:
 
 
 def allocated_window(
-    geometry: LookupGeometry, spec: LoadSpec | None, num_external_tokens: int
+    geometry: CacheGeometry, spec: LoadSpec | None, num_external_tokens: int
 ) -> Result[LoadSpec, str]:
     """The window to load for what vLLM allocated.
 
@@ -138,19 +117,19 @@ def allocated_window(
 
 def plan_allocated_load(
     request_id: str,
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     spec: LoadSpec | None,
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
     num_external_tokens: int,
-) -> Result[BlockLoadBatch, UnplannedLoad]:
+) -> Result[LoadPlan, UnplannedLoad]:
     """The load for the external tokens vLLM allocated (:func:`allocated_window`,
-    then :func:`load_batch`), or the blocks to recompute: the allocated window's,
+    then :func:`load_plan`), or the blocks to recompute: the allocated window's,
     or, without a match to place it, every block of the table."""
     window = allocated_window(geometry, spec, num_external_tokens).alt(
         lambda reason: f"request {request_id}: {reason}"
     ).bind(
-        lambda allocated: load_batch(
+        lambda allocated: load_plan(
             request_id, geometry, allocated, block_table, request_hashes, num_external_tokens
         )
     )
@@ -172,7 +151,7 @@ def plan_allocated_load(
 
 
 def window_block_ids(
-    geometry: LookupGeometry, local_tokens: int, end_tokens: int, block_table: BlockTable
+    geometry: CacheGeometry, local_tokens: int, end_tokens: int, block_table: BlockTable
 ) -> tuple[int, ...]:
     """The non-null blocks holding tokens ``[local_tokens, end_tokens)`` in any group:
     what vLLM must recompute when a load cannot even be planned."""
@@ -183,50 +162,48 @@ def window_block_ids(
     return tuple(blocks)
 
 
-_Columns: TypeAlias = tuple[tuple[int, ...], tuple[int, ...], tuple[bytes, ...]]
-"""A plan's group ids, block ids and block hashes, aligned."""
-
-
 def _coordinated_loads(
-    geometry: LookupGeometry, spec: LoadSpec, block_table: BlockTable
-) -> _Columns | str:
+    geometry: CacheGeometry, spec: LoadSpec, block_table: BlockTable
+) -> tuple[GroupBlocks, ...] | str:
+    """Every block the coordinator named past the local blocks, per group."""
     if len(spec.block_hashes_by_group) != len(geometry.group_ids):
         return (
             f"load spec names {len(spec.block_hashes_by_group)} groups, "
             f"expected {len(geometry.group_ids)}"
         )
-    group_ids: list[int] = []
-    block_ids: list[int] = []
-    block_hashes: list[bytes] = []
+    groups: list[GroupBlocks] = []
     for group_id, block_size, table, group_hashes in zip(
         geometry.group_ids, geometry.group_block_sizes, block_table, spec.block_hashes_by_group
     ):
+        block_ids: list[int] = []
+        block_hashes: list[bytes] = []
         for index in range(spec.local_tokens // block_size, len(group_hashes)):
             block_hash = group_hashes[index]
             if block_hash is None:
                 continue
             if index >= len(table):
                 return f"group {group_id} has no destination block {index}"
-            group_ids.append(group_id)
             block_ids.append(table[index])
             block_hashes.append(block_hash)
-    return tuple(group_ids), tuple(block_ids), tuple(block_hashes)
+        if block_ids:
+            groups.append(GroupBlocks(group_id, block_size, tuple(block_ids), tuple(block_hashes)))
+    return tuple(groups)
 
 
 def _positional_loads(
-    geometry: LookupGeometry,
+    geometry: CacheGeometry,
     spec: LoadSpec,
     block_table: BlockTable,
     request_hashes: Sequence[bytes],
-) -> _Columns | str:
-    """Each group's window as slices of its table and of the hashes, and one shared
-    constant column: no per-block Python work."""
+) -> tuple[GroupBlocks, ...] | str:
+    """Each group's window as slices of its table and of the hashes: no per-block
+    Python work."""
     hash_block_size = geometry.hash_block_size
     covered = len(request_hashes) * hash_block_size
     end = spec.external_tokens
     if end > covered:
         return f"the window ends at token {end} but hashes cover {covered}"
-    parts: list[_Columns] = []
+    groups: list[GroupBlocks] = []
     for group_id, block_size, table in zip(
         geometry.group_ids, geometry.group_block_sizes, block_table
     ):
@@ -253,11 +230,6 @@ def _positional_loads(
                 return f"partial hit in group {group_id} has no destination block"
             block_ids += (table[full],)
             block_hashes += (request_hashes[end // hash_block_size - 1],)
-        parts.append(((group_id,) * len(block_ids), block_ids, block_hashes))
-    if len(parts) == 1:
-        return parts[0]
-    return (
-        tuple(chain.from_iterable(part[0] for part in parts)),
-        tuple(chain.from_iterable(part[1] for part in parts)),
-        tuple(chain.from_iterable(part[2] for part in parts)),
-    )
+        if block_ids:
+            groups.append(GroupBlocks(group_id, block_size, block_ids, block_hashes))
+    return tuple(groups)

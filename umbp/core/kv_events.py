@@ -6,7 +6,7 @@ it in the pool on every rank: a store may have failed on one rank or the object
 may already have been evicted. Published objects are re-checked in rotation and a
 ``BlockRemovedEvent`` follows once one is gone. The shell draws a batch with
 :func:`residency_batch`, looks the batch's keys up (off the scheduler thread),
-folds the answers over ranks (:func:`umbp.core.residency.fold_residency`) and
+folds the answers over ranks (:func:`fold_residency`) and
 hands them to :func:`apply_residency`; state may change in between, so every
 candidate carries the serial it was drawn with and is skipped if the object was
 stored again or forgotten meanwhile.
@@ -20,10 +20,8 @@ costs O(batch log n) amortised, with n up to ``max_objects``. Because serials an
 turns share one clock, "checked longer ago than the oldest pending object was
 stored" is a comparison of two tickets.
 
-Measured at n = 65,536, one 256-object round costs ~3 ms of work; the cyclic GC
-adds up to ~20 ms in a small heap, because pyrsistent's C vectors are traversed
-whole while young. A sharded map (many small pmaps) was tried and was slower
-(more surviving allocations, hence more full collections).
+A round's cost and the cyclic GC's share of it are in docs/performance.md (KV
+events); a sharded map (many small pmaps) was tried there and was slower.
 """
 
 from __future__ import annotations
@@ -35,30 +33,32 @@ from typing import Final, TypeAlias, TypeVar
 from pyrsistent import pmap
 from pyrsistent.typing import PMap, PMapEvolver
 
+from umbp.core.identity import ObjectId
+from umbp.core.plans import StorePlan
+from umbp.core.rank_keys import KeyLayout, fold_ranks
+
 __all__ = [
     "DEFAULT_MAX_OBJECTS",
     "BlockRemovedEvent",
     "BlockStoredEvent",
     "EventTracker",
     "KvEvent",
-    "ObjectIdentity",
     "ResidencyCandidate",
     "StoredObject",
     "TrackedObject",
     "apply_residency",
     "clear",
+    "fold_residency",
     "has_pending",
     "new_event_tracker",
     "residency_batch",
+    "stored_objects",
     "track_stored",
 ]
 
 DEFAULT_MAX_OBJECTS: Final = 65536
 
-ObjectIdentity: TypeAlias = tuple[int, bytes]
-"""(group_id, block_hash): what KV events name; ranks and namespace are implied."""
-
-ResidencyCandidate: TypeAlias = tuple[ObjectIdentity, int]
+ResidencyCandidate: TypeAlias = tuple[ObjectId, int]
 """An object to check and the serial it had when the batch was drawn."""
 
 
@@ -74,8 +74,24 @@ class StoredObject:
     medium: str
 
     @property
-    def identity(self) -> ObjectIdentity:
+    def identity(self) -> ObjectId:
         return (self.group_id, self.block_hash)
+
+
+def stored_objects(plan: StorePlan, medium: str) -> tuple[StoredObject, ...]:
+    """The objects a store plan wrote, with what their BlockStored events need (the
+    plan's facts; a plan built without them announces no parent and no tokens)."""
+    objects: list[StoredObject] = []
+    for index, group in enumerate(plan.groups):
+        facts = None if plan.facts is None else plan.facts[index]
+        for row, block_hash in enumerate(group.block_hashes):
+            objects.append(StoredObject(
+                group.group_id, block_hash,
+                None if facts is None else facts.parent_hashes[row],
+                () if facts is None else facts.token_ids[row],
+                group.block_size, medium,
+            ))
+    return tuple(objects)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +135,18 @@ class EventTracker:
     """Tracked objects and the two check queues (pending by serial, published by turn)."""
 
     max_objects: int
-    objects: PMap[ObjectIdentity, TrackedObject]
-    pending_queue: PMap[int, ObjectIdentity]
+    objects: PMap[ObjectId, TrackedObject]
+    pending_queue: PMap[int, ObjectId]
     pending_head: int
-    rotation: PMap[int, ObjectIdentity]
+    rotation: PMap[int, ObjectId]
     rotation_head: int
     next_ticket: int
     suppressed: int = 0
     """New objects not tracked because ``max_objects`` were tracked already."""
 
 
-_EMPTY_OBJECTS: Final[PMap[ObjectIdentity, TrackedObject]] = pmap()
-_EMPTY_QUEUE: Final[PMap[int, ObjectIdentity]] = pmap()
+_EMPTY_OBJECTS: Final[PMap[ObjectId, TrackedObject]] = pmap()
+_EMPTY_QUEUE: Final[PMap[int, ObjectId]] = pmap()
 
 
 def new_event_tracker(max_objects: int = DEFAULT_MAX_OBJECTS) -> EventTracker:
@@ -152,7 +168,7 @@ def clear(state: EventTracker) -> EventTracker:
 def track_stored(
     state: EventTracker,
     objects: Sequence[StoredObject],
-    failed: frozenset[ObjectIdentity] = frozenset(),
+    failed: frozenset[ObjectId] = frozenset(),
 ) -> EventTracker:
     """Track the objects of one completed store event; each becomes pending.
 
@@ -161,7 +177,7 @@ def track_stored(
     tracked is stored again: new serial, pending, published flag kept.
     """
     edit = _Edit(state)
-    seen: set[ObjectIdentity] = set()
+    seen: set[ObjectId] = set()
     for stored in objects:
         identity = stored.identity
         if identity in seen or identity in failed:
@@ -201,7 +217,7 @@ def residency_batch(
     if batch_size < 1 or not state.objects:
         return ()
     objects = state.objects
-    chosen: dict[ObjectIdentity, int] = {}
+    chosen: dict[ObjectId, int] = {}
     oldest_pending = state.pending_head if state.pending_queue else state.next_ticket
     if recheck_published:
         for turn, identity in _queued(state.rotation, state.rotation_head, state.next_ticket):
@@ -280,6 +296,33 @@ def apply_residency(
     return edit.finish(), tuple(events)
 
 
+def fold_residency(
+    layout: KeyLayout,
+    per_key: Sequence[bool | str | None],
+    *,
+    disk_medium: str,
+    memory_medium: str,
+) -> tuple[list[bool], list[str] | None] | None:
+    """One residency batch's per-key answers (object-major, every rank's key of an
+    object together: ``layout``) as :func:`apply_residency` takes them.
+
+    An object is resident only when every rank's shard is; an answer is a bool
+    (``lookup``) or the medium holding the shard, None for missing (a tiered
+    store's ``where``). With media, an object's medium is ``disk_medium`` when any
+    rank's shard is there (its load would read from disk), else ``memory_medium``;
+    plain answers name no medium. None when the answer does not fit the layout:
+    nothing is known, as after a failed check.
+    """
+    resident = fold_ranks(layout, [value is not None and value is not False for value in per_key])
+    if resident is None:
+        return None
+    if not any(isinstance(value, str) for value in per_key):
+        return list(resident[0]), None
+    on_disk = fold_ranks(layout, [value == disk_medium for value in per_key], any)
+    assert on_disk is not None  # the same length as the resident fold's
+    return list(resident[0]), [disk_medium if disk else memory_medium for disk in on_disk[0]]
+
+
 # ---------------------------------------------------------------------------
 
 _K = TypeVar("_K")
@@ -294,8 +337,8 @@ def _get(evolver: PMapEvolver[_K, _V], key: _K) -> _V | None:
 
 
 def _queued(
-    queue: PMap[int, ObjectIdentity], head: int, end: int
-) -> Iterator[tuple[int, ObjectIdentity]]:
+    queue: PMap[int, ObjectId], head: int, end: int
+) -> Iterator[tuple[int, ObjectId]]:
     """(ticket, identity) of a ticket queue in ticket order, skipping holes."""
     remaining = len(queue)
     ticket = head
@@ -329,7 +372,7 @@ class _Edit:
     def unqueue_pending(self, serial: int) -> None:
         del self.pending_queue[serial]
 
-    def rotate(self, identity: ObjectIdentity, record: TrackedObject, medium: str) -> None:
+    def rotate(self, identity: ObjectId, record: TrackedObject, medium: str) -> None:
         """Checked and resident (or published and the check failed): published, not
         pending, at the back of the rotation."""
         if record.pending:
@@ -342,7 +385,7 @@ class _Edit:
             record.serial, True, False, None, medium, turn
         )
 
-    def forget(self, identity: ObjectIdentity, record: TrackedObject) -> None:
+    def forget(self, identity: ObjectId, record: TrackedObject) -> None:
         if record.pending:
             self.unqueue_pending(record.serial)
         if record.turn >= 0:
@@ -365,7 +408,7 @@ class _Edit:
         )
 
 
-def _advance(queue: PMap[int, ObjectIdentity], head: int, end: int) -> int:
+def _advance(queue: PMap[int, ObjectId], head: int, end: int) -> int:
     """Move a queue's head past tickets that left it. Each ticket is passed once
     over the tracker's life, so this is amortised O(1) per ticket issued."""
     if not queue:

@@ -1,7 +1,7 @@
 """Reservations: the identities in-flight store events write, as a set that a
 step's store plan checks a run of hashes against without a tuple per block
-(built by :func:`umbp.core.store_events.reserved_identities`, read by
-:func:`umbp.core.store_plans.store_batch`).
+(built by :func:`umbp.core.stores.acks.reserved_identities`, read by
+:func:`umbp.core.stores.plans.store_plan`).
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import repeat
 
-from umbp.core.identity import Identity
+from umbp.core.identity import ObjectId
 
 __all__ = ["Reservations"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Reservations(AbstractSet[Identity]):
+class Reservations(AbstractSet[ObjectId]):
     """The identities in-flight store events write, as a set of identities: per
     event, per group id, a frozenset of block hashes (built once per event,
-    :func:`umbp.core.store_events.reserved_identities`), so a step neither rebuilds
+    :func:`umbp.core.stores.acks.reserved_identities`), so a step neither rebuilds
     one set of every in-flight identity nor makes a tuple per block. A run of one
     group's hashes is checked against each event's set in C (:meth:`holds_none`)."""
 
@@ -46,8 +46,8 @@ class Reservations(AbstractSet[Identity]):
         group_id, block_hash = identity
         return any(block_hash in event.get(group_id, ()) for event in self.by_event)
 
-    def __iter__(self) -> Iterator[Identity]:
-        seen: dict[Identity, None] = {}
+    def __iter__(self) -> Iterator[ObjectId]:
+        seen: dict[ObjectId, None] = {}
         for event in self.by_event:
             for group_id, hashes in event.items():
                 seen.update(dict.fromkeys(zip(repeat(group_id), hashes)))
