@@ -240,6 +240,7 @@ def weights_identity(model: str, revision: str | None, load_format: str,
     raise WeightsUnknown(
         f"umbp cannot tell which weights model {model!r} (revision {revision!r}, load "
         f"format {load_format!r}) loads: it is neither a local path nor a hub model in the "
-        "local hub cache. Set kv_connector_extra_config 'namespace' to a name you change "
-        "whenever the weights change (see docs/configuration.md)"
+        "local hub cache. Set an explicit 'namespace' (vLLM's kv_connector_extra_config, "
+        "SGLang's --hicache-storage-backend-extra-config) that you change whenever the "
+        "weights change (see docs/configuration.md)"
     )

@@ -55,6 +55,7 @@ from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.pinned_stores import PinnedStores
 from umbp.shell.request_state import UNKNOWN, RequestState
+from umbp.shell.retention import RequestRetention
 from umbp.shell.store_step import StoreStep
 from umbp.shell.vllm_compat.objects import (
     BlockPoolLike,
@@ -132,6 +133,7 @@ class UMBPScheduler:
             if self._events_enabled else None
         )
         self.counters = SchedulerCounters()
+        self.retention = RequestRetention(self._geometry, self._lookup_executor)
         self._admission = Admission(
             config, kv_cache_config, self._geometry, hybrid, self._lookup_executor, self.counters
         )
@@ -305,6 +307,7 @@ class UMBPScheduler:
 
     def request_finished(self, request: RequestLike) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
+        self.retention.request_finished(request, self._store, self._keyspace)
         return False, None
 
     def take_events(self) -> list[Any]:

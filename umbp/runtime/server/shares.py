@@ -17,10 +17,12 @@ reservation of `k` pages by namespace `n`:
    reserving one counted with its `k` pages). A namespace within its share loses
    nothing while another is over its own: one model's burst evicts that model's
    objects, not another's working set.
-3. **LRU.** Only if that is not enough (everyone within their share, e.g. with pages
-   reserved but not yet committed), plain least-recently-used order over everything;
-   but not for a namespace over its share itself: it gets what is free, and a put that
-   does not fit is refused (its next put finds objects of its own to evict).
+3. **Its own LRU.** Only if that is not enough (every namespace within its share, with
+   pages taken by puts in flight, pinned or retained objects): the reserving namespace's
+   own least recently used objects. Never another's: past that the reservation gets
+   what is free (the high watermark is a target, not a wall), and a put that finds no
+   free page is refused. (A reservation charged to no namespace takes plain LRU victims
+   over everything.)
 
 Pinned objects (a client is copying them) and objects already leaving are never
 chosen, as before. **Retained** objects are never chosen while their retention lasts:
@@ -66,7 +68,8 @@ class EvictionCause(enum.StrEnum):
     SHARE = "share"
     """DRAM was under pressure and its namespace held more than an even share."""
     LRU = "lru"
-    """DRAM was under pressure and every namespace was within its share."""
+    """DRAM was under pressure, every namespace was within its share, and it was the
+    reserving namespace's own least recently used object."""
 
 
 class SharedResident(Resident):
@@ -234,9 +237,14 @@ class NamespacedLru(PagedLru[S]):
             if entry is None:
                 break
             self._take(entry, self._usage_of(entry.namespace), EvictionCause.SHARE, victims)
-        if namespace is not None and self._held(namespace, namespace, pages_needed) > \
-                self._share(namespace, pages_needed, target):
-            return victims  # over its share itself: it takes nobody's share, what is free
+        if namespace is not None:
+            usage = self._usage_of(namespace)
+            while self._above(target, pages_needed):
+                entry = self._first_evictable(usage)
+                if entry is None:
+                    break
+                self._take(entry, usage, EvictionCause.LRU, victims)
+            return victims
         for entry in self._objects.values():  # taking one does not change this order
             if not self._above(target, pages_needed):
                 break

@@ -110,8 +110,8 @@ def weights_of(vllm_config: Any) -> str:
     if elsewhere and elsewhere != str(model.model):
         raise WeightsUnknown(
             f"umbp cannot tell which weights are loaded: they stream from {elsewhere!r} "
-            "(object storage). Set kv_connector_extra_config 'namespace' to a name you "
-            "change whenever the weights change (see docs/configuration.md)"
+            "(object storage). Set an explicit kv_connector_extra_config 'namespace' that "
+            "you change whenever the weights change (see docs/configuration.md)"
         )
     revision = None if model.revision is None else str(model.revision)
     return weights_identity(str(model.model), revision, load_format, load.download_dir)

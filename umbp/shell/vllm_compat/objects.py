@@ -40,6 +40,9 @@ class RequestLike(Protocol):
     @property
     def shared_prefix_boundary(self) -> int: ...
 
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
+
 
 class NewRequestDataLike(Protocol):
     """``NewRequestData``: a request scheduled for the first time this step."""

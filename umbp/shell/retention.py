@@ -1,0 +1,95 @@
+"""Retention from a request: when a request that asked (``kv_transfer_params``
+``{"umbp": {"retain_s": N}}``, :mod:`umbp.core.retention`) finishes, ask the store to
+keep its blocks' objects for that long.
+
+The scheduler calls :meth:`RequestRetention.request_finished` from one place (its
+``request_finished`` hook). The ask goes to the store on the scheduler's lookup threads,
+never on the scheduler's own: by the time vLLM reports a request finished, the workers
+have stored the blocks of every step it ran, so the objects are there to keep. A store
+without retention (`Retains`: the embedded pool, Mooncake, MORI) is warned about once;
+a refusal (over the namespace's budget, longer than the server allows) is logged with
+the store's reason. Neither costs the request anything: it has finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from returns.result import Failure
+
+from umbp.core.geometry import CacheGeometry
+from umbp.core.identity import KeySpace
+from umbp.core.retention import requested_retention, retention_keys
+from umbp.runtime.contract import Retains, SchedulerStore, StoreRefused, StoreUnavailable
+from umbp.shell.vllm_compat.objects import RequestLike
+
+__all__ = ["RequestRetention", "RetentionCounters"]
+
+logger = logging.getLogger("umbp")
+
+
+@dataclass(slots=True)
+class RetentionCounters:
+    asked: int = 0
+    """Finished requests that asked for retention."""
+    objects_retained: int = 0
+    """Objects the store keeps for them (newly, or for longer)."""
+    refused: int = 0
+    """Asks refused: a bad ``umbp`` entry, or the store's limits."""
+
+
+class RequestRetention:
+    def __init__(self, geometry: CacheGeometry, executor: Executor) -> None:
+        self._geometry = geometry
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._warned_store = False
+        self.counters = RetentionCounters()
+
+    def request_finished(
+        self, request: RequestLike, store: SchedulerStore | None, keyspace: KeySpace | None
+    ) -> None:
+        asked = requested_retention(request.kv_transfer_params)
+        if isinstance(asked, Failure):
+            logger.warning("umbp: request %s: %s; nothing retained", request.request_id,
+                           asked.failure())
+            self._count(refused=1)
+            return
+        seconds = asked.unwrap()
+        if seconds is None or store is None or keyspace is None:
+            return
+        self._count(asked=1)
+        if not isinstance(store, Retains):
+            if not self._warned_store:
+                self._warned_store = True
+                logger.warning("umbp: requests ask to retain their blocks, but this mode's "
+                               "store cannot retain (mode 'server' can); nothing is retained")
+            return
+        keys = retention_keys(self._geometry, keyspace, tuple(request.block_hashes))
+        if keys:
+            self._executor.submit(self._retain, store, request.request_id, keys, seconds)
+
+    def _retain(self, store: Retains, request_id: str, keys: tuple[str, ...],
+                seconds: float) -> None:
+        try:
+            answer = store.retain(keys, seconds)
+        except StoreRefused as error:
+            logger.warning("umbp: the store refused to retain request %s's blocks: %s",
+                           request_id, error)
+            self._count(refused=1)
+        except StoreUnavailable as error:
+            logger.warning("umbp: request %s's blocks not retained: %s", request_id, error)
+        else:
+            self._count(retained=answer.retained + answer.extended)
+            logger.debug("umbp: request %s: %d objects retained for %g s, %d not held",
+                         request_id, answer.retained + answer.extended, seconds,
+                         answer.not_retained)
+
+    def _count(self, asked: int = 0, retained: int = 0, refused: int = 0) -> None:
+        with self._lock:
+            self.counters.asked += asked
+            self.counters.objects_retained += retained
+            self.counters.refused += refused
