@@ -35,6 +35,8 @@ logger = logging.getLogger("umbp")
 class RetentionCounters:
     asked: int = 0
     """Finished requests that asked for retention."""
+    answered: int = 0
+    """Of them, those the store has answered (retained, refused or unreachable)."""
     objects_retained: int = 0
     """Objects the store keeps for them (newly, or for longer)."""
     refused: int = 0
@@ -63,6 +65,7 @@ class RequestRetention:
             return
         self._count(asked=1)
         if not isinstance(store, Retains):
+            self._count(answered=1)
             if not self._warned_store:
                 self._warned_store = True
                 logger.warning("umbp: requests ask to retain their blocks, but this mode's "
@@ -71,6 +74,8 @@ class RequestRetention:
         keys = retention_keys(self._geometry, keyspace, tuple(request.block_hashes))
         if keys:
             self._executor.submit(self._retain, store, request.request_id, keys, seconds)
+        else:
+            self._count(answered=1)
 
     def _retain(self, store: Retains, request_id: str, keys: tuple[str, ...],
                 seconds: float) -> None:
@@ -79,17 +84,20 @@ class RequestRetention:
         except StoreRefused as error:
             logger.warning("umbp: the store refused to retain request %s's blocks: %s",
                            request_id, error)
-            self._count(refused=1)
+            self._count(answered=1, refused=1)
         except StoreUnavailable as error:
             logger.warning("umbp: request %s's blocks not retained: %s", request_id, error)
+            self._count(answered=1)
         else:
-            self._count(retained=answer.retained + answer.extended)
+            self._count(answered=1, retained=answer.retained + answer.extended)
             logger.debug("umbp: request %s: %d objects retained for %g s, %d not held",
                          request_id, answer.retained + answer.extended, seconds,
                          answer.not_retained)
 
-    def _count(self, asked: int = 0, retained: int = 0, refused: int = 0) -> None:
+    def _count(self, asked: int = 0, answered: int = 0, retained: int = 0,
+               refused: int = 0) -> None:
         with self._lock:
             self.counters.asked += asked
+            self.counters.answered += answered
             self.counters.objects_retained += retained
             self.counters.refused += refused
