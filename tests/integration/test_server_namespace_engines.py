@@ -78,6 +78,7 @@ def test_new_weights_at_the_same_path_never_load_the_old_weights_kv(
                               ssd_capacity_bytes=64 << 20)
         (stale,) = _namespaces(socket_path).values()
         assert stale["namespace"] == registered["namespace"]
+        assert stale["label"] == registered["label"], "the label was kept beside the SSD"
         assert stale["ssd"]["objects"] == PROMPT_OBJECTS and stale["dram"]["objects"] == 0
         report = run_scenario(_spec(str(model), [
             {"connector": None, "steps": ["generate"]},

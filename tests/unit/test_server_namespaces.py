@@ -12,6 +12,7 @@ import pytest
 
 from tests.unit.test_server_state import PAGE, Rig
 from umbp.runtime.server import state as state_module
+from umbp.runtime.server.labels import LabelFile
 from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.ssd.tier import SsdTier
 
@@ -159,3 +160,20 @@ def test_a_retention_over_its_budget_or_too_long_is_refused_and_retains_nothing(
     # Lowering the budget releases what no longer fits, the retentions ending first.
     answer = rig.core.set_limits("aaaa", {"retain_budget_bytes": PAGE})
     assert answer["released"] == 1 and row(rig, "aaaa")["retained"]["objects"] == 1
+
+
+def test_labels_come_back_for_namespaces_still_on_ssd_and_a_damaged_file_is_ignored(
+    ssd: SsdTier, tmp_path: Path
+) -> None:
+    labels = LabelFile(str(tmp_path))
+    rig = Rig(8, cold=ssd)
+    rig.core.restore_labels(labels)
+    rig.core.register("aaaa", "model a")
+    rig.core.register("bbbb", "model b")
+    for start in range(9):  # more than DRAM holds: some go to SSD
+        rig.put(objects("aaaa", 1, start))
+    again = Rig(8, cold=ssd)
+    again.core.restore_labels(labels)
+    assert {r["namespace"]: r["label"] for r in again.core.namespaces()} == {"aaaa": "model a"}
+    labels.path.write_text("{not json")
+    assert LabelFile(str(tmp_path)).load() == {}

@@ -10,7 +10,8 @@ the holder of the flock on `<socket>.owner` (see `ownership`); a socket or share
 file is deleted only when it is provably a dead holder's. The threat model is in
 docs/operations.md.
 
-What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open).
+What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open),
+and the labels engines registered for the namespaces still there (`labels`).
 What it loses: the DRAM tier, which lives and dies with the process.
 
 SIGTERM and SIGINT shut down cleanly: the socket, the shared-memory file and the record
@@ -35,6 +36,7 @@ from typing import Any
 
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.server.labels import LabelFile
 from umbp.runtime.server.listener import StoreServer, bind
 from umbp.runtime.server.metrics import MetricsEndpoint, render
 from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
@@ -131,6 +133,8 @@ def serve(config: ServerConfig) -> int:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
             _report_cold_tier(cold)
         core = StoreCore(pool.view, _index_for(config, pool), cold)
+        if cold is not None and config.ssd_dir is not None:
+            core.restore_labels(LabelFile(config.ssd_dir))
         _apply_limits(config, core)
         hello = _hello(config, pool)
         server = bind(socket_path, core, hello, config.max_connections, config.frame_timeout_s)

@@ -22,6 +22,7 @@ from typing import Any
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
+from umbp.runtime.server.labels import LabelFile
 from umbp.runtime.server.namespaces import NamespaceBook, namespace_of
 from umbp.runtime.server.operations import (
     DEFAULT_MAX_RETAIN_S,
@@ -56,6 +57,7 @@ class StoreCore:
         """Labels and counters per namespace (`umbp.runtime.server.operations`)."""
         self.max_retain_s = DEFAULT_MAX_RETAIN_S
         """The longest retention a request may ask for."""
+        self.label_file: LabelFile | None = None
 
     # ------------------------------------------------------------------ sessions
 
@@ -324,9 +326,27 @@ class StoreCore:
     # ------------------------------------------------------- namespaces (operators)
 
     def register(self, namespace: str, label: str) -> None:
-        """An engine says which model its namespace is (shown by `umbp ls`)."""
+        """An engine says which model its namespace is (shown by `umbp ls`); a new label
+        is saved beside the SSD tier, when there is one (`labels`)."""
         with self._lock:
+            known = self.book.registrations.get(namespace)
+            if known is not None and known.label == label:
+                return
             self.book.register(namespace, label, time.time())
+            registrations = dict(self.book.registrations)
+        if self.label_file is not None:
+            self.label_file.save(registrations)
+
+    def restore_labels(self, label_file: LabelFile) -> None:
+        """Labels a previous server saved, for the namespaces still on the SSD tier;
+        later registrations are saved to `label_file`."""
+        saved = label_file.load()
+        with self._lock:
+            on_disk = set(self._tiers.cold_keys.namespaces())
+            for namespace, registration in saved.items():
+                if namespace in on_disk:
+                    self.book.registrations.setdefault(namespace, registration)
+            self.label_file = label_file
 
     def namespaces(self) -> list[dict[str, Any]]:
         """Every namespace this server knows, with its figures (`operations`)."""
