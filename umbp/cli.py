@@ -238,12 +238,20 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     stats.add_argument("--timeout", type=_seconds, default=5.0)
     listing = commands.add_parser(
         "ls", help="a running server's namespaces: model, objects per tier, hits, last use")
-    listing.add_argument("--socket", required=True)
+    where = listing.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket")
+    where.add_argument("--mooncake-http", metavar="HOST:PORT",
+                       help="a Mooncake master's HTTP endpoint (its -metrics_port) instead")
     listing.add_argument("--json", action="store_true", help="print the raw rows as JSON")
     listing.add_argument("--timeout", type=_seconds, default=5.0)
     clear = commands.add_parser(
         "clear", help="drop one namespace's objects (or every object) from a running server")
-    clear.add_argument("--socket", required=True)
+    where = clear.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket")
+    where.add_argument("--mooncake-master", metavar="HOST:PORT",
+                       help="a Mooncake master's RPC address instead")
+    clear.add_argument("--mooncake-http", metavar="HOST:PORT",
+                       help="with --mooncake-master: its HTTP endpoint, to count what stayed")
     which = clear.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", type=_namespace_option)
     which.add_argument("--all", action="store_true", help="every namespace")
@@ -345,6 +353,42 @@ def run_operator_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_mooncake_command(args: argparse.Namespace) -> int:
+    """`umbp ls` / `umbp clear` on Mooncake Store, as far as its API allows
+    (umbp.runtime.mooncake.operations)."""
+    import socket
+
+    from umbp.runtime.contract import StoreUnavailable
+    from umbp.runtime.mooncake.operations import mooncake_namespaces
+
+    try:
+        if args.command == "ls":
+            counts = mooncake_namespaces(args.mooncake_http, args.timeout)
+            print(json.dumps(counts, indent=2) if args.json else "\n".join(
+                [f"{'namespace':<40}{'objects':>10}"] + [
+                    f"{name or '(other)':<40}{count:>10}"
+                    for name, count in sorted(counts.items(), key=lambda item: -item[1])]))
+            return 0
+        from umbp.runtime.mooncake.store import MooncakeStore
+
+        namespace = None if args.all else args.namespace
+        with MooncakeStore.lookup_only(args.mooncake_master,
+                                       local_hostname=socket.gethostname()) as store:
+            dropped = store.drop(namespace)
+        left = None
+        if args.mooncake_http is not None:
+            counts = mooncake_namespaces(args.mooncake_http, args.timeout)
+            left = sum(counts.values()) if namespace is None else counts.get(namespace, 0)
+        answer = {"namespace": namespace, "objects": dropped, "in_use": left}
+        print(json.dumps(answer, indent=2) if args.json else
+              f"dropped {dropped} objects" + ("" if not left else
+              f"; {left} under a lease (read in the last seconds) stayed: run it again"))
+        return 0
+    except (OSError, StoreUnavailable, RuntimeError, ValueError) as error:
+        print(f"umbp {args.command}: Mooncake: {error}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="umbp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -368,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     if args.command == "stats":
         return run_stats(args.socket, args.json, args.timeout)
+    if args.command in ("ls", "clear") and args.socket is None:
+        return run_mooncake_command(args)
     if args.command in ("ls", "clear", "limits"):
         return run_operator_command(args)
     if args.command == "bench":
