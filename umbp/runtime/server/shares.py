@@ -161,13 +161,14 @@ class NamespacedLru(PagedLru[S]):
         entry.tick = next(self._ticks)
 
     def touch(self, entry: S) -> None:
-        if self._objects.get(entry.key) is not entry:
+        key = entry.key
+        if self._objects.get(key) is not entry:
             return
-        super().touch(entry)
+        self._objects.move_to_end(key)  # PagedLru.touch, without asking again
         entry.tick = next(self._ticks)
-        evictable = self._usage_of(entry.namespace).evictable
-        if entry.key in evictable:
-            evictable.move_to_end(entry.key)
+        evictable = self._usage[entry.namespace].evictable  # admitted: it has a usage
+        if key in evictable:
+            evictable.move_to_end(key)
 
     def retire(self, entry: S) -> None:
         if not entry.retired and self._objects.get(entry.key) is entry:

@@ -171,9 +171,11 @@ class StoreCore:
             if len(checksums) != len(items):
                 raise RequestRefused(f"{len(checksums)} checksums for {len(items)} reserved keys")
             del session.reservations[token]
-            return [self._commit_one(item, checksum) for item, checksum in zip(items, checksums)]
+            now = time.time()
+            return [self._commit_one(item, checksum, now)
+                    for item, checksum in zip(items, checksums)]
 
-    def _commit_one(self, item: Reserved, checksum: int | None) -> bool:
+    def _commit_one(self, item: Reserved, checksum: int | None, now: float) -> bool:
         index = self._index
         if checksum is None:
             index.release(item.regions)
@@ -182,7 +184,7 @@ class StoreCore:
             index.release(item.regions)  # another client stored it meanwhile
             return True
         entry = index.insert(item.key, item.regions, item.nbytes, checksum)
-        self.book.put(entry.namespace, item.nbytes, time.time())
+        self.book.put(entry.namespace, item.nbytes, now)
         self._counters.puts += 1
         self._counters.bytes_written += item.nbytes
         return True
