@@ -17,11 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umbp.core import lookup as core_lookup
 from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.lookup.query import LookupQuery
-from umbp.core.lookup.windows import LoadSpec
+from umbp.core.lookup.query import LookupQuery, build_lookup_query
+from umbp.core.lookup.windows import LoadSpec, fold_rank_hits
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.vllm_compat.versions import coordinator_arguments
 
@@ -155,7 +154,7 @@ def _nothing(group_id: int, token_end: int) -> bool:
 def _query(
     hybrid: HybridLookup, hashes: list[bytes], num_tokens: int, local_tokens: int = 0
 ) -> LookupQuery:
-    return core_lookup.build_lookup_query(
+    return build_lookup_query(
         hybrid.geometry, KEYSPACE, hashes, local_tokens, num_tokens
     )
 
@@ -169,7 +168,7 @@ def _folded(
         for _ in range(query.rank_count)
         for index in range(len(query.object_hashes[position]))
     ]
-    folded = core_lookup.fold_rank_hits(query, answers)
+    folded = fold_rank_hits(query, answers)
     assert folded is not None
     return folded
 
@@ -376,7 +375,7 @@ def test_a_query_for_other_lookup_units_is_refused(vllm_config: Any) -> None:
         block_size=BLOCK, hash_block_size=BLOCK // 2, coordinated=True,
     )
     hashes = _hashes(20)
-    query = core_lookup.build_lookup_query(other, KEYSPACE, hashes, 0, 10 * BLOCK)
+    query = build_lookup_query(other, KEYSPACE, hashes, 0, 10 * BLOCK)
     with pytest.raises(ValueError, match="lookup units"):
         hybrid.window(query, _folded(hybrid, query, _every), hashes, lambda g, h: True)
     assert not hybrid.holds_hits

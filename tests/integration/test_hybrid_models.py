@@ -83,13 +83,19 @@ def test_lfm2_restores_a_shared_prefix_junction_state(lfm2_model: str) -> None:
 def test_qwen3_next_linear_attention_states_restore_with_identical_tokens(
     qwen3_next_model: str,
 ) -> None:
-    # vLLM raises the block to 288 tokens; a 700-token prompt restores up to the
-    # gated delta-net state at 640, as far as vLLM's own prefix cache reaches for it
-    # (measured: vLLM alone 640; umbp reached 576 before the store-pass rework).
+    # vLLM raises the block to 288 tokens; a 700-token prompt restores up to a gated
+    # delta-net state, exactly as far as vLLM's own prefix cache reaches for it (the
+    # engine without umbp, second round). That reach depends on the packages vLLM
+    # resolves: 640 with those installed until 2026-11, 576 with those of 2026-12
+    # (transformers 5.19.0), where umbp once reached 576 against vLLM's 640 before the
+    # store-pass rework. At least two of the 288-token blocks are always restored.
     prompt = unique_prompts(1, 700, seed=3)
     spec = _scenario(qwen3_next_model, prompt, "generate")
     spec["engine"]["dtype"] = "bfloat16"
-    _check(run_scenario(spec), [640])
+    report = run_scenario(spec)
+    vllm_reach = report["engines"][0][1]["cached"]
+    assert vllm_reach[0] >= 576, vllm_reach
+    _check(report, vllm_reach)
 
 
 def test_lfm2_restores_a_shorter_shared_prefix_with_retention_interval_and_chunked_prefill(

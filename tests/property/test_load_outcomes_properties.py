@@ -179,10 +179,15 @@ def test_vllm_hears_of_each_failure_in_the_models_one_form(
     failed = [o for o in outcomes if o.failed]
     if reporting is FailureReporting.BLOCK_IDS:
         assert report.failed_requests == frozenset()
+        # A synchronous load's failed blocks are due at once; an asynchronous
+        # load's with its finish (vLLM takes the finished requests first).
         assert report.failed_block_ids == frozenset().union(
+            *(o.failed_block_ids for o in failed if not o.is_async))
+        assert report.without_requests().failed_block_ids == frozenset().union(
             *(o.failed_block_ids for o in failed))
     else:
         assert report.failed_block_ids == frozenset()
+        assert report.without_requests().failed_block_ids == frozenset()
         assert report.failed_requests == {o.request_id for o in failed if o.is_async}
     # What cannot be reported is exactly what neither form carries.
     for outcome in outcomes:
@@ -199,12 +204,17 @@ def test_taking_requests_and_blocks_splits_the_report(
     for outcome in outcomes:
         report = report_load(report, outcome, reporting)
     after_requests = report.without_requests()
-    assert after_requests.failed_block_ids == report.failed_block_ids
+    assert after_requests.failed_block_ids == report.failed_block_ids.union(
+        *report.finishing_block_ids.values())
     assert not after_requests.finished_requests and not after_requests.failed_requests
     after_blocks = report.without_blocks()
     assert after_blocks.finished_requests == report.finished_requests
     assert after_blocks.failed_requests == report.failed_requests
     assert not after_blocks.failed_block_ids
+    # Blocks taken before the requests: an asynchronous load's blocks still wait for
+    # its finish, and come with it.
+    assert after_blocks.finishing_block_ids == report.finishing_block_ids
+    assert set(report.finishing_block_ids) <= report.finished_requests
     assert after_requests.without_blocks() == LoadReport()
 
 

@@ -125,3 +125,24 @@ def test_quick_mooncake_bench_prints_ratios_and_writes_json(tmp_path: Path) -> N
     ]
     assert [lookup["segment"] for lookup in data["lookups"]] == ["local", "remote"]
     assert all(lookup["ratio"] > 0 for lookup in data["lookups"])
+
+
+def test_the_live_requests_bench_drives_the_scheduler_hook_at_every_live_count(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/live_requests_bench.py steps umbp's scheduler through vLLM 0.33's
+    own step objects (make test extracts them) with few and with many requests
+    decoding; its figures are reported, not judged."""
+    report = tmp_path / "live.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "live_requests_bench.py"), "--live", "2,12",
+         "--changing", "3", "--rounds", "2", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert set(data["median_us"]) == {"2", "12"} and data["changing"] == 3
+    # Every step stores the new requests' 16-block prompts, with few or many decoding.
+    assert data["stored_blocks_per_step"] == {"2": 3 * 16, "12": 3 * 16}
+    assert all(us > 0 for us in data["median_us"].values())
+    assert "12 live vs 2:" in done.stdout

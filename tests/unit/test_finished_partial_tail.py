@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.unit import vllm_driver
-from tests.unit.vllm_driver import KV_HEADS, LAYERS, NULL_BLOCK, Driver, kv_value, step_starts
+from tests.unit.vllm_driver import KV_HEADS, LAYERS, NULL_BLOCK, Driver, step_starts
 from umbp.core.loads.outcomes import LoadStatus
 
 pytestmark = pytest.mark.vllm_versions
@@ -58,22 +58,20 @@ class HybridDriver(Driver):
 
     def _forward(self, output: Any) -> None:
         starts = step_starts(output)
+        if output.kv_connector_metadata is not None:
+            for name in LAYERS:
+                self.worker.wait_for_layer_load(name)
         for request_id, count in output.num_scheduled_tokens.items():
             tokens = self.requests[request_id].all_token_ids
             start, end = starts[request_id], starts[request_id] + count
             tables = self.block_ids(request_id)
+            attention = tables[self.group_of_layer[ATTENTION]]
             for position in range(start, end):
-                self.write_token(tables, position, tokens[position])
+                self.write_token(ATTENTION, 1, attention, position, tokens[position])
             states = tables[self.group_of_layer[MAMBA]]
             index = -(-end // self.block_size) - 1
             if index < len(states) and states[index] != NULL_BLOCK:
                 self.kv[MAMBA][states[index]] = float(end * 1000 + sum(tokens[:end]) % 997)
-
-    def write_token(self, tables: Any, position: int, token: int) -> None:
-        table = tables[self.group_of_layer[ATTENTION]]
-        index, offset = divmod(position, self.block_size)
-        if index < len(table) and table[index] != NULL_BLOCK:
-            self.kv[ATTENTION][table[index], :, offset, :] = kv_value(1, position, token)
 
 
 @pytest.fixture
@@ -123,7 +121,8 @@ def test_a_finished_partial_tail_is_pinned_until_stored_then_restored_bit_identi
     state_block, attention_block = tables[mamba_group][2], tables[attention_group][2]
     state_page = page_bytes(driver, MAMBA, state_block)
     attention_page = page_bytes(driver, ATTENTION, attention_block)
-    # What the two steps stored (acknowledged within each step) holds no tail.
+    # What the two steps stored holds no tail.
+    driver.settle()
     before = stored_objects(driver)
     tail_hash = bytes(request.block_hashes[TAIL // HASH_BLOCK - 1]).hex()
     assert not any(key.endswith(tail_hash) for key in before)
@@ -139,11 +138,13 @@ def test_a_finished_partial_tail_is_pinned_until_stored_then_restored_bit_identi
     assert all(pool.blocks[b].ref_cnt == 0 for group in tables for b in group
                if b != NULL_BLOCK and b not in tail_blocks)
 
-    # The next step's store event carries the tail; pinned until acknowledged.
+    # The next step's store event carries the tail; pinned until acknowledged (a
+    # later step: the worker's store thread stores it after the step).
     output = driver.schedule()
     assert [pool.blocks[b].ref_cnt for b in tail_blocks] == [1, 1]
     kv_output, _ = driver.execute(output)
     assert [pool.blocks[b].ref_cnt for b in tail_blocks] == [1, 1]
+    driver.settle()
     after = stored_objects(driver)
     new = {key: value for key, value in after.items() if key not in before}
     assert sorted(new) == sorted(
@@ -154,19 +155,19 @@ def test_a_finished_partial_tail_is_pinned_until_stored_then_restored_bit_identi
         f"g{mamba_group}": state_page, f"g{attention_group}": attention_page,
     }
     driver.finish(output, kv_output)
+    driver.drain()  # the event's acknowledgement releases the pins
     assert [pool.blocks[b].ref_cnt for b in tail_blocks] == [0, 0]
 
     # Only umbp holds the prefix now: a request sharing it up to the tail loads
     # the tail's two pages, bit-identical, and resumes at the tail.
-    driver.drain()
     assert driver.scheduler.reset_prefix_cache()
     driver.add("b", PROMPT[:TAIL] + [(i * 11) % 500 + 3 for i in range(40)], max_tokens=2)
-    load = driver.step()  # an asynchronous load: b is not computed this step
-    assert load.kv_output.finished_recving == {"b"}
+    records = driver.until_reported("b")  # an asynchronous load: b waits outside the batch
+    assert all("b" not in r.output.num_scheduled_tokens for r in records)
     tables_b = driver.block_ids("b")
     loaded_state, loaded_attention = tables_b[mamba_group][2], tables_b[attention_group][2]
     assert {(mamba_group, loaded_state), (attention_group, loaded_attention)} <= set(
-        load.loads["b"]
+        driver.loads_of(records, "b")
     )
     assert page_bytes(driver, MAMBA, loaded_state) == state_page
     assert page_bytes(driver, ATTENTION, loaded_attention) == attention_page

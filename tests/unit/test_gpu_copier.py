@@ -196,6 +196,32 @@ def test_round_trip_restores_exactly_the_selected_blocks(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+def test_layer_by_layer_scatters_make_the_whole_scatter_and_touch_only_their_layer(
+    name: str,
+) -> None:
+    """A layer-wise restore (one scatter per layer, each a slice of the staged
+    objects) ends where one whole scatter ends; before the last layer, the layers not
+    yet scattered are untouched, byte for byte."""
+    case = CASES[name]
+    source = random_base(case.base_bytes, seed=3)
+    block_ids = [case.num_blocks - 1, 0, 2]
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    rows = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
+    copier.gather(block_ids, rows)
+    restored = torch.zeros_like(source)
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    assert restorer.num_layers == len(case.build(restored))
+    layers = case.build(restored)
+    for layer in range(restorer.num_layers):
+        assert restorer.scatter_layer_async(layer, block_ids, rows).done()
+        later = flat_parts(layers[layer + 1:])
+        assert all(not as_bytes(part).any() for part in later), "a later layer was written"
+    assert torch.equal(restored, expected_restore(case, source, block_ids))
+    with pytest.raises(IndexError, match="layer"):
+        restorer.scatter_layer_async(restorer.num_layers, block_ids, rows)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_round_trip_of_every_block(name: str) -> None:
     case = CASES[name]
     round_trip(case, list(reversed(range(case.num_blocks))))

@@ -46,19 +46,23 @@ def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> N
     driver.fill_pool("a", tokens)
 
     driver.add("b", tokens + [9, 9], max_tokens=4)
-    first = driver.step()
+    records = driver.until_scheduled("b")
+    first = records[0]
     # 4 full blocks from the pool; the tail and the new tokens are computed.
-    assert sorted(first.loads["b"]) == sorted((0, b) for b in driver.block_ids("b")[0][:4])
+    assert sorted(driver.loads_of(records, "b")) == sorted(
+        (0, b) for b in driver.block_ids("b")[0][:4]
+    )
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     assert first.output.has_sync_kv_loads is (not load_async)
     if load_async:
-        # Admitted in WAITING_FOR_REMOTE_KVS, scheduled once the load finished.
-        assert "b" not in first.output.num_scheduled_tokens
-        assert first.kv_output.finished_recving == {"b"}
-        driver.step()
-        assert driver.steps[-1].output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+        # Admitted in WAITING_FOR_REMOTE_KVS, scheduled once the load thread reported
+        # it finished (in this step or a later one), never before.
+        assert len(records) >= 2 and "b" not in first.output.num_scheduled_tokens
+        finished = [r.kv_output.finished_recving for r in records[:-1]]
+        assert [f for f in finished if f] == [{"b"}]
     else:
-        assert first.output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+        assert len(records) == 1
+    assert records[-1].output.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK
     stats = driver.connector_stats()
@@ -76,9 +80,9 @@ def test_local_and_external_hits_load_only_the_missing_blocks(make_driver: Any) 
     driver.drain()
 
     driver.add("b", tokens, max_tokens=4)
-    first = driver.step()
+    records = driver.until_scheduled("b")
     table = driver.block_ids("b")[0]
-    assert sorted(first.loads["b"]) == sorted((0, b) for b in table[2:4])
+    assert sorted(driver.loads_of(records, "b")) == sorted((0, b) for b in table[2:4])
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK
@@ -102,8 +106,7 @@ def test_chunked_prefill_stores_every_full_block_once(make_driver: Any) -> None:
 
     assert driver.scheduler.reset_prefix_cache()
     driver.add("b", tokens, max_tokens=4)
-    driver.step()
-    driver.step()
+    driver.until_scheduled("b")
     assert driver.assert_blocks_hold("b", tokens, range(6)) == 6 * 2
     driver.run(["b"])
     assert driver.cached_tokens("b") == 6 * BLOCK
@@ -151,8 +154,7 @@ def test_preempted_request_resumes_and_its_blocks_stay_right(make_driver: Any) -
     assert driver.scheduler.reset_prefix_cache()
     for name, tokens in (("a2", a), ("b2", b)):
         driver.add(name, tokens + [1], max_tokens=4)
-        driver.step()
-        driver.step()
+        driver.until_scheduled(name)
         assert driver.assert_blocks_hold(name, tokens, range(5)) == 5 * 2
         driver.run([name])
         assert driver.cached_tokens(name) == 5 * BLOCK
@@ -229,11 +231,10 @@ def test_hybrid_sliding_window_loads_what_vllms_coordinator_grants(make_driver: 
     tokens = prompt(6, tail=0)
     driver.fill_pool("a", tokens)
     driver.add("b", tokens, max_tokens=4)
-    first = driver.step()
-    scheduled = first if "b" in first.output.num_scheduled_tokens else driver.step()
-    hit = next(new.num_computed_tokens for new in scheduled.output.scheduled_new_reqs
+    records = driver.until_scheduled("b")
+    hit = next(new.num_computed_tokens for new in records[-1].output.scheduled_new_reqs
                if new.req_id == "b")
-    loads = first.loads.get("b", [])
+    loads = driver.loads_of(records, "b")
     assert hit >= 4 * BLOCK, f"the coordinator granted {hit} tokens"
     loaded_full = {b for g, b in loads if g == full}
     loaded_sliding = {b for g, b in loads if g == sliding}
@@ -256,14 +257,9 @@ def test_an_async_lookup_is_answered_on_a_later_step(make_driver: Any) -> None:
     first = driver.step()
     # The lookup runs off the scheduler thread: vLLM is told "not yet" and waits.
     assert "b" not in first.output.num_scheduled_tokens and not first.loads
-    loaded: list[tuple[int, int]] = []
-    for _ in range(50):
-        record = driver.step()
-        loaded += record.loads.get("b", [])
-        if "b" in record.output.num_scheduled_tokens:
-            break
+    records = driver.until_scheduled("b")
     table = driver.block_ids("b")[0]
-    assert sorted(loaded) == sorted((0, b) for b in table[:4])
+    assert sorted(driver.loads_of(records, "b")) == sorted((0, b) for b in table[:4])
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK

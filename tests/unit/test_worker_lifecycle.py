@@ -88,15 +88,16 @@ def test_a_load_that_succeeds_reports_no_failure(make_driver: Any, load_async: b
     driver.fill_pool("a", tokens)
 
     driver.add("b", tokens, max_tokens=3)
-    first = driver.step()
+    records = driver.until_reported("b") if load_async else [driver.step()]
     table = driver.block_ids("b")[0]
-    assert sorted(first.loads["b"]) == sorted((0, b) for b in table[:4])
-    assert first.kv_output.invalid_block_ids == set()
-    assert not first.kv_output.failed_recving
-    # vLLM waits for an asynchronous load until the worker says it finished.
-    assert first.kv_output.finished_recving == ({"b"} if load_async else set())
+    assert sorted(driver.loads_of(records, "b")) == sorted((0, b) for b in table[:4])
+    reported = driver.reported(records)
+    assert reported.invalid_block_ids == set()
+    assert not reported.failed_recving
+    # vLLM waits for an asynchronous load until the worker says it finished, once.
+    assert reported.finished_recving == (["b"] if load_async else [])
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
-    assert scheduled_from(step_with(driver, "b") if load_async else first, "b") == 4 * BLOCK
+    assert scheduled_from(step_with(driver, "b") if load_async else records[0], "b") == 4 * BLOCK
     driver.run(["b"])
     assert driver.cached_tokens("b") == 4 * BLOCK
     stats = driver.connector_stats()
@@ -114,14 +115,19 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     driver.add("b", tokens, max_tokens=3)
-    first = driver.step()
+    records = driver.until_reported("b") if load_async else [driver.step()]
     table = driver.block_ids("b")[0]
-    # One cache group: the failure goes out as the one block id, never the request.
-    assert first.kv_output.invalid_block_ids == {table[2]}
-    assert not first.kv_output.failed_recving
-    assert first.kv_output.finished_recving == ({"b"} if load_async else set())
+    reported = driver.reported(records)
+    # One cache group: the failure goes out as the one block id, never the request,
+    # in the step vLLM hears the load finished.
+    assert reported.invalid_block_ids == {table[2]}
+    assert records[-1].kv_output.invalid_block_ids == {table[2]}
+    assert not reported.failed_recving
+    assert reported.finished_recving == (["b"] if load_async else [])
     # The intact blocks reached the KV cache; the corrupt one did not.
-    assert sorted(first.loads["b"]) == sorted((0, b) for b in (table[0], table[1], table[3]))
+    assert sorted(driver.loads_of(records, "b")) == sorted(
+        (0, b) for b in (table[0], table[1], table[3])
+    )
     # vLLM keeps the loaded prefix and recomputes from the failed block on.
     recompute = step_with(driver, "b") if load_async else driver.step()
     assert scheduled_from(recompute, "b") == 2 * BLOCK
@@ -152,8 +158,9 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again_by_the_request(
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[2]) == 1
 
     b = driver.add("b", tokens, max_tokens=2)
-    first = driver.step()
-    assert first.kv_output.invalid_block_ids == {driver.block_ids("b")[0][2]}
+    records = driver.until_reported("b") if load_async else [driver.step()]
+    assert driver.reported(records).invalid_block_ids == {driver.block_ids("b")[0][2]}
+    driver.settle()
     # A synchronous load lands before the forward pass, which computed blocks 4-5
     # over the failed block: wrong KV in a real model, so not stored from that step.
     assert [stored_copies(driver, h) for h in b.block_hashes] == [1, 1, 0, 1, 0, 0]
@@ -259,11 +266,15 @@ def test_a_store_killed_between_lookup_and_load_costs_a_recompute(
     server.wait()
     kv_output, loads = driver.execute(output)
     driver.steps.append(StepRecord(output, driver.finish(output, kv_output), kv_output, loads))
+    records = [driver.steps[-1]]
+    if load_async and "b" not in kv_output.finished_recving:
+        records += driver.until_reported("b")
     table = driver.block_ids("b")[0]
-    assert loads.get("b", []) == []
-    assert kv_output.invalid_block_ids == set(table[:4])
-    assert not kv_output.failed_recving
-    assert kv_output.finished_recving == ({"b"} if load_async else set())
+    reported = driver.reported(records)
+    assert driver.loads_of(records, "b") == []
+    assert reported.invalid_block_ids == set(table[:4])
+    assert not reported.failed_recving
+    assert reported.finished_recving == (["b"] if load_async else [])
     # Every block is recomputed from the first token; lookups now miss.
     recompute = step_with(driver, "b")
     assert scheduled_from(recompute, "b") == 0
@@ -291,10 +302,12 @@ def test_several_cache_groups_report_the_request_never_block_ids(make_driver: An
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[3]) >= 1
 
     driver.add("b", tokens, max_tokens=3)
-    first = driver.step()  # loads are asynchronous for several groups
-    assert first.kv_output.failed_recving == {"b"}
-    assert first.kv_output.finished_recving == {"b"}
-    assert first.kv_output.invalid_block_ids == set()
+    records = driver.until_reported("b")  # loads are asynchronous for several groups
+    reported = driver.reported(records)
+    assert reported.failed_recving == {"b"}
+    assert records[-1].kv_output.failed_recving == {"b"}
+    assert reported.finished_recving == ["b"]
+    assert reported.invalid_block_ids == set()
     # vLLM recomputes the request; what umbp still holds intact may be loaded again.
     driver.run(["b"])
     stats = driver.connector_stats()
@@ -320,8 +333,9 @@ def test_a_failed_request_report_is_taken_once(make_driver: Any) -> None:
     driver.fill_pool("a", tokens)
     assert corrupt_stored_block(driver, driver.requests["a"].block_hashes[0]) == 1
     driver.add("b", tokens, max_tokens=2)
-    first = driver.step()
-    assert first.kv_output.invalid_block_ids == {driver.block_ids("b")[0][0]}
+    records = driver.until_reported("b")
+    assert records[-1].kv_output.invalid_block_ids == {driver.block_ids("b")[0][0]}
+    assert driver.reported(records[:-1]).invalid_block_ids == set()
     second = driver.step()
     assert second.kv_output.invalid_block_ids == set()
     assert not second.kv_output.finished_recving

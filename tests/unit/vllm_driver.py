@@ -7,7 +7,10 @@ The scheduler builds umbp's scheduler-role connector itself (from the
 it and registers CPU KV tensors; a fake forward pass writes every computed
 token's K/V rows with a value that depends only on (layer, position, token), so
 a restored block can be checked byte for byte against what a recompute writes.
-Nothing here depends on umbp's internals: only vLLM's hooks are called.
+Nothing here depends on umbp's internals: only vLLM's hooks are called, and
+:meth:`Driver.settle`, which waits until the worker's transfer threads are idle (a
+test that reads the pool between two engine steps needs the stores handed over
+in the last one; vLLM itself never waits for them).
 """
 
 from __future__ import annotations
@@ -124,6 +127,15 @@ class StepRecord:
     worker's load this step."""
 
 
+@dataclass
+class Reported:
+    """Failed blocks and requests, and finished loads (in order, with repeats)."""
+
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    finished_recving: list[str] = field(default_factory=list)
+
+
 class Driver:
     def __init__(
         self,
@@ -182,6 +194,9 @@ class Driver:
         }
         self.kv = self.new_kv_tensors()
         self.worker.register_kv_caches(self.kv)
+        # The KV as the last step left it: a load that lands between steps (umbp's
+        # load threads run beside the engine) is seen by the next step.
+        self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
         self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(hash_block_size, sha256)
@@ -220,6 +235,11 @@ class Driver:
         self.requests[request_id] = request
         return request
 
+    def settle(self) -> None:
+        """Until every load and store the worker was handed has finished (what a
+        step hands over lands on umbp's threads, after the step)."""
+        assert self.worker.worker.wait_idle(60.0), "umbp's transfers did not finish"
+
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
@@ -236,7 +256,7 @@ class Driver:
 
         worker = self.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
-        before = {name: tensor.clone() for name, tensor in self.kv.items()}
+        before = self._kv_seen
         if output.has_sync_kv_loads:
             worker.start_load_kv(None)
         self._forward(output)
@@ -253,6 +273,7 @@ class Driver:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
+        self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
         return kv_output, self._changed_blocks(before, output)
 
     def finish(self, output: Any, kv_output: Any) -> Any:
@@ -289,6 +310,46 @@ class Driver:
                 return records
         raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
 
+    def until_scheduled(self, request_id: str, max_steps: int = 200) -> list[StepRecord]:
+        """Step until vLLM schedules the request to compute (after its asynchronous
+        load, if any, was reported finished: umbp's load thread decides when)."""
+        records = []
+        for _ in range(max_steps):
+            records.append(self.step())
+            if request_id in records[-1].output.num_scheduled_tokens:
+                return records
+            time.sleep(0.005)
+        raise AssertionError(f"{request_id} was not scheduled in {max_steps} steps")
+
+    def until_reported(self, request_id: str, max_steps: int = 200) -> list[StepRecord]:
+        """Step until vLLM hears the request's asynchronous load finished (in the
+        step umbp's load thread got there)."""
+        records = []
+        for _ in range(max_steps):
+            records.append(self.step())
+            if request_id in records[-1].kv_output.finished_recving:
+                return records
+            time.sleep(0.005)
+        raise AssertionError(f"{request_id}'s load was not reported in {max_steps} steps")
+
+    @staticmethod
+    def reported(records: Iterable[StepRecord]) -> Reported:
+        """What the worker told vLLM over these steps, each step's sets joined."""
+        reports = Reported()
+        for record in records:
+            reports.invalid_block_ids |= set(record.kv_output.invalid_block_ids or ())
+            reports.failed_recving |= set(record.kv_output.failed_recving or ())
+            reports.finished_recving.extend(sorted(record.kv_output.finished_recving or ()))
+        return reports
+
+    @staticmethod
+    def loads_of(records: Iterable[StepRecord], request_id: str) -> list[tuple[int, int]]:
+        """The (group, block) pairs loads wrote for the request over these steps, each
+        once (a load landing while a step's snapshot is taken shows in two steps)."""
+        return list(dict.fromkeys(
+            pair for record in records for pair in record.loads.get(request_id, [])
+        ))
+
     def drain(self, max_steps: int = 200) -> None:
         """Step an idle engine until the connector has no pending work (store
         acknowledgements, KV event residency checks)."""
@@ -323,22 +384,28 @@ class Driver:
                      self.scheduler.kv_cache_manager.get_block_ids(request_id))
 
     def _forward(self, output: Any) -> None:
-        """Write K and V of every token the step computes."""
+        """Write K and V of every token the step computes, layer by layer, each
+        layer after the connector's ``wait_for_layer_load`` for it (as vLLM's
+        attention layers call it)."""
         starts = step_starts(output)
-        for request_id, count in output.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            start = starts[request_id]
-            tables = self.block_ids(request_id)
-            for position in range(start, start + count):
-                self.write_token(tables, position, request.all_token_ids[position])
-
-    def write_token(self, tables: Sequence[Sequence[int]], position: int, token: int) -> None:
         for layer, name in enumerate(LAYERS):
-            table = tables[self.group_of_layer[name]]
-            index, offset = divmod(position, self.block_size)
-            if index >= len(table) or table[index] == NULL_BLOCK:
-                continue
-            self.kv[name][table[index], :, offset, :] = kv_value(layer, position, token)
+            if output.kv_connector_metadata is not None:
+                self.worker.wait_for_layer_load(name)
+            for request_id, count in output.num_scheduled_tokens.items():
+                request = self.requests[request_id]
+                start = starts[request_id]
+                table = self.block_ids(request_id)[self.group_of_layer[name]]
+                for position in range(start, start + count):
+                    self.write_token(name, layer, table, position,
+                                     request.all_token_ids[position])
+
+    def write_token(
+        self, name: str, layer: int, table: Sequence[int], position: int, token: int
+    ) -> None:
+        index, offset = divmod(position, self.block_size)
+        if index >= len(table) or table[index] == NULL_BLOCK:
+            return
+        self.kv[name][table[index], :, offset, :] = kv_value(layer, position, token)
 
     def _changed_blocks(
         self, before: dict[str, torch.Tensor], output: Any

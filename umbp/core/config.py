@@ -65,6 +65,7 @@ class ConnectorConfig:
     enable_lookup: bool = True
     lookup_async: bool = False
     save_decode_cache: bool = False
+    store_inflight_bytes: int = 1 << 30
     enable_partial_hash_hits: bool = False
     lookup_workers: int = 2
     kv_event_max_objects: int = 65536
@@ -103,6 +104,9 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "enable_lookup": "look up prompt prefixes in the pool and restore the hits",
         "lookup_async": "run pool lookups in background threads; the request waits a step",
         "save_decode_cache": "also store blocks produced while decoding, not only the prompt's",
+        "store_inflight_bytes": "bytes of stores a worker may have handed to its store thread "
+        "and not finished (their blocks stay pinned in vLLM meanwhile); a step whose stores "
+        "would pass it waits for earlier ones (>= 1 MiB)",
         "enable_partial_hash_hits": "match at the hash block size when it is finer than "
         "the KV block size",
         "lookup_workers": f"threads for asynchronous lookups and residency checks (1-{MAX_LOOKUP_WORKERS})",
@@ -185,6 +189,7 @@ _CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
         "enable_lookup": check_boolean,
         "lookup_async": check_boolean,
         "save_decode_cache": check_boolean,
+        "store_inflight_bytes": check_integer(1 << 20, None),
         "enable_partial_hash_hits": check_boolean,
         "lookup_workers": check_integer(1, MAX_LOOKUP_WORKERS),
         "kv_event_max_objects": check_integer(1, None),

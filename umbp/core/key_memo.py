@@ -3,8 +3,9 @@
 Only a store asked by key string needs them: the embedded pool answers a query's
 prefixes and raw hashes (:class:`~umbp.core.rank_keys.HashRuns`) and is never given
 a string, so its requests' memos stay empty. For the others (the server, Mooncake
-and MORI clients), a key string costs more than anything else a lookup does (about 130 ns each on a
-slow machine: a hex digest and a ~110-character concatenation), and the same keys
+and MORI clients), a key string costs more than anything else a lookup does (a hex
+digest and a ~110-character concatenation; docs/performance.md, admission CPU time),
+and the same keys
 are asked for again: vLLM asks for a waiting request's external hits on every
 step until it is scheduled, and a preempted request is looked up again on
 resume. (The store step's residency check builds its own keys for now: it asks

@@ -66,8 +66,9 @@ class RequestLifecycle:
     tracker: StoreTracker | None = None
 
     def with_tracker(self, tracker: StoreTracker) -> RequestLifecycle:
-        """The same state with a new tracker (built directly: the store step calls
-        this for every scheduled request, and ``dataclasses.replace`` costs ~3x)."""
+        """The same state with a new tracker, built directly (the store step calls
+        this for every storing request; ``dataclasses.replace`` costs several times
+        as much)."""
         if tracker is self.tracker:
             return self
         return RequestLifecycle(

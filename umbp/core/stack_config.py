@@ -27,6 +27,7 @@ VLLM_ONLY_OPTIONS = (
     "enable_lookup",
     "lookup_async",
     "save_decode_cache",
+    "store_inflight_bytes",
     "enable_partial_hash_hits",
     "lookup_workers",
     "kv_event_max_objects",

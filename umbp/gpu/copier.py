@@ -5,17 +5,23 @@ One stored *object* is one block of every layer of the group, concatenated in la
 ``[n, object_bytes]`` buffer are objects. Every layer costs one batched index op per call
 (per chunk on CUDA), never a Python loop over blocks.
 
-On CUDA the copies run on a dedicated stream that first waits for the current stream (so
-a store reads only what the forward pass finished writing); device<->host traffic goes
-through a device bounce buffer so that each chunk crosses the bus as one contiguous copy
-between device and pinned host memory. On CPU the same code runs synchronously.
+On CUDA the copies run on a dedicated stream that first waits for the forward pass: for
+an event the forward thread recorded (``after``: the copy may be enqueued from another
+thread, whose current stream knows nothing of the forward pass), else for the calling
+thread's current stream. Device<->host traffic goes through a device bounce buffer so
+that each chunk crosses the bus as one contiguous copy between device and pinned host
+memory. On CPU the same code runs synchronously. A scatter may be limited to one layer
+of the group (:meth:`BlockCopier.scatter_layer_async`): a staged object keeps its
+layout, and a layer is a slice of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from operator import index as as_index
+from typing import TypeAlias
 
 import torch
 
@@ -25,6 +31,21 @@ from umbp.gpu.layout import LayerLayout, LayerTensors, describe_layer, layer_par
 
 DEFAULT_DEVICE_STAGING_BYTES = 64 << 20
 """Cap of the device bounce buffer; larger batches are copied in chunks of this size."""
+
+ForwardMark: TypeAlias = "torch.cuda.Event | None"
+"""Where a forward pass ended on its stream (a CUDA event), or None: nothing to order
+after (CPU copies run after the forward pass returned; a CUDA caller on the forward
+thread orders after its current stream)."""
+
+
+def mark_forward_end(device: torch.device) -> ForwardMark:
+    """Record the end of the work enqueued so far on this thread's current stream of
+    ``device``: a copy enqueued later from another thread orders after it."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -63,14 +84,21 @@ class BlockCopier:
         block_dim: int | None = None,
         device_staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES,
     ) -> None:
-        tensors = tuple(part for layer in layers for part in layer_parts(layer))
+        per_layer = [layer_parts(layer) for layer in layers]
+        tensors = tuple(part for parts in per_layer for part in parts)
         if not tensors:
             raise ValueError("a cache group needs at least one KV tensor")
+        bounds = [0]
+        for parts in per_layer:
+            bounds.append(bounds[-1] + len(parts))
         self._device = _common_device(tensors)
         self._num_blocks = num_blocks
         self._layouts = tuple(describe_layer(t, num_blocks, block_dim=block_dim) for t in tensors)
         self._object_bytes = sum(layout.block_bytes for layout in self._layouts)
         self._parts = _place_parts(tensors, self._layouts, self._object_bytes)
+        self._layer_parts = tuple(
+            self._parts[start:stop] for start, stop in pairwise(bounds)
+        )
         self._chunk_objects = max(1, device_staging_bytes // max(1, self._object_bytes))
         self._stream = (
             torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
@@ -92,6 +120,11 @@ class BlockCopier:
         return self._device
 
     @property
+    def num_layers(self) -> int:
+        """The layers the group was built from, in order."""
+        return len(self._layer_parts)
+
+    @property
     def layouts(self) -> tuple[LayerLayout, ...]:
         """Layout of every tensor, in object order (list/tuple layers flattened)."""
         return self._layouts
@@ -104,26 +137,47 @@ class BlockCopier:
         """Copy rows of ``src`` (uint8 ``[n, object_bytes]``) into blocks ``block_ids``."""
         self.scatter_async(block_ids, src).wait()
 
-    def gather_async(self, block_ids: Sequence[int], out: torch.Tensor) -> CopyHandle:
+    def gather_async(
+        self, block_ids: Sequence[int], out: torch.Tensor, after: ForwardMark = None
+    ) -> CopyHandle:
         """Enqueue a gather; ``out`` is readable after ``handle.wait()``.
 
-        Duplicate ids are allowed (each row gets its own copy of the block).
+        Duplicate ids are allowed (each row gets its own copy of the block). ``after``:
+        the forward pass's end (:func:`mark_forward_end`), when the caller is not the
+        thread that ran it.
         """
         ids = self._checked_ids(block_ids)
         self._check_rows(out, len(ids), "out")
-        return self._enqueue(ids, out, lambda index: self._gather_rows(index, out))
+        return self._enqueue(ids, out, lambda index: self._gather_rows(index, out), after)
 
-    def scatter_async(self, block_ids: Sequence[int], src: torch.Tensor) -> CopyHandle:
+    def scatter_async(
+        self, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None
+    ) -> CopyHandle:
         """Enqueue a scatter; the KV blocks hold ``src`` once the handle completes.
 
         A forward pass that reads the blocks calls ``handle.make_stream_wait()`` (GPU-side
         wait) or ``handle.wait()``. ``src`` must stay unmodified until then. Duplicate ids
         are rejected: two rows for one block would leave the block undefined.
         """
+        return self._scatter(block_ids, src, self._parts, after)
+
+    def scatter_layer_async(
+        self, layer: int, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None
+    ) -> CopyHandle:
+        """:meth:`scatter_async` of one layer's part of every row (the layer's slice of
+        each object): the other layers' blocks are not touched."""
+        if not 0 <= layer < len(self._layer_parts):
+            raise IndexError(f"layer {layer} out of range for {len(self._layer_parts)} layers")
+        return self._scatter(block_ids, src, self._layer_parts[layer], after)
+
+    def _scatter(
+        self, block_ids: Sequence[int], src: torch.Tensor, parts: Sequence[_Part],
+        after: ForwardMark,
+    ) -> CopyHandle:
         ids = self._checked_ids(block_ids)
         _check_unique(ids)
         self._check_rows(src, len(ids), "src")
-        return self._enqueue(ids, src, lambda index: self._scatter_rows(index, src))
+        return self._enqueue(ids, src, lambda index: self._scatter_rows(index, src, parts), after)
 
     # -- validation -------------------------------------------------------------------
 
@@ -151,7 +205,8 @@ class BlockCopier:
     # -- enqueueing -------------------------------------------------------------------
 
     def _enqueue(
-        self, ids: list[int], rows: torch.Tensor, copy: Callable[[torch.Tensor], None]
+        self, ids: list[int], rows: torch.Tensor, copy: Callable[[torch.Tensor], None],
+        after: ForwardMark,
     ) -> CopyHandle:
         if not ids:
             return CopyHandle.completed()
@@ -159,7 +214,7 @@ class BlockCopier:
         if self._stream is None:
             copy(host_index)
             return CopyHandle.completed()
-        return self._enqueue_on_stream(self._stream, host_index, rows, copy)
+        return self._enqueue_on_stream(self._stream, host_index, rows, copy, after)
 
     def _enqueue_on_stream(
         self,
@@ -167,10 +222,14 @@ class BlockCopier:
         host_index: torch.Tensor,
         rows: torch.Tensor,
         copy: Callable[[torch.Tensor], None],
+        after: ForwardMark,
     ) -> CopyHandle:
-        # The forward pass wrote (or still reads) the KV on the current stream: order the
-        # copy after everything enqueued there so far.
-        stream.wait_stream(torch.cuda.current_stream(self._device))
+        # The forward pass wrote (or still reads) the KV: order the copy after its end,
+        # or after everything enqueued so far on this thread's current stream.
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             index = host_index.to(self._device, non_blocking=True)
             copy(index)
@@ -198,13 +257,15 @@ class BlockCopier:
             if rows is not out:
                 out[start:stop].copy_(rows, non_blocking=True)
 
-    def _scatter_rows(self, index: torch.Tensor, src: torch.Tensor) -> None:
+    def _scatter_rows(
+        self, index: torch.Tensor, src: torch.Tensor, parts: Sequence[_Part]
+    ) -> None:
         for start, stop, rows in self._chunks(src):
             if rows is not src:
                 rows.copy_(src[start:stop], non_blocking=True)
             chunk_index = index[start:stop]
             row_words = self._rows_by_word(rows)
-            for part in self._parts:
+            for part in parts:
                 word = min(part.word_bytes, max(row_words))
                 part.view.words(word).index_copy_(
                     0, chunk_index, part.rows_as_blocks(row_words[word], word)

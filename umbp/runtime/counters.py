@@ -1,4 +1,4 @@
-"""`StoreCounters`: the monotonic counters behind a store's `PoolStats`.
+"""`PoolCounters`: the monotonic counters behind a store's `PoolStats`.
 
 Every back-end that keeps its own counters (the slab pool, the Mooncake and MORI clients)
 counts the same events; only occupancy differs, and only the store knows it, so a snapshot
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from umbp.runtime.contract import PoolStats
 
-__all__ = ["StoreCounters"]
+__all__ = ["PoolCounters"]
 
 
 @dataclass(slots=True)
-class StoreCounters:
+class PoolCounters:
     """Counts since construction; field meanings are those of `PoolStats`."""
 
     hits: int = 0

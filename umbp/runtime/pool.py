@@ -42,7 +42,7 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.counters import StoreCounters
+from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
 from umbp.runtime.paged_copy import read_regions, write_regions
 from umbp.runtime.paging import PagedLru, Resident, pages_for, watermark_pages
@@ -71,7 +71,8 @@ def _hash_identity(key: str) -> tuple[str, bytes] | None:
 
 class _StoredObject(Resident):
     """Where one object lives and what it must hash to. A slotted class whose __init__
-    sets every field itself: one is built per put, and a frozen dataclass costs ~1 us."""
+    sets every field itself: one is built per put, where a frozen dataclass's checked
+    construction would cost more than the bookkeeping around it."""
 
     __slots__ = ("checksum", "identity", "nbytes", "regions")
 
@@ -134,7 +135,7 @@ class SlabPool(ClosesOnExit):
         # lookup_hashes reads. Kept exact by _admit and _forget, the only two places a key
         # becomes or stops being resident (clear and close reset it with the pages).
         self._hashes_by_prefix: dict[str, set[bytes]] = {}
-        self._counters = StoreCounters()
+        self._counters = PoolCounters()
         self._lock = threading.Lock()
         self._closed = False
 

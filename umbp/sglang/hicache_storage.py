@@ -48,7 +48,7 @@ from umbp.runtime.contract import LabelsNamespaces, LoadStatus
 from umbp.runtime.weights import WeightsUnknown, weights_identity
 from umbp.sglang.config import parse_backend_config
 
-__all__ = ["StoreCounters", "UMBPHiCacheStore"]
+__all__ = ["HiCacheCounters", "UMBPHiCacheStore"]
 
 logger = logging.getLogger("umbp.sglang")
 _KV_POOL = "kv"  # SGLang's PoolName.KV
@@ -56,7 +56,7 @@ _PAGE_ROW_LAYOUTS = ("page_first_direct", "page_head")
 
 
 @dataclass(slots=True)
-class StoreCounters:
+class HiCacheCounters:
     """What this rank's backend did, since start (logged at close, read by tests)."""
 
     exists_calls: int = 0
@@ -85,7 +85,7 @@ class UMBPHiCacheStore(HiCacheStorage):
         self._page_elements = 0
         self._lock = threading.Lock()  # counters: prefetch and backup threads both call
         self._staging = _StagingRows()
-        self.counters = StoreCounters()
+        self.counters = HiCacheCounters()
 
     # -- set-up ---------------------------------------------------------------
 
@@ -356,8 +356,8 @@ class UMBPHiCacheStore(HiCacheStorage):
 class _StagingRows(threading.local):
     """Reused page rows, one set per calling thread (SGLang's prefetch and backup
     threads call at the same time). A fresh buffer per call cost more than the copy
-    itself: every 4 KiB of a new allocation is a page fault on first touch (8 MiB:
-    ~3 ms of ~0.4 ms, measured here). Calls larger than ``_KEEP_BYTES`` get a buffer of
+    itself: every 4 KiB of a new allocation is a page fault on first touch
+    (docs/performance.md, SGLang HiCache). Calls larger than ``_KEEP_BYTES`` get a buffer of
     their own, so a big model's 128-page calls do not pin gigabytes per thread."""
 
     _KEEP_BYTES: Final = 256 << 20

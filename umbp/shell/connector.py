@@ -112,10 +112,10 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_loads(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete inside start_load_kv
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # whole blocks are stored in wait_for_save, after the forward pass
+        return None  # whole blocks are handed to the store thread in wait_for_save
 
     def wait_for_save(self) -> None:
         self.worker.save(self._meta())
@@ -153,7 +153,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.take_worker_metadata()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        return None  # stores are synchronous: nothing of a preempted request is in flight
+        # A store in flight reads blocks the scheduler keeps pinned until it is
+        # reported, so a preempted request's blocks are never reused under it.
+        return None
 
     def shutdown(self) -> None:
         if self._worker is not None:

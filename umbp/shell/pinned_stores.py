@@ -11,6 +11,7 @@ until the next step's event takes them over). The events' identities are
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 from umbp.core.plans import StorePlan
 from umbp.core.stores.acks import (
@@ -30,6 +31,8 @@ class PinnedStores:
     def __init__(self) -> None:
         self._pool: BlockPoolLike | None = None
         self._events: dict[int, tuple[StoreEvent, StoreEventResult]] = {}
+        # Per in-flight event, the requests whose plans in it reserve nothing any more.
+        self._unreserved: dict[int, set[str]] = {}
         self._next_event = 0
         # Finished requests' last boundary pages, pinned until the next step's event.
         self._finished_tails: dict[str, StorePlan] = {}
@@ -50,7 +53,18 @@ class PinnedStores:
 
     def reserved(self) -> Reservations:
         """The identities the in-flight events write: stored once."""
-        return reserved_identities(event for event, _ in self._events.values())
+        return reserved_identities((event for event, _ in self._events.values()),
+                                   self._unreserved)
+
+    def unreserve(self, request_ids: AbstractSet[str]) -> None:
+        """vLLM recomputes these requests after a failed load: what their in-flight
+        plans computed over it is not stored (the worker leaves it out), so it no
+        longer keeps a step from planning the recompute's blocks. The pins stay
+        until the events are acknowledged."""
+        for event_id, (event, _) in self._events.items():
+            mine = {plan.request_id for plan in event.plans} & request_ids
+            if mine:
+                self._unreserved.setdefault(event_id, set()).update(mine)
 
     def hold_finished_tail(self, request_id: str, plan: StorePlan) -> None:
         """Pin a finished request's tail until the next step's event stores it."""
@@ -83,6 +97,7 @@ class PinnedStores:
         has now reported (with their merged results)."""
         self._events, acknowledged = acknowledge_reports(self._events, reports, num_workers)
         for event, _ in acknowledged:
+            self._unreserved.pop(event.event_id, None)
             self._unpin(event)
         return acknowledged
 

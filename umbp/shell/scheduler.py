@@ -272,6 +272,7 @@ class UMBPScheduler:
             rewound.add(request_id)
         self._settled_load_failures |= rewound
         self._store_step.may_store_again(rewound)
+        self._pinned.unreserve(rewound)
 
     # -- request lifecycle --------------------------------------------------------
 

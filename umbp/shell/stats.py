@@ -36,6 +36,11 @@ class WorkerCounters:
     store_failures: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
+    # What the forward thread waited for: its layers' synchronous loads, and room
+    # for a step's stores in the in-flight budget (how often, and how long).
+    load_wait_seconds: float = 0.0
+    store_waits: int = 0
+    store_wait_seconds: float = 0.0
     # The pool's own figures, refreshed when stats are reported.
     pool_evictions: int = 0
     pool_used_bytes: int = 0
@@ -152,8 +157,14 @@ COUNTER_DOCS: dict[str, str] = {
     "worker_stored_blocks": "KV blocks copied from vLLM's KV cache into the umbp pool",
     "worker_stored_bytes": "bytes copied from vLLM's KV cache into the umbp pool",
     "worker_store_failures": "KV blocks the umbp pool did not accept",
-    "worker_load_seconds": "seconds spent restoring from the umbp pool",
-    "worker_store_seconds": "seconds spent storing to the umbp pool",
+    "worker_load_seconds": "seconds umbp's load threads spent restoring from the pool",
+    "worker_store_seconds": "seconds umbp's store thread spent storing to the pool",
+    "worker_load_wait_seconds": "seconds the model step waited for umbp's synchronous "
+    "loads (layer by layer)",
+    "worker_store_waits": "steps that waited for room in umbp's in-flight store budget "
+    "(store_inflight_bytes)",
+    "worker_store_wait_seconds": "seconds steps waited for room in umbp's in-flight "
+    "store budget",
     "scheduler_lookups": "requests looked up in the umbp pool",
     "scheduler_lookup_failures": "umbp lookups that failed and counted as a miss",
     "scheduler_hit_tokens": "prompt tokens umbp offered to restore",

@@ -1,14 +1,21 @@
-"""The worker role: moves blocks between vLLM's paged KV tensors and the pool.
+"""The worker role: moves blocks between vLLM's paged KV tensors and the pool, on
+background lanes (:mod:`umbp.shell.transfers`), never inside the forward pass.
 
-Loads run in ``start_load_kv`` (before the forward pass for synchronous loads,
-after it for asynchronous ones, as vLLM orders them); stores run in
-``wait_for_save``, after the forward pass has written the blocks. A load that
-fails for any reason is reported, so vLLM recomputes those tokens: a failed
-load is never served.
+* ``start_load_kv`` hands the step's loads to the lanes and returns. An
+  asynchronous load (its request waits outside the batch) completes on the async
+  lane and is reported through ``get_transfer_results``; vLLM schedules the request
+  only then. The step's synchronous loads are read and scattered layer by layer on
+  the sync lane (:mod:`umbp.shell.layer_loads`); ``wait_for_layer_load`` waits for
+  its own layer's copies only.
+* ``wait_for_save`` hands the step's stores to the store lane and returns; their
+  results reach the scheduler as worker metadata once stored, and the scheduler
+  keeps the source blocks pinned until then. :class:`~umbp.shell.transfers.InFlightBudget`
+  bounds what is handed over and not yet stored.
 
-Each transfer is read -> core -> apply: the store's per-object answers go to
-``umbp.core.loads.outcomes``, which decides which rows reach the KV cache, which
-blocks failed and how vLLM hears of it; this module copies, counts and reports.
+A load that fails for any reason is reported, so vLLM recomputes those tokens: a
+failed load is never served. Each transfer is read -> core -> apply: the store's
+per-object answers go to :mod:`umbp.core.loads.outcomes`, which decides which rows
+reach the KV cache, which blocks failed and how vLLM hears of it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,9 +33,7 @@ from umbp.core.config import ConnectorConfig
 from umbp.core.identity import KeySpace, ObjectId, RankCoord
 from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
 from umbp.core.loads.outcomes import (
-    GroupLoadOutcome,
     LoadReport,
-    LoadStatus,
     RequestLoadOutcome,
     failure_reporting,
     failure_unreportable,
@@ -38,16 +45,23 @@ from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
 from umbp.core.pool_pages import pool_page_bytes
 from umbp.core.stores.acks import StoreEventResult
 from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
-from umbp.gpu.copier import BlockCopier
-from umbp.gpu.staging import StagingRows
+from umbp.gpu.copier import BlockCopier, ForwardMark, mark_forward_end
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
 from umbp.runtime.contract import LabelsNamespaces, RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
+from umbp.shell.group_io import GroupIO
+from umbp.shell.layer_loads import LayerwiseLoads
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.stats import PoolFigures, WorkerCounters
+from umbp.shell.transfers import InFlightBudget, Lane
 
 logger = logging.getLogger("umbp")
+
+DRAIN_TIMEOUT_S = 60.0
+"""How long sleep mode and shutdown wait for transfers in flight."""
+
+LANES = ("umbp-sync-load", "umbp-async-load", "umbp-store")
 
 
 class UMBPWorker:
@@ -69,17 +83,23 @@ class UMBPWorker:
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
         # vLLM's one way to hear of failed loads for this model, decided once.
         self._reporting = failure_reporting(len(kv_cache_config.kv_cache_groups))
-        self._copiers: dict[int, BlockCopier] = {}
         # The tensors vLLM registered, kept for sleep mode's restore (vLLM 0.33).
         self._kv_caches: dict[str, Any] | None = None
         self._object_bytes: dict[int, int] = {}
+        self._layers: dict[int, int] = {}
+        self._layer_of: dict[str, tuple[int, int]] = {}
+        self._device = torch.device("cpu")
         self._asleep = False
-        self._staging = StagingRows(self._register, self._unregister)
         self._backend: WorkerBackend | None = None
+        self._lanes: dict[str, Lane] = {}
+        self._io: dict[str, GroupIO] = {}
+        self._budget = InFlightBudget(config.store_inflight_bytes)
         self._report = LoadReport()
         # Requests computing over a failed synchronous load (this step's or one the
         # scheduler has not settled yet): save() stores none of theirs.
         self._computed_over_failures: frozenset[str] = frozenset()
+        self._step_loads: LayerwiseLoads | None = None
+        self._step_meta: UMBPConnectorMetadata | None = None
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
         self._pool_figures = PoolFigures()
@@ -104,9 +124,12 @@ class UMBPWorker:
         if not self._active:
             return
         self._kv_caches = kv_caches
-        self._copiers = self._copiers_for(kv_caches)
-        self._object_bytes = {g: copier.object_bytes for g, copier in self._copiers.items()}
-        object_sizes = [copier.object_bytes for copier in self._copiers.values()]
+        copiers = self._copiers_for(kv_caches)
+        self._object_bytes = {g: copier.object_bytes for g, copier in copiers.items()}
+        self._layers = {g: copier.num_layers for g, copier in copiers.items()}
+        self._layer_of = self._layer_positions(kv_caches)
+        self._device = next(iter(copiers.values())).device if copiers else torch.device("cpu")
+        object_sizes = list(self._object_bytes.values())
         page_bytes = pool_page_bytes(self._config.page_bytes, object_sizes)
         self._backend = open_worker_backend(
             self._config,
@@ -115,6 +138,13 @@ class UMBPWorker:
         )
         if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
             self._backend.store.register_namespace(self.namespace, self._label)
+        on_staging = (self._register, self._unregister)
+        for name in LANES:
+            lane_copiers = copiers if name == LANES[0] else self._copiers_for(kv_caches)
+            self._io[name] = GroupIO(
+                lane_copiers, lambda: self._store, self._keyspace, self._rank, on_staging
+            )
+            self._lanes[name] = Lane(name)
         # A server this worker did not start has its own capacity (`umbp stats`).
         capacity = (
             "capacity the server's"
@@ -124,8 +154,8 @@ class UMBPWorker:
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
             "mode %s, %s",
-            self._rank, self.namespace, len(self._copiers), object_sizes,
-            self._config.mode, capacity,
+            self._rank, self.namespace, len(copiers), object_sizes, self._config.mode,
+            capacity,
         )
 
     def _copiers_for(self, kv_caches: dict[str, Any]) -> dict[int, BlockCopier]:
@@ -138,6 +168,16 @@ class UMBPWorker:
                 copiers[group_id] = BlockCopier(layers, num_blocks)
         return copiers
 
+    def _layer_positions(self, kv_caches: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        """vLLM's layer name -> (cache group, the layer's place in the group's objects),
+        as :meth:`_copiers_for` orders the layers."""
+        positions: dict[str, tuple[int, int]] = {}
+        for group_id in self._group_ids:
+            names = self._kv_cache_config.kv_cache_groups[group_id].layer_names
+            for index, name in enumerate(n for n in names if n in kv_caches):
+                positions[name] = (group_id, index)
+        return positions
+
     @property
     def asleep(self) -> bool:
         """Between ``unregister_kv_caches`` and ``restore_kv_caches``."""
@@ -145,15 +185,17 @@ class UMBPWorker:
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode (vLLM 0.33): the KV tensors' device memory is about to be
-        released. Every copier (views into that memory, device bounce buffers,
-        streams) is dropped, so no load or store can touch it until restore: a
-        load asked for meanwhile reports its blocks failed (vLLM recomputes) and
-        a store stores nothing. Copies are synchronous inside vLLM's hooks, so
-        none is in flight here. The pool and the host staging buffers stay: sleep
-        loses no stored block. Idempotent."""
+        released. Transfers in flight finish first (they read or write that memory);
+        then every copier (views into it, device bounce buffers, streams) is
+        dropped, so no load or store can touch it until restore: a load asked for
+        meanwhile reports its blocks failed (vLLM recomputes) and a store stores
+        nothing. The pool and the host staging buffers stay: sleep loses no stored
+        block. Idempotent."""
         if not self._active or self._kv_caches is None:
             return
-        self._copiers = {}
+        self._drain("sleep mode")
+        for io in self._io.values():
+            io.drop_copiers()
         self._asleep = True
 
     def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
@@ -165,18 +207,23 @@ class UMBPWorker:
         ):
             return
         caches = self._kv_caches if kv_caches is None else kv_caches
-        copiers = self._copiers_for(caches)
-        sizes = {g: copier.object_bytes for g, copier in copiers.items()}
+        lane_copiers = {name: self._copiers_for(caches) for name in self._io}
+        sizes = {g: c.object_bytes for g, c in next(iter(lane_copiers.values()), {}).items()}
         if sizes != self._object_bytes:
             raise RuntimeError(
                 f"umbp: the KV caches restored after sleep have other object sizes "
                 f"{sizes} than those registered {self._object_bytes}"
             )
-        self._kv_caches, self._copiers, self._asleep = caches, copiers, False
+        self._drain("restoring the KV caches")
+        for name, io in self._io.items():
+            io.use_copiers(lane_copiers[name])
+        self._kv_caches, self._asleep = caches, False
 
     def refresh_pool_counters(self) -> None:
         if self._store is not None:
             self._pool_figures.refresh(self._store, self.counters)
+        waits = self._budget.waits
+        self.counters.store_waits, self.counters.store_wait_seconds = waits.count, waits.seconds
 
     def handshake(self) -> UMBPHandshake | None:
         if self._backend is None:
@@ -185,71 +232,98 @@ class UMBPWorker:
         return UMBPHandshake(self.namespace, self._rank,
                              None if embedded is None else embedded.address)
 
-    # -- loads: read -> core outcome -> scatter and report ------------------------
+    # -- loads -------------------------------------------------------------------
 
     def start_loads(self, meta: UMBPConnectorMetadata) -> None:
-        outcomes = [
-            unplanned_load_outcome(request_id, block_ids, request_id in meta.async_loads)
-            for request_id, block_ids in meta.unplanned_loads.items()
-        ]
-        for batch in meta.loads:
-            started = time.perf_counter()
-            outcomes.append(self._load(batch, batch.request_id in meta.async_loads))
-            self.counters.load_seconds += time.perf_counter() - started
-        for outcome in outcomes:
-            self._report_load(outcome)
-        # Here, not in save(): vLLM calls start_load_kv on every step, even without
-        # a forward pass (where wait_for_save is not called).
-        self._computed_over_failures = still_computing_over_failures(
-            self._computed_over_failures, meta.settled_load_failures,
-            computed_over_failed_loads(outcomes), meta.stores_over_loads,
-        )
-
-    def _load(self, plan: LoadPlan, is_async: bool) -> RequestLoadOutcome:
-        reads = [self._read_group(group) for group in plan.groups]
-        outcome = plan_load_outcome(plan, [statuses for statuses, _ in reads], is_async)
-        for group, (_, staging) in zip(outcome.groups, reads):
-            self._scatter_loaded(group, staging)
-        return outcome
-
-    def _read_group(
-        self, group: GroupBlocks
-    ) -> tuple[tuple[LoadStatus, ...] | None, torch.Tensor | None]:
-        """The statuses of reading the group's objects into its staging rows, and
-        those rows; (None, None) when the group cannot be read (no store, or no KV
-        memory while asleep)."""
-        copier = self._copiers.get(group.group_id)
-        if copier is None or self._store is None:
-            return None, None
-        staging = self._staging.rows(group.group_id, len(group), copier.object_bytes,
-                                     copier.device)
-        payload = staging.numpy()
-        try:
-            return self._store.get_batch_into(
-                self._keys(group), [payload[i] for i in range(len(group))]
-            ), staging
-        # A store answers its failures as values (umbp.runtime.contract); one that
-        # raises breaks it (a binding's own error, unknown here), and umbp must never
-        # be the reason a request fails: the group counts as unread and is recomputed.
-        except Exception as error:  # noqa: BLE001
-            logger.warning("umbp load failed: %s", error)
-            return None, None
-
-    def _scatter_loaded(self, group: GroupLoadOutcome, staging: torch.Tensor | None) -> None:
-        """Only the rows core says loaded intact reach the KV cache."""
-        if group.problem is not None:
-            logger.error("umbp load: %s", group.problem)
-        if not group.loaded_rows or staging is None:
+        """Hand the step's loads to the lanes and return. vLLM calls this on every
+        step, even without a forward pass; a step whose forward pass never saved
+        is settled here."""
+        self._settle_step_loads()
+        self._step_meta = meta
+        # Settled by the scheduler before this step (vLLM cut their computed tokens,
+        # or they finished or were preempted): what they compute now is the recompute.
+        self._computed_over_failures -= meta.settled_load_failures
+        for request_id, block_ids in meta.unplanned_loads.items():
+            self._report_load(
+                unplanned_load_outcome(request_id, block_ids, request_id in meta.async_loads)
+            )
+        if not self._lanes:  # no KV memory registered: nothing can be read, all recomputed
+            for plan in meta.loads:
+                self._report_load(plan_load_outcome(
+                    plan, (), plan.request_id in meta.async_loads
+                ))
             return
-        copier = self._copiers[group.group_id]
-        if not group.all_loaded:  # rare: pick the intact rows
-            staging = staging.index_select(0, torch.tensor(group.loaded_rows, dtype=torch.long))
-        copier.scatter(group.loaded_block_ids, staging)
-        self.counters.loaded_blocks += len(group.loaded_rows)
-        self.counters.loaded_bytes += len(group.loaded_rows) * copier.object_bytes
+        sync = [plan for plan in meta.loads if plan.request_id not in meta.async_loads]
+        for plan in meta.loads:
+            if plan.request_id in meta.async_loads:
+                self._submit(LANES[1], partial(self._async_load, plan))
+        if sync:
+            loads = LayerwiseLoads(sync, self._io[LANES[0]], self._layers)
+            self._step_loads = loads
+            self._submit(LANES[0], loads.run)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Only this layer's copies of this step's synchronous loads."""
+        loads, position = self._step_loads, self._layer_of.get(layer_name)
+        if loads is None or position is None:
+            return
+        started = time.perf_counter()
+        loads.wait_layer(*position)
+        self._count_wait("load_wait_seconds", time.perf_counter() - started)
+
+    def _settle_step_loads(self) -> None:
+        """The step's synchronous loads have run: report them, and leave out the
+        stores of the requests that computed over a failure (vLLM plans a step
+        before the last one's failures are known, so such a step may still compute
+        over stale blocks: :func:`still_computing_over_failures`)."""
+        loads, meta = self._step_loads, self._step_meta
+        self._step_loads = None
+        outcomes: tuple[RequestLoadOutcome, ...] = ()
+        if loads is not None:
+            started = time.perf_counter()
+            outcomes = loads.outcomes()
+            self._count_wait("load_wait_seconds", time.perf_counter() - started)
+            for index, outcome in enumerate(outcomes):
+                self._count_loaded(outcome, loads.seconds if index == 0 else 0.0)
+                self._report_load(outcome)
+        if meta is not None:
+            self._computed_over_failures = still_computing_over_failures(
+                self._computed_over_failures, frozenset(),
+                computed_over_failed_loads(outcomes), meta.stores_over_loads,
+            )
+            self._step_meta = None
+
+    def _async_load(self, plan: LoadPlan) -> None:
+        """On the async lane: read, decide, scatter, report."""
+        started = time.perf_counter()
+        io = self._io[LANES[1]]
+        outcome = None
+        try:
+            reads = [io.read(group) for group in plan.groups]
+            outcome = plan_load_outcome(plan, [statuses for statuses, _ in reads], True)
+            for group, (_, rows) in zip(outcome.groups, reads):
+                loaded = io.loaded_rows(group, rows)
+                if loaded is not None:
+                    io.scatter(group, loaded).wait()
+        finally:
+            # Whatever happened, vLLM hears of the request (it waits for it).
+            if outcome is None:
+                outcome = plan_load_outcome(plan, (), True)
+            self._count_loaded(outcome, time.perf_counter() - started)
+            self._report_load(outcome)
+
+    def _count_loaded(self, outcome: RequestLoadOutcome, seconds: float = 0.0) -> None:
+        loaded = sum(len(group.loaded_rows) for group in outcome.groups)
+        nbytes = sum(
+            len(group.loaded_rows) * self._object_bytes.get(group.group_id, 0)
+            for group in outcome.groups
+        )
+        with self._lock:
+            self.counters.loaded_blocks += loaded
+            self.counters.loaded_bytes += nbytes
+            self.counters.load_seconds += seconds
 
     def _report_load(self, outcome: RequestLoadOutcome) -> None:
-        self.counters.count_load_failures(outcome.failures)
         if outcome.failed:
             logger.warning(
                 "umbp load for request %s: %d of %d blocks failed (%s); vLLM recomputes them",
@@ -263,6 +337,7 @@ class UMBPWorker:
                 outcome.request_id,
             )
         with self._lock:
+            self.counters.count_load_failures(outcome.failures)
             self._report = report_load(self._report, outcome, self._reporting)
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
@@ -274,6 +349,7 @@ class UMBPWorker:
 
     def take_load_error_blocks(self) -> set[int]:
         """Block-level failures (only where vLLM takes them: one cache group)."""
+        self._settle_step_loads()
         with self._lock:
             report, self._report = self._report, self._report.without_blocks()
         return set(report.failed_block_ids)
@@ -281,33 +357,106 @@ class UMBPWorker:
     # -- stores ---------------------------------------------------------------------
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
+        """Hand the step's stores to the store lane (after the step's synchronous
+        loads are known: nothing computed over a failed one is stored)."""
+        self._settle_step_loads()
         if meta.store_event is None:
             return
-        started = time.perf_counter()
         stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; what vLLM recomputes is stored when computed",
                            len(not_stored))
-        failed = not_stored.union(*(self._store_objects(plan) for plan in stores))
-        self.counters.store_seconds += time.perf_counter() - started
+        if not self._lanes:  # no KV memory registered: nothing can be stored
+            failed = not_stored.union(*(plan.identities() for plan in stores))
+            with self._lock:
+                self._store_results[meta.store_event] = StoreEventResult(1, failed)
+            return
+        mark = mark_forward_end(self._device)
+        nbytes = sum(
+            len(group) * self._object_bytes.get(group.group_id, 0)
+            for plan in stores for group in plan.groups
+        )
+        self._budget.take(nbytes)
+        self._submit(LANES[2], partial(
+            self._store_event, meta.store_event, stores, not_stored, mark, nbytes
+        ))
+
+    def _store_event(
+        self, event: int, stores: Sequence[StorePlan], not_stored: frozenset[ObjectId],
+        mark: ForwardMark, nbytes: int,
+    ) -> None:
+        """On the store lane: every plan's groups gathered and put; the event's result
+        (with what failed) goes to the scheduler with the next worker metadata."""
+        started = time.perf_counter()
+        failed: frozenset[ObjectId] = not_stored
+        try:
+            for plan in stores:
+                for group in plan.groups:
+                    failed |= self._store_group(group, mark)
+        finally:
+            self._budget.release(nbytes)
+            with self._lock:
+                self.counters.store_seconds += time.perf_counter() - started
+                self._store_results[event] = StoreEventResult(1, failed)
+
+    def _store_group(self, group: GroupBlocks, mark: ForwardMark) -> frozenset[ObjectId]:
+        identities = tuple(group.identities())
+        try:
+            stored = self._io[LANES[2]].write(group, mark)
+        except Exception as error:  # noqa: BLE001 - a copy that raised stores nothing
+            logger.warning("umbp store of cache group %d failed: %s", group.group_id, error)
+            stored = None
+        group_failed = failed_store_identities(identities, stored)
+        written = len(group) - len(group_failed)
         with self._lock:
-            self._store_results[meta.store_event] = StoreEventResult(1, failed)
+            self.counters.stored_blocks += written
+            self.counters.stored_bytes += written * self._object_bytes.get(group.group_id, 0)
+            self.counters.store_failures += len(group_failed)
+        return group_failed
 
     def take_worker_metadata(self) -> UMBPWorkerMetadata | None:
         with self._lock:
             results, self._store_results = self._store_results, {}
         return UMBPWorkerMetadata(results) if results else None
 
-    def shutdown(self) -> None:
-        if self._backend is not None:
-            self._staging.release()
-            self._backend.close()
-            self._backend = None
+    # -- the lanes ------------------------------------------------------------------
 
-    def _keys(self, group: GroupBlocks) -> list[str]:
-        keyspace, rank, group_id = self._keyspace, self._rank, group.group_id
-        return [keyspace.key(rank, group_id, block_hash) for block_hash in group.block_hashes]
+    def _submit(self, lane: str, job: Any) -> None:
+        self._lanes[lane].submit(job)
+
+    def _count_wait(self, counter: str, seconds: float) -> None:
+        with self._lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + seconds)
+
+    def wait_idle(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Until every transfer handed to the lanes so far has finished (their
+        results wait for vLLM's next calls, as always); False on timeout. Not a vLLM
+        hook: sleep mode and shutdown drain this way, and tests that check the pool
+        between two engine steps."""
+        return all(lane.drain(timeout_s) for lane in self._lanes.values())
+
+    def _drain(self, why: str) -> None:
+        """Wait for every transfer in flight (they touch the KV memory)."""
+        self._settle_step_loads()
+        for lane in self._lanes.values():
+            if not lane.drain(DRAIN_TIMEOUT_S):
+                logger.error("umbp: %s did not finish its transfers within %.0f s before %s",
+                             lane.name, DRAIN_TIMEOUT_S, why)
+
+    def shutdown(self) -> None:
+        """Run what is queued (stores land, loads are reported), then stop."""
+        if self._backend is None:
+            return
+        self._settle_step_loads()
+        for lane in self._lanes.values():
+            if not lane.close(DRAIN_TIMEOUT_S):
+                logger.error("umbp: %s did not stop within %.0f s at shutdown",
+                             lane.name, DRAIN_TIMEOUT_S)
+        for io in self._io.values():
+            io.release()
+        self._backend.close()
+        self._backend = None
 
     def _register(self, staging: torch.Tensor) -> None:
         """Let a transport that moves bytes only from registered memory (Mooncake,
@@ -327,37 +476,3 @@ class UMBPWorker:
                 self._store.unregister_host_memory(staging.data_ptr())
             except OSError as error:
                 logger.debug("umbp: unregistering the staging buffer: %s", error)
-
-    def _store_objects(self, plan: StorePlan) -> frozenset[ObjectId]:
-        """Store every object of the plan; returns the identities that failed."""
-        failed: frozenset[ObjectId] = frozenset()
-        for group in plan.groups:
-            group_failed = failed_store_identities(
-                tuple(group.identities()), self._write_group(group)
-            )
-            written = len(group) - len(group_failed)
-            self.counters.stored_blocks += written
-            self.counters.stored_bytes += written * self._object_bytes.get(group.group_id, 0)
-            self.counters.store_failures += len(group_failed)
-            failed |= group_failed
-        return failed
-
-    def _write_group(self, group: GroupBlocks) -> tuple[bool, ...] | None:
-        """Gather the group's blocks and put them; None when the group cannot be
-        written (no store, or no KV memory while asleep)."""
-        copier = self._copiers.get(group.group_id)
-        if copier is None or self._store is None:
-            return None
-        staging = self._staging.rows(group.group_id, len(group), copier.object_bytes,
-                                     copier.device)
-        copier.gather(list(group.block_ids), staging)
-        payload = staging.numpy()
-        try:
-            return self._store.put_batch(
-                self._keys(group), [payload[i] for i in range(len(group))]
-            )
-        # As in _read_group: a store raising breaks its contract, and must not fail
-        # the request; the group counts as not stored.
-        except Exception as error:  # noqa: BLE001
-            logger.warning("umbp store failed: %s", error)
-            return None

@@ -12,10 +12,10 @@ of "loaded" or "failed"; nothing outside the plan is ever reported.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from umbp.core.plans import LoadPlan
+from umbp.core.plans import GroupBlocks, LoadPlan
 
 __all__ = [
     "LOAD_FAILURES",
@@ -27,8 +27,10 @@ __all__ = [
     "failure_reporting",
     "failure_unreportable",
     "group_load_outcome",
+    "merged_groups",
     "plan_load_outcome",
     "report_load",
+    "split_statuses",
     "unplanned_load_outcome",
 ]
 
@@ -174,6 +176,52 @@ def plan_load_outcome(
     return RequestLoadOutcome(plan.request_id, is_async, groups)
 
 
+def merged_groups(plans: Sequence[LoadPlan]) -> tuple[GroupBlocks, ...]:
+    """Every plan's blocks of each cache group as one group (plans in order, groups
+    in first-seen order): a step's loads read with one call and one staging buffer
+    per group. :func:`split_statuses` gives each plan its share of the answers."""
+    merged: dict[int, list[GroupBlocks]] = {}
+    for plan in plans:
+        for group in plan.groups:
+            merged.setdefault(group.group_id, []).append(group)
+    return tuple(
+        GroupBlocks(
+            group_id, parts[0].block_size,
+            tuple(b for part in parts for b in part.block_ids),
+            tuple(h for part in parts for h in part.block_hashes),
+        )
+        for group_id, parts in merged.items()
+    )
+
+
+def split_statuses(
+    plans: Sequence[LoadPlan], merged: Mapping[int, Sequence[LoadStatus] | None]
+) -> tuple[tuple[Sequence[LoadStatus] | None, ...], ...]:
+    """Each plan's share of the :func:`merged_groups` reads' statuses (``merged``:
+    per group id), one entry per group of the plan, as :func:`plan_load_outcome`
+    takes them. A group that was not read, or whose answer has another length than
+    its merged keys (a store breaking its contract), is None for every plan: each
+    fails it whole, nothing is guessed."""
+    totals: dict[int, int] = {}
+    for plan in plans:
+        for group in plan.groups:
+            totals[group.group_id] = totals.get(group.group_id, 0) + len(group)
+    offsets: dict[int, int] = {}
+    shares: list[tuple[Sequence[LoadStatus] | None, ...]] = []
+    for plan in plans:
+        plan_shares: list[Sequence[LoadStatus] | None] = []
+        for group in plan.groups:
+            start = offsets.get(group.group_id, 0)
+            offsets[group.group_id] = start + len(group)
+            answer = merged.get(group.group_id)
+            if answer is None or len(answer) != totals[group.group_id]:
+                plan_shares.append(None)
+            else:
+                plan_shares.append(answer[start : start + len(group)])
+        shares.append(tuple(plan_shares))
+    return tuple(shares)
+
+
 def unplanned_load_outcome(
     request_id: str, block_ids: Sequence[int], is_async: bool
 ) -> RequestLoadOutcome:
@@ -183,22 +231,32 @@ def unplanned_load_outcome(
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """What vLLM has not been told yet about past loads."""
+    """What vLLM has not been told yet about past loads.
+
+    An asynchronous load's failed blocks are told in the step vLLM hears the load
+    finished, never before: vLLM takes the transfer results, then the failed
+    block ids, and an asynchronous load may end between the two calls."""
 
     finished_requests: frozenset[str] = frozenset()
     """Asynchronous loads that ended, failed or not: vLLM waits for each."""
     failed_requests: frozenset[str] = frozenset()
     """Request-level failures (`FailureReporting.REQUEST_IDS` only)."""
     failed_block_ids: frozenset[int] = frozenset()
-    """Block-level failures (`FailureReporting.BLOCK_IDS` only)."""
+    """Block-level failures (`FailureReporting.BLOCK_IDS` only) to report now."""
+    finishing_block_ids: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    """Block-level failures of asynchronous loads in ``finished_requests``: they
+    join ``failed_block_ids`` once vLLM took the finished requests."""
 
     def without_requests(self) -> LoadReport:
-        """After vLLM took the transfer results."""
-        return LoadReport(failed_block_ids=self.failed_block_ids)
+        """After vLLM took the transfer results: their failed blocks are due now."""
+        return LoadReport(
+            failed_block_ids=self.failed_block_ids.union(*self.finishing_block_ids.values())
+        )
 
     def without_blocks(self) -> LoadReport:
         """After vLLM took the failed block ids."""
-        return LoadReport(self.finished_requests, self.failed_requests)
+        return LoadReport(self.finished_requests, self.failed_requests,
+                          finishing_block_ids=self.finishing_block_ids)
 
 
 def report_load(
@@ -206,16 +264,21 @@ def report_load(
 ) -> LoadReport:
     """Add one request's outcome to what vLLM is owed: an asynchronous load is
     finished whatever happened (vLLM requires failed ones among the finished), and
-    its failure goes out in the model's one form of failure report."""
+    its failure goes out in the model's one form of failure report (an
+    asynchronous load's failed blocks with its finish)."""
     finished = report.finished_requests | (
         {outcome.request_id} if outcome.is_async else set()
     )
     failed_requests, failed_blocks = report.failed_requests, report.failed_block_ids
+    finishing = report.finishing_block_ids
     if outcome.failed and reporting is FailureReporting.BLOCK_IDS:
-        failed_blocks = failed_blocks | outcome.failed_block_ids
+        if outcome.is_async:
+            finishing = {**finishing, outcome.request_id: outcome.failed_block_ids}
+        else:
+            failed_blocks = failed_blocks | outcome.failed_block_ids
     if outcome.failed and reporting is FailureReporting.REQUEST_IDS and outcome.is_async:
         failed_requests = failed_requests | {outcome.request_id}
-    return LoadReport(frozenset(finished), failed_requests, failed_blocks)
+    return LoadReport(frozenset(finished), failed_requests, failed_blocks, finishing)
 
 
 def failure_unreportable(outcome: RequestLoadOutcome, reporting: FailureReporting) -> bool:

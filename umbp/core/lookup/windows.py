@@ -58,8 +58,8 @@ def single_group_hit_tokens(
     unit = geometry.lookup_units[0]
     units_per_block = geometry.group_block_sizes[0] // unit
     block_end_hits = hits if units_per_block == 1 else hits[units_per_block - 1 :: units_per_block]
-    # all() tests a bool by identity, about twice as fast as index()'s comparisons,
-    # and a prompt whose every block hits is the longest scan.
+    # all() tests a bool by identity, cheaper than index()'s comparisons, and a
+    # prompt whose every block hits is the longest scan.
     if all(block_end_hits):
         full_blocks = len(block_end_hits)
     else:

@@ -10,6 +10,7 @@ is in flight its identities are *reserved*: a later step must not plan them agai
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -70,10 +71,23 @@ def pinned_block_ids(source: StoreEvent | StorePlan) -> tuple[int, ...]:
     return tuple(dict.fromkeys(block_ids))
 
 
-def reserved_identities(events: Iterable[StoreEvent]) -> Reservations:
+def reserved_identities(
+    events: Iterable[StoreEvent], unreserved: Mapping[int, AbstractSet[str]] | None = None
+) -> Reservations:
     """Identities written by in-flight events: not to be planned again (each
-    event's hashes per group, built once per event)."""
-    return Reservations(tuple(held for event in events if (held := event.hashes_by_group())))
+    event's hashes per group, built once per event). ``unreserved``: per event id,
+    requests whose plans in it no longer reserve anything (the worker leaves out
+    what they computed over a failed load, so those identities are for the
+    recompute to store)."""
+    held: list[Mapping[int, frozenset[bytes]]] = []
+    for event in events:
+        dropped = unreserved.get(event.event_id) if unreserved else None
+        hashes = event.hashes_by_group() if not dropped else _hashes_by_group(
+            plan for plan in event.plans if plan.request_id not in dropped
+        )
+        if hashes:
+            held.append(hashes)
+    return Reservations(tuple(held))
 
 
 def _hashes_by_group(plans: Iterable[StorePlan]) -> dict[int, frozenset[bytes]]:

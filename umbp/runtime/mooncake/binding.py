@@ -154,8 +154,8 @@ class MasterHealth:
 
 def complete_memory_size(replicas: Any) -> int | None:
     """Size of the first complete in-memory replica, None when there is none. Each
-    attribute is a pybind11 call (~1 us), so the usual single replica is read with as few
-    as possible."""
+    attribute is a pybind11 call, so the usual single replica is read with as few as
+    possible."""
     for replica in replicas:
         if replica.status.name == "COMPLETE" and replica.is_memory_replica():
             return int(replica.get_memory_descriptor().buffer_descriptor.size)

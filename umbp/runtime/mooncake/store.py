@@ -49,7 +49,7 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.counters import StoreCounters
+from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import byte_views
 from umbp.runtime.mooncake.binding import (
     RPC_FAIL,
@@ -125,7 +125,7 @@ class MooncakeStore(ClosesOnExit):
         self._stage_below = stage_below_bytes
         self._lock = threading.Lock()
         self._closed = True  # until setup succeeds: close() must not touch the binding
-        self._counters = StoreCounters()
+        self._counters = PoolCounters()
         self._ranges = RegisteredRanges()
         self._client = new_client()
         self._health = MasterHealth(self._client, master_address)

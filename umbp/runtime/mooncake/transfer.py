@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from umbp.runtime.contract import LoadStatus
-from umbp.runtime.counters import StoreCounters
+from umbp.runtime.counters import PoolCounters
 from umbp.runtime.mooncake.binding import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
@@ -56,7 +56,7 @@ class TrailerTransfers:
         self,
         client: MooncakeClient,
         trailers: HostArea,
-        counters: StoreCounters,
+        counters: PoolCounters,
         health: MasterHealth,
     ) -> None:
         self._client = client

@@ -51,7 +51,7 @@ from umbp.runtime.contract import (
     StoreUnavailable,
     WorkerStore,
 )
-from umbp.runtime.counters import StoreCounters
+from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import byte_views
 from umbp.runtime.mori.binding import (
     DEPLOYMENTS,
@@ -122,7 +122,7 @@ class MoriStore(ClosesOnExit):
         self._auto_start = auto_start
         self._lock = threading.Lock()
         self._closed = True
-        self._counters = StoreCounters()
+        self._counters = PoolCounters()
         self._ranges = RegisteredRanges()
         self._dropped: set[str] = set()
         self._umbp = module if module is not None else import_mori()
