@@ -1,7 +1,9 @@
 """The ``umbp`` command. ``umbp demo`` is the main job; ``umbp bench`` runs the
-benchmarks of a repository checkout; ``umbp serve`` runs a node-local store server and
-``umbp stats`` shows its figures; ``umbp pd-proxy`` fronts a prefill and a decode engine
-(disaggregated prefill through the store)."""
+benchmarks of a repository checkout; ``umbp serve`` runs a node-local store server,
+``umbp stats`` shows its figures, ``umbp ls`` its namespaces, ``umbp clear`` drops a
+namespace's objects and ``umbp limits`` sets a namespace's quota and retention budget;
+``umbp pd-proxy`` fronts a prefill and a decode engine (disaggregated prefill through the
+store)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 # Scenario -> script under benchmarks/ in the repository (not part of the package).
 BENCHMARKS: dict[str, str] = {
@@ -131,6 +134,54 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _retention_seconds(text: str) -> float:
+    """The longest retention: a finite duration in (0, 1e7] seconds."""
+    from umbp.runtime.server.schema import MAX_SECONDS
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, {MAX_SECONDS:g}] seconds")
+    return value
+
+
+def _namespace_bytes(text: str) -> tuple[str, int]:
+    """``NAMESPACE=BYTES`` (e.g. ``3f2a9c01d4e5b6a7=8G``)."""
+    from umbp.runtime.server.schema import BadRequest, parse_namespace
+
+    name, equals, size = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE=BYTES")
+    try:
+        return parse_namespace(name), _byte_count(size)
+    except BadRequest as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _optional_bytes(keyword: str) -> Callable[[str], int | None]:
+    """A byte count, or ``keyword`` (None: no quota, the default budget)."""
+
+    def parse(text: str) -> int | None:
+        return None if text == keyword else _byte_count(text)
+
+    return parse
+
+
+def _namespace_option(text: str) -> str:
+    from umbp.runtime.server.schema import BadRequest, parse_namespace
+
+    try:
+        return parse_namespace(text)
+    except BadRequest as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_UNCHANGED: Any = object()
+"""`umbp limits`: an option not given (a default argparse never converts)."""
+
+
 def _count(maximum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         if not text.strip().isdigit() or not 1 <= int(text) <= maximum:
@@ -141,6 +192,7 @@ def _count(maximum: int) -> Callable[[str], int]:
 
 
 def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
     from umbp.runtime.server.server import (
         DEFAULT_FRAME_TIMEOUT_S,
         DEFAULT_MAX_CONNECTIONS,
@@ -167,10 +219,56 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
                        help="client connections served at once; more are refused")
     serve.add_argument("--frame-timeout", type=_seconds, default=DEFAULT_FRAME_TIMEOUT_S,
                        help="seconds a client has to finish a frame it has begun")
+    serve.add_argument("--quota", type=_namespace_bytes, action="append", default=[],
+                       metavar="NAMESPACE=BYTES",
+                       help="the most DRAM a namespace may hold (repeatable)")
+    serve.add_argument("--retain-budget", type=_namespace_bytes, action="append", default=[],
+                       metavar="NAMESPACE=BYTES",
+                       help="what a namespace may retain (repeatable)")
+    serve.add_argument("--default-retain-budget", type=_byte_option(0), default=None,
+                       help="what a namespace may retain without a budget of its own "
+                            "(default: a tenth of --capacity)")
+    serve.add_argument("--max-retain", type=_retention_seconds, default=DEFAULT_MAX_RETAIN_S,
+                       help="the longest retention a request may ask for, in seconds")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus text at http://HOST:PORT/metrics (0: a free port)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="the address of the metrics endpoint (default 127.0.0.1)")
     stats = commands.add_parser("stats", help="print a running server's figures")
     stats.add_argument("--socket", required=True)
     stats.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     stats.add_argument("--timeout", type=_seconds, default=5.0)
+    listing = commands.add_parser(
+        "ls", help="a running server's namespaces: model, objects per tier, hits, last use")
+    where = listing.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket")
+    where.add_argument("--mooncake-http", metavar="HOST:PORT",
+                       help="a Mooncake master's HTTP endpoint (its -metrics_port) instead")
+    listing.add_argument("--json", action="store_true", help="print the raw rows as JSON")
+    listing.add_argument("--timeout", type=_seconds, default=5.0)
+    clear = commands.add_parser(
+        "clear", help="drop one namespace's objects (or every object) from a running server")
+    where = clear.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket")
+    where.add_argument("--mooncake-master", metavar="HOST:PORT",
+                       help="a Mooncake master's RPC address instead")
+    clear.add_argument("--mooncake-http", metavar="HOST:PORT",
+                       help="with --mooncake-master: its HTTP endpoint, to count what stayed")
+    which = clear.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", type=_namespace_option)
+    which.add_argument("--all", action="store_true", help="every namespace")
+    clear.add_argument("--json", action="store_true", help="print the raw answer as JSON")
+    clear.add_argument("--timeout", type=_seconds, default=5.0)
+    limits = commands.add_parser(
+        "limits", help="set a namespace's DRAM quota and retention budget on a running server")
+    limits.add_argument("--socket", required=True)
+    limits.add_argument("--namespace", type=_namespace_option, required=True)
+    limits.add_argument("--quota", type=_optional_bytes("none"), default=_UNCHANGED,
+                        help="the most DRAM the namespace may hold, or 'none'")
+    limits.add_argument("--retain-budget", type=_optional_bytes("default"), default=_UNCHANGED,
+                        help="what the namespace may retain, or 'default'")
+    limits.add_argument("--json", action="store_true", help="print the raw answer as JSON")
+    limits.add_argument("--timeout", type=_seconds, default=5.0)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -193,6 +291,12 @@ def run_serve(args: argparse.Namespace) -> int:
         persist_on_exit=args.persist_on_exit,
         max_connections=args.max_connections,
         frame_timeout_s=args.frame_timeout,
+        quotas=tuple(args.quota),
+        retain_budgets=tuple(args.retain_budget),
+        default_retain_budget_bytes=args.default_retain_budget,
+        max_retain_s=args.max_retain,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     try:
         return serve(config)
@@ -216,6 +320,75 @@ def run_stats(socket_path: str, as_json: bool, timeout_s: float) -> int:
         store.close()
     print(json.dumps(figures, indent=2) if as_json else format_stats(figures))
     return 0
+
+
+def run_operator_command(args: argparse.Namespace) -> int:
+    """`umbp ls`, `umbp clear` or `umbp limits` against a running server: 0 done, 1 the
+    server unreachable or refusing (its reason printed; it changed nothing), 2 bad usage."""
+    from umbp.runtime.contract import StoreRefused, StoreUnavailable
+    from umbp.runtime.server.client import ServerStore
+    from umbp.runtime.server.listing import format_drop, format_limits, format_namespaces
+
+    store = ServerStore(args.socket, io_timeout_s=args.timeout)
+    try:
+        if args.command == "ls":
+            rows = store.namespaces()
+            text = json.dumps(rows, indent=2) if args.json else format_namespaces(rows)
+        elif args.command == "clear":
+            dropped = store.drop(None if args.all else args.namespace)
+            text = json.dumps(dropped, indent=2) if args.json else format_drop(dropped)
+        else:
+            changes = {name: value for name, value in (
+                ("quota_bytes", args.quota), ("retain_budget_bytes", args.retain_budget))
+                if value is not _UNCHANGED}
+            if not changes:
+                print("umbp limits: give --quota and/or --retain-budget", file=sys.stderr)
+                return 2
+            answer = store.set_limits(args.namespace, **changes)
+            text = json.dumps(answer, indent=2) if args.json else format_limits(answer)
+    except (StoreUnavailable, StoreRefused) as error:
+        print(f"umbp {args.command}: {error}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(text)
+    return 0
+
+
+def run_mooncake_command(args: argparse.Namespace) -> int:
+    """`umbp ls` / `umbp clear` on Mooncake Store, as far as its API allows
+    (umbp.runtime.mooncake.operations)."""
+    import socket
+
+    from umbp.runtime.contract import StoreUnavailable
+    from umbp.runtime.mooncake.operations import mooncake_namespaces
+
+    try:
+        if args.command == "ls":
+            counts = mooncake_namespaces(args.mooncake_http, args.timeout)
+            print(json.dumps(counts, indent=2) if args.json else "\n".join(
+                [f"{'namespace':<40}{'objects':>10}"] + [
+                    f"{name or '(other)':<40}{count:>10}"
+                    for name, count in sorted(counts.items(), key=lambda item: -item[1])]))
+            return 0
+        from umbp.runtime.mooncake.store import MooncakeStore
+
+        namespace = None if args.all else args.namespace
+        with MooncakeStore.lookup_only(args.mooncake_master,
+                                       local_hostname=socket.gethostname()) as store:
+            dropped = store.drop(namespace)
+        left = None
+        if args.mooncake_http is not None:
+            counts = mooncake_namespaces(args.mooncake_http, args.timeout)
+            left = sum(counts.values()) if namespace is None else counts.get(namespace, 0)
+        answer = {"namespace": namespace, "objects": dropped, "in_use": left}
+        print(json.dumps(answer, indent=2) if args.json else
+              f"dropped {dropped} objects" + ("" if not left else
+              f"; {left} under a lease (read in the last seconds) stayed: run it again"))
+        return 0
+    except (OSError, StoreUnavailable, RuntimeError, ValueError) as error:
+        print(f"umbp {args.command}: Mooncake: {error}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     if args.command == "stats":
         return run_stats(args.socket, args.json, args.timeout)
+    if args.command in ("ls", "clear") and args.socket is None:
+        return run_mooncake_command(args)
+    if args.command in ("ls", "clear", "limits"):
+        return run_operator_command(args)
     if args.command == "bench":
         extra = list(args.extra)
         if extra[:1] == ["--"]:

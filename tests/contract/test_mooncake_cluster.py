@@ -158,3 +158,38 @@ def test_the_lookup_client_contributes_nothing_and_sees_everything(master: Any) 
     finally:
         scheduler.close()
         worker.close()
+
+
+def test_umbp_ls_and_clear_see_and_drop_one_namespace_of_a_mooncake_cluster(
+    master: Any,
+) -> None:
+    """What Mooncake's API allows an operator (umbp.runtime.mooncake.operations): objects
+    per namespace from the master's HTTP listing, and one namespace's objects removed
+    (those under a lease stay, counted), run as the `umbp` commands."""
+    import json
+
+    keys = {namespace: [f"umbp:1:{namespace}:tp0:pcp0:dcp0:pp0:g0:{i:04x}" for i in range(3)]
+            for namespace in ("0123456789abcdef", "sglang.fedcba9876543210")}
+    http = f"127.0.0.1:{master.metrics_port}"
+    store = open_store(master.address, segment_bytes=32 * MIB)
+    try:
+        everything = [key for group in keys.values() for key in group] + ["not-umbp"]
+        assert all(store.put_batch(everything, [b"x" * 100] * len(everything)))
+
+        def umbp(*arguments: str) -> Any:
+            done = subprocess.run([sys.executable, "-m", "umbp.cli", *arguments, "--json"],
+                                  cwd=REPO, capture_output=True, text=True, timeout=60,
+                                  check=False)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert umbp("ls", "--mooncake-http", http) == {
+            "0123456789abcdef": 3, "sglang.fedcba9876543210": 3, "": 1}
+        dropped = umbp("clear", "--mooncake-master", master.address, "--namespace",
+                       "0123456789abcdef", "--mooncake-http", http)
+        assert dropped["objects"] + dropped["in_use"] == 3 and dropped["objects"] > 0
+        assert store.lookup(keys["sglang.fedcba9876543210"]) == (True,) * 3
+        assert store.lookup(["not-umbp"]) == (True,)
+        assert sum(store.lookup(keys["0123456789abcdef"])) == dropped["in_use"]
+    finally:
+        store.close()

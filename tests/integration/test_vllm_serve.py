@@ -247,6 +247,32 @@ class TestSharedServer:
         assert _metric(metrics, "umbp_worker_stored_blocks_total") == 0  # a consumer
         assert _metric(metrics, "umbp_scheduler_announced_short_total") == 0
 
+    def test_a_request_body_asks_its_blocks_be_kept_and_umbp_ls_names_the_model(
+        self, shared_servers: tuple[Any, str, list[serve.Served]]
+    ) -> None:
+        """``kv_transfer_params`` in the HTTP request reaches the connector, which asks
+        the server to retain the request's blocks (runs before the pool is killed)."""
+        from umbp.runtime.server import ServerStore
+
+        _, socket_path, engines = shared_servers
+        (prompt,) = _prompts(1, seed=41)
+        with httpx.Client(base_url=engines[0].url, timeout=300) as client:
+            for params in ({"umbp": {"retain_s": "long"}}, {"umbp": {"retain_s": 120}}):
+                answer = client.post("/v1/completions", json={
+                    "model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "kv_transfer_params": params})
+                assert answer.status_code == 200, answer.text
+        with ServerStore(socket_path) as store:
+            deadline = time.monotonic() + 60
+            while True:
+                (row,) = store.namespaces()  # both engines serve one model: one namespace
+                if row["retained"]["objects"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert row["retained"]["objects"] == len(prompt) // 32
+        assert row["label"].startswith("vllm ") and " weights files:" in row["label"]
+        assert "retain_s must be a number of seconds" in engines[0].log_text()
+
     def test_one_engines_stores_are_the_others_hits_and_a_killed_pool_loses_nothing(
         self, shared_servers: tuple[Any, str, list[serve.Served]]
     ) -> None:

@@ -26,6 +26,7 @@ from umbp.core.identity import (
     bound_keyspace,
     check_namespace_override,
     namespace_fingerprint,
+    namespace_of_key,
     resolve_namespace,
 )
 
@@ -70,6 +71,12 @@ SCALAR_INPUTS: dict[str, st.SearchStrategy[Any]] = {
     "pcp_size": st.integers(1, 64),
     "dcp_size": st.integers(1, 256),
     "pp_size": st.integers(1, 64),
+    "weights": st.sampled_from(["files:" + "0" * 32, "files:" + "1" * 32, "hub:m@" + "a" * 40])
+    | st.text(max_size=40),
+    # Settings as the shell gives them: distinct names; the fingerprint sorts them.
+    "model_settings": st.dictionaries(spec_field_names, spec_field_values, max_size=4).map(
+        lambda settings: tuple(sorted(settings.items()))
+    ),
     "format_version": st.integers(1, 1000),
 }
 namespace_inputs = st.builds(
@@ -113,6 +120,19 @@ def test_changing_any_one_key_component_changes_the_key(
     changed = list(components)
     changed[position] = data.draw(strategy.filter(lambda value: value != components[position]))
     assert object_key(*components) != object_key(*changed)  # type: ignore[arg-type]
+
+
+@given(key_components)
+def test_namespace_of_key_names_the_namespace_of_every_key(
+    components: tuple[str, RankCoord, int, bytes],
+) -> None:
+    assert namespace_of_key(object_key(*components)) == components[0]
+
+
+@given(st.text(max_size=80))
+def test_namespace_of_key_is_none_for_text_that_is_not_a_key(text: str) -> None:
+    assume(isinstance(parse_key(text), Failure))
+    assert namespace_of_key(text) is None or text.startswith("umbp:")
 
 
 @given(st.text(max_size=80))
@@ -316,6 +336,8 @@ def _rebuilt(inputs: NamespaceInputs) -> NamespaceInputs:
         pcp_size=int(str(inputs.pcp_size)),
         dcp_size=int(str(inputs.dcp_size)),
         pp_size=int(str(inputs.pp_size)),
+        weights=copy(list(inputs.weights)),
+        model_settings=tuple((copy(list(n)), copy(list(v))) for n, v in inputs.model_settings),
         format_version=int(str(inputs.format_version)),
     )
 
@@ -342,6 +364,16 @@ def test_namespace_does_not_depend_on_the_order_of_a_groups_spec_fields(
     assert namespace_fingerprint(replace(inputs, groups=tuple(shuffled))) == namespace_fingerprint(
         inputs
     )
+
+
+@given(namespace_inputs, st.randoms(use_true_random=False))
+def test_namespace_does_not_depend_on_the_order_of_the_model_settings(
+    inputs: NamespaceInputs, random: Any
+) -> None:
+    settings = list(inputs.model_settings)
+    random.shuffle(settings)
+    shuffled = replace(inputs, model_settings=tuple(settings))
+    assert namespace_fingerprint(shuffled) == namespace_fingerprint(inputs)
 
 
 @given(namespace_inputs)

@@ -66,12 +66,17 @@ class HostPool:
         page[...] = data_page.reshape(page.shape)
 
 
-def _backend(host: HostPool, tp_rank: int = 0) -> UMBPHiCacheStore:
+def _backend(host: HostPool, tp_rank: int = 0, namespace: str | None = "tiny") -> UMBPHiCacheStore:
+    """Outside a running SGLang server no weights are known, so an explicit namespace
+    (the fingerprint's own test below publishes server arguments)."""
+    extra: dict[str, Any] = {"backend_name": "umbp_store", "interface_v1": 1,
+                             "mode": "embedded", "capacity_bytes": 1 << 20}
+    if namespace is not None:
+        extra["namespace"] = namespace
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-        model_name="tiny", extra_config={"backend_name": "umbp_store", "interface_v1": 1,
-                                         "mode": "embedded", "capacity_bytes": 1 << 20})
+        model_name="tiny", extra_config=extra)
     backend = UMBPHiCacheStore(config, {})
     backend.register_mem_pool_host(host)
     return backend
@@ -158,3 +163,31 @@ def test_a_second_host_pool_stops_the_start_with_a_sentence() -> None:
             backend.register_mem_host_pool_v2(HostPool(seed=2), "mamba")
     finally:
         backend.close()
+
+
+def test_the_namespace_covers_the_weights_sglang_loaded(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New weights at the same --model-path give another namespace; none known (no
+    server arguments in the process) stops the start with a sentence."""
+    import types
+
+    from sglang.srt import runtime_context
+
+    from umbp.runtime.weights import WeightsUnknown
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)
+    args = types.SimpleNamespace(model_path=str(model), revision=None, load_format="auto",
+                                 download_dir=None, quantization=None,
+                                 json_model_override_args="{}")
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
+    first = _backend(HostPool(0), namespace=None).namespace
+    (model / "model.safetensors").write_bytes(b"\1" * 4096)
+    second = _backend(HostPool(0), namespace=None).namespace
+    assert first.startswith("sglang.") and second.startswith("sglang.") and first != second
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: None)
+    with pytest.raises(WeightsUnknown, match="set 'namespace'"):
+        _backend(HostPool(0), namespace=None)

@@ -217,6 +217,9 @@ class _FullDisk:
     def keys(self) -> tuple[str, ...]:
         return ()
 
+    def sizes(self) -> tuple[tuple[str, int], ...]:
+        return ()
+
     def take_evicted_keys(self) -> tuple[str, ...]:
         return ()
 

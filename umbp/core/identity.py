@@ -33,6 +33,7 @@ __all__ = [
     "check_namespace_override",
     "key_prefix",
     "namespace_fingerprint",
+    "namespace_of_key",
     "rank_coord",
     "resolve_namespace",
 ]
@@ -60,7 +61,14 @@ class CacheGroupShape:
 @dataclass(frozen=True, slots=True)
 class NamespaceInputs:
     """Everything that shapes the stored bytes. The DP rank is deliberately absent:
-    data-parallel replicas hold identical KV and must share objects."""
+    data-parallel replicas hold identical KV and must share objects.
+
+    ``weights`` names the weights actually loaded (a content digest of local weight
+    files, a hub model's resolved commit: computed by the shell, which does the I/O),
+    so that new weights at the same path or revision name never meet the old ones'
+    KV. ``model_settings`` are the engine's settings that change what the same
+    weights compute (online quantization, config overrides), as (name, canonical
+    text) pairs."""
 
     model_id: str
     revision: str | None
@@ -72,6 +80,8 @@ class NamespaceInputs:
     pcp_size: int
     dcp_size: int
     pp_size: int
+    weights: str = ""
+    model_settings: tuple[tuple[str, str], ...] = ()
     format_version: int = FORMAT_VERSION
 
 
@@ -88,11 +98,27 @@ def namespace_fingerprint(inputs: NamespaceInputs) -> str:
         f"pcp={inputs.pcp_size}",
         f"dcp={inputs.dcp_size}",
         f"pp={inputs.pp_size}",
+        f"weights={inputs.weights!r}",
     ]
+    parts.extend(f"setting {name!r}={value!r}" for name, value in sorted(inputs.model_settings))
     for index, group in enumerate(inputs.groups):
         fields = ",".join(f"{name!r}={value!r}" for name, value in sorted(group.fields))
         parts.append(f"group{index}={group.kind!r}[{fields}]")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def namespace_of_key(key: str) -> str | None:
+    """The namespace of a key :class:`KeySpace` built (``umbp:<format>:<namespace>:...``);
+    None for any other string (a store may hold keys that are not umbp's)."""
+    if not key.startswith(_KEY_HEAD):
+        return None
+    parts = key.split(":", 3)
+    if len(parts) < 4 or not parts[2]:
+        return None
+    return parts[2]
+
+
+_KEY_HEAD: Final = f"{KEY_PREFIX}:"
 
 
 def resolve_namespace(inputs: NamespaceInputs, override: str | None) -> Result[str, str]:

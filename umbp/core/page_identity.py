@@ -61,7 +61,9 @@ class PageShape:
     """Everything that shapes the bytes of one stored page, as the stack's host pool
     and storage config report it. ``pool_kind`` is the host pool's class (MHA, MLA,
     K-only...), ``layout`` its memory layout (``page_first_direct``...): both change
-    where each value sits in the page's flat bytes."""
+    where each value sits in the page's flat bytes. ``weights`` and ``model_settings``
+    name the weights loaded and the settings that change what they compute, as in
+    :class:`~umbp.core.identity.NamespaceInputs`."""
 
     stack: str
     model_name: str
@@ -79,6 +81,8 @@ class PageShape:
     pp_size: int = 1
     cp_size: int = 1
     dcp_size: int = 1
+    weights: str = ""
+    model_settings: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,8 @@ def page_namespace_inputs(shape: PageShape) -> NamespaceInputs:
         pcp_size=shape.cp_size,
         dcp_size=shape.dcp_size,
         pp_size=shape.pp_size,
+        weights=shape.weights,
+        model_settings=shape.model_settings,
     )
 
 

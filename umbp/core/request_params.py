@@ -67,14 +67,14 @@ def request_params(params: object) -> Result[RequestParams, str]:
         return Failure(f"kv_transfer_params {ENTRY!r} takes {' and/or '.join(_FIELDS)}, "
                        f"got {sorted(map(str, entry))}")
     retain = entry.get("retain_s")
-    if retain is not None and (
+    if "retain_s" in entry and (
         isinstance(retain, bool) or not isinstance(retain, (int, float))
         or not math.isfinite(retain) or not 0 < retain <= MAX_RETAIN_S
     ):
         return Failure(f"kv_transfer_params {ENTRY!r} retain_s must be a number of seconds "
                        f"in (0, {MAX_RETAIN_S:g}], got {retain!r:.40}")
     announced = entry.get("announced_tokens")
-    if announced is not None and (
+    if "announced_tokens" in entry and (
         isinstance(announced, bool) or not isinstance(announced, int) or announced < 0
     ):
         return Failure(f"kv_transfer_params {ENTRY!r} announced_tokens must be a count of "

@@ -38,12 +38,16 @@ from umbp.core.rank_keys import HashRuns
 
 __all__ = [
     "HashLookup",
+    "LabelsNamespaces",
     "LoadStatus",
     "Medium",
     "PoolStats",
     "RegistersHostMemory",
     "ReportsTiers",
+    "Retains",
+    "Retention",
     "SchedulerStore",
+    "StoreRefused",
     "StoreUnavailable",
     "TierAware",
     "WorkerStore",
@@ -62,6 +66,23 @@ class Medium(enum.StrEnum):
 
 class StoreUnavailable(Exception):
     """The back-end cannot be reached (closed, server down, network partition)."""
+
+
+class StoreRefused(ValueError):
+    """The back-end answered but refused the request; the message names why (an unknown
+    namespace, a limit broken). It changed nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What a `Retains.retain` did with its keys."""
+
+    retained: int
+    """Objects retained now that were not before."""
+    extended: int
+    """Objects retained already, for as long at least now."""
+    not_retained: int
+    """Keys not held where retention applies (not resident, or on a slower tier only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,4 +214,28 @@ class ReportsTiers(Protocol):
     def tier_usage(self) -> dict[Medium, tuple[int, int]]:
         """(used bytes, objects) per medium the store has.
         Raises `StoreUnavailable` like `lookup`."""
+        ...
+
+
+@runtime_checkable
+class Retains(Protocol):
+    """Optional: a store that can keep objects a request asked to keep (vLLM's
+    ``kv_transfer_params`` ``{"umbp": {"retain_s": N}}``): evicted last, and only past
+    their time or their namespace's budget."""
+
+    def retain(self, keys: Sequence[str], seconds: float) -> Retention:
+        """Keep the objects under `keys` for `seconds`. Raises `StoreRefused` when that
+        would break a limit of the store (nothing is retained then), `StoreUnavailable`
+        like `lookup`."""
+        ...
+
+
+@runtime_checkable
+class LabelsNamespaces(Protocol):
+    """Optional: a store that shows operators its namespaces (`umbp ls`) learns which
+    model each belongs to from the engine that stores under it."""
+
+    def register_namespace(self, namespace: str, label: str) -> None:
+        """Say that `namespace` holds the KV of the model `label` describes. Never
+        raises: a store that cannot be reached learns it when it can."""
         ...

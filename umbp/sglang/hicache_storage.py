@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
@@ -44,7 +44,8 @@ from umbp.core.page_identity import (
     pages_to_write,
 )
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import LoadStatus
+from umbp.runtime.contract import LabelsNamespaces, LoadStatus
+from umbp.runtime.weights import WeightsUnknown, weights_identity
 from umbp.sglang.config import parse_backend_config
 
 __all__ = ["HiCacheCounters", "UMBPHiCacheStore"]
@@ -96,6 +97,8 @@ class UMBPHiCacheStore(HiCacheStorage):
         self._page_elements = int(sample.numel())
         shape = _page_shape(mem_pool_host, self._storage_config,
                             self._page_elements * sample.element_size())
+        if self._config.namespace is None:  # the fingerprint covers the weights loaded
+            shape = replace(shape, **_loaded_model())
         if self._config.mode == "embedded" and shape.is_mla and shape.tp_size > 1:
             raise ValueError(
                 "umbp: mode 'embedded' cannot serve an MLA model at TP > 1 (SGLang writes "
@@ -109,6 +112,11 @@ class UMBPHiCacheStore(HiCacheStorage):
         page_bytes = self._config.page_bytes or max(4096, -(-shape.page_bytes // 4096) * 4096)
         self._backend = open_worker_backend(self._config, page_bytes,
                                             serve_other_processes=False)
+        if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
+            self._backend.store.register_namespace(
+                namespace.unwrap(), f"sglang {shape.model_name} "
+                f"{shape.weights[:24] or 'explicit namespace'} {shape.kv_dtype} "
+                f"{shape.pool_kind} tp{shape.tp_size}")
         logger.info("umbp: SGLang HiCache storage, mode %s, namespace %s, rank %s, "
                     "%d-byte pages", self._config.mode, namespace.unwrap(), self._rank,
                     shape.page_bytes)
@@ -365,6 +373,28 @@ class _StagingRows(threading.local):
         if self._buffer is None or self._buffer.numel() < wanted:
             self._buffer = torch.empty(wanted, dtype=torch.uint8)
         return self._buffer[:wanted].view(dtype).view(count, elements)
+
+
+def _loaded_model() -> dict[str, Any]:
+    """The weights SGLang loaded and the settings that change what they compute, from
+    its server arguments (``PageShape.weights``, ``PageShape.model_settings``); raises
+    ``WeightsUnknown`` saying to set ``namespace`` when they cannot be identified."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except (ImportError, ValueError, AttributeError):
+        args = None
+    if args is None:
+        raise WeightsUnknown(
+            "umbp cannot read which model SGLang loaded (no server arguments in this "
+            "process); set 'namespace' in --hicache-storage-backend-extra-config to a name "
+            "you change whenever the weights change")
+    weights = weights_identity(str(args.model_path), args.revision, str(args.load_format),
+                               args.download_dir)
+    settings = (("quantization", str(args.quantization)),
+                ("json_model_override_args", str(args.json_model_override_args or "")))
+    return {"weights": weights, "model_settings": settings}
 
 
 def _page_shape(pool: Any, config: HiCacheStorageConfig, page_bytes: int) -> PageShape:

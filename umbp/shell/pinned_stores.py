@@ -51,6 +51,13 @@ class PinnedStores:
     def has_tail(self, request_id: str) -> bool:
         return request_id in self._finished_tails
 
+    def stores_of(self, request_id: str) -> bool:
+        """Whether a store of the request is in flight or waits for its step."""
+        return request_id in self._finished_tails or any(
+            plan.request_id == request_id
+            for event, _ in self._events.values() for plan in event.plans
+        )
+
     def reserved(self) -> Reservations:
         """The identities the in-flight events write: stored once."""
         return reserved_identities((event for event, _ in self._events.values()),

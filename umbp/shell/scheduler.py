@@ -61,6 +61,7 @@ from umbp.shell.kv_events import KVEventPublisher
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.pinned_stores import PinnedStores
 from umbp.shell.request_state import UNKNOWN, RequestState
+from umbp.shell.retention import RequestRetention
 from umbp.shell.store_step import StoreStep
 from umbp.shell.vllm_compat.objects import (
     BlockPoolLike,
@@ -130,6 +131,9 @@ class UMBPScheduler:
         self._keyspace: KeySpace | None = None
         self._gpu_block_pool: BlockPoolLike | None = None
         self._requests: dict[str, RequestState] = {}
+        # Finished requests that asked to retain their blocks, waiting for their last
+        # stores to land: (their block hashes, the seconds asked).
+        self._retain_after_stores: dict[str, tuple[tuple[bytes, ...], float]] = {}
         # Requests whose allocation planned a load (or blocks to recompute) that the
         # next step's metadata carries, in allocation order.
         self._loads_to_send: dict[str, None] = {}
@@ -144,6 +148,7 @@ class UMBPScheduler:
             if self._events_enabled else None
         )
         self.counters = SchedulerCounters()
+        self.retention = RequestRetention(self._geometry, self._lookup_executor)
         self._admission = Admission(
             config, kv_cache_config, self._geometry, hybrid, self._lookup_executor, self.counters
         )
@@ -266,6 +271,10 @@ class UMBPScheduler:
         if self._kv_events is not None:
             for event, result in acknowledged:
                 self._kv_events.track(event, result)
+        for request_id, (hashes, seconds) in list(self._retain_after_stores.items()):
+            if not self._pinned.stores_of(request_id):
+                del self._retain_after_stores[request_id]
+                self.retention.ask(request_id, hashes, seconds, self._store, self._keyspace)
 
     def _after_failed_loads(self, failed_blocks: set[int], failed_requests: set[str]) -> None:
         """vLLM has cut the failed requests' computed tokens by now; their
@@ -322,6 +331,14 @@ class UMBPScheduler:
         for the decode engine's lookup to wait for (vLLM puts them in the response's
         ``kv_transfer_params``)."""
         self._forget(request.request_id)
+        seconds = self.retention.wanted(request)
+        if seconds is not None:
+            hashes = tuple(request.block_hashes)
+            if self._pinned.stores_of(request.request_id):
+                self._retain_after_stores[request.request_id] = (hashes, seconds)
+            else:
+                self.retention.ask(request.request_id, hashes, seconds, self._store,
+                                   self._keyspace)
         if not self._announces:
             return False, None
         return False, announcement(stored_prompt_tokens(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from umbp.core.config import ConnectorConfig
-from umbp.core.identity import KeySpace, ObjectId, RankCoord, resolve_namespace
+from umbp.core.identity import KeySpace, ObjectId, RankCoord
 from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
 from umbp.core.loads.outcomes import (
     LoadReport,
@@ -47,7 +47,7 @@ from umbp.core.stores.acks import StoreEventResult
 from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
 from umbp.gpu.copier import BlockCopier, ForwardMark, mark_forward_end
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import RegistersHostMemory, WorkerStore
+from umbp.runtime.contract import LabelsNamespaces, RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
 from umbp.shell.group_io import GroupIO
@@ -73,9 +73,11 @@ class UMBPWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._config = config
-        namespace = resolve_namespace(
-            vllm_compat.namespace_inputs(vllm_config, kv_cache_config), config.namespace
-        ).unwrap()  # the override was validated with the config
+        # The override was validated with the config; a fingerprint reads the weights
+        # (inactive: no namespace is needed, so none are read).
+        namespace, self._label = vllm_compat.namespace_and_label(
+            vllm_config, kv_cache_config, config.namespace
+        ) if active else ("", "")
         self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config))
         self._rank: RankCoord = vllm_compat.this_worker_rank(vllm_config)
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
@@ -134,6 +136,8 @@ class UMBPWorker:
             page_bytes,
             serve_other_processes=not vllm_compat.runs_in_one_process(self._vllm_config),
         )
+        if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
+            self._backend.store.register_namespace(self.namespace, self._label)
         on_staging = (self._register, self._unregister)
         for name in LANES:
             lane_copiers = copiers if name == LANES[0] else self._copiers_for(kv_caches)

@@ -55,12 +55,18 @@ class Completion:
     seconds: float
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Completion]:
-    """Greedy generation of all prompts in one batch."""
+def generate(
+    llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> list[Completion]:
+    """Greedy generation of all prompts in one batch; ``kv_transfer_params`` reach the
+    connector as a ``vllm serve`` request body's would (``{"umbp": {"retain_s": N}}``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": dict(kv_transfer_params)}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False,
+                            ignore_eos=True, extra_args=extra)
     started = time.perf_counter()
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False

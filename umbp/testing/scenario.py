@@ -11,6 +11,8 @@ The spec names a model folder, engine settings and a list of engines to run one
 after another, each with steps: ``generate``, ``reset`` (empty vLLM's own
 prefix cache), ``corrupt`` (flip one byte in every object of this process's
 pools), ``stats`` (pool and connector counters of this process),
+``generate_<x>`` (the prompts ``spec["prompts_<x>"]``; any ``generate`` step sends
+``spec["kv_transfer_params<_x>"]`` with each request when given),
 ``clear_tp_rank_1`` (on every worker process, empty the pools of the worker whose
 tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2), ``clear_pools``
 (empty this process's pools, as if they had evicted everything, while vLLM's own
@@ -21,10 +23,13 @@ Steps that act on a node-local store server (spec key ``server``: ``socket``,
 ``capacity_bytes``, ``pid`` of the server the test started, optional ``ssd_dir`` and
 ``ssd_capacity_bytes``): ``server_kill`` (SIGKILL), ``server_start`` (a new server at
 the same socket; killed when the scenario ends), ``server_stop`` / ``server_cont``
-(SIGSTOP / SIGCONT), ``server_stats`` (its per-tier figures), ``server_corrupt_ssd``
+(SIGSTOP / SIGCONT), ``server_stats`` (its per-tier figures), ``server_namespaces``
+(its rows per namespace, as ``umbp ls --json``), ``server_quota`` (give this engine's
+namespace the quota ``spec["server"]["quota_bytes"]``), ``server_corrupt_ssd``
 (flip a byte of every object in its SSD slot file), ``wait_reconnect``
 (sleep two reconnect intervals), ``mark`` (create the file ``spec["mark_file"]``),
-``hold`` (wait until the file ``spec["hold_file"]`` exists). With ``mark`` and ``hold``
+``hold`` (wait until the file ``spec["hold_file"]`` exists), ``retention_settled`` (wait
+until the store answered every retention ask of this engine's finished requests). With ``mark`` and ``hold``
 a test runs another engine while this one is alive.
 
 ``bad_configs`` (connector options) and ``bad_starts`` (``{"connector": ...,
@@ -89,10 +94,11 @@ def _local_stats(llm: Any) -> dict[str, Any]:
     # The engine core runs in this process only without multiprocessing.
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     scheduler_connector: Any = getattr(getattr(core, "scheduler", None), "connector", None)
-    scheduler = None
+    scheduler = retention = None
     if getattr(scheduler_connector, "_scheduler", None) is not None:
         scheduler = dataclasses.asdict(scheduler_connector.scheduler.counters)
-    return {"pools": pools, "worker": counters, "scheduler": scheduler}
+        retention = dataclasses.asdict(scheduler_connector.scheduler.retention.counters)
+    return {"pools": pools, "worker": counters, "scheduler": scheduler, "retention": retention}
 
 
 class _ServerControl:
@@ -135,11 +141,19 @@ class _ServerControl:
             from umbp.testing.faults import flip_stored_bytes
 
             return {"step": step, "flipped": flip_stored_bytes(self._spec["ssd_dir"])}
-        if step == "server_stats":
+        if step in ("server_stats", "server_namespaces", "server_quota"):
             from umbp.runtime.server.client import ServerStore
 
             store = ServerStore(self._spec["socket"], io_timeout_s=5.0)
             try:
+                if step == "server_namespaces":
+                    return {"step": step, "rows": store.namespaces()}
+                if step == "server_quota":
+                    from umbp.testing.engine import local_connector
+
+                    namespace = local_connector().worker.namespace
+                    return {"step": step, **store.set_limits(
+                        namespace, quota_bytes=self._spec["quota_bytes"])}
                 return {"step": step, **store.server_stats()}
             finally:
                 store.close()
@@ -155,6 +169,18 @@ class _ServerControl:
         if self._pid is None:
             raise ValueError("this scenario step needs spec['server']['pid']")
         return self._pid
+
+
+def _retention_settled(llm: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait until the in-process scheduler's store answered every retention ask."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    counters = connector.scheduler.retention.counters
+    deadline = time.monotonic() + timeout_s
+    while counters.answered < counters.asked:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"retention asks unanswered after {timeout_s} s: {counters}")
+        time.sleep(0.02)
+    return dataclasses.asdict(counters)
 
 
 def _record_kv_events(llm: Any) -> list[Any]:
@@ -221,8 +247,9 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
         for step in engine["steps"]:
             if step == "generate" or step.startswith("generate_"):
                 # generate: spec["prompts"]; generate_<x>: spec["prompts_<x>"]
-                prompts = spec["prompts" + step.removeprefix("generate")]
-                completions = generate(llm, prompts, spec.get("max_tokens", 8))
+                suffix = step.removeprefix("generate")
+                completions = generate(llm, spec["prompts" + suffix], spec.get("max_tokens", 8),
+                                       spec.get("kv_transfer_params" + suffix))
                 results.append({
                     "step": step,
                     "tokens": [list(c.token_ids) for c in completions],
@@ -240,6 +267,8 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                 results.append({"step": step, **_local_stats(llm)})
             elif step == "clear_pools":
                 results.append({"step": step, "dropped": _clear_local_pools()})
+            elif step == "retention_settled":  # the store answered every retention ask
+                results.append({"step": step, **_retention_settled(llm)})
             elif step == "idle":  # engine steps with no requests: lets KV events settle
                 for _ in range(60):  # > 2 s: published objects are re-checked once a second
                     llm.llm_engine.step()

@@ -61,6 +61,7 @@ from umbp.runtime.mooncake.binding import (
     probe_master,
     quietly,
 )
+from umbp.runtime.mooncake.operations import namespace_key_pattern
 from umbp.runtime.mooncake.transfer import TRAILER_BYTES, TRAILER_SLOTS, TrailerTransfers
 from umbp.runtime.registered_memory import HostArea, Piece, RegisteredRanges, plan_chunks
 
@@ -282,6 +283,24 @@ class MooncakeStore(ClosesOnExit):
             except Exception:  # noqa: BLE001 - no binding error may reach the caller
                 _log.warning("Mooncake remove_all raised", exc_info=True)
                 return False
+
+    def drop(self, namespace: str | None) -> int:
+        """Remove a namespace's objects (every object for None) from the whole cluster,
+        except those Mooncake holds a lease on (read in the last seconds: in use); how
+        many were removed. Raises `StoreUnavailable` when the master refuses or is gone."""
+        with self._lock:
+            if self._closed or self._health.unreachable():
+                raise StoreUnavailable(f"Mooncake master {self._master_address} unreachable")
+            try:
+                code = (self._client.remove_all(False) if namespace is None else
+                        self._client.remove_by_regex(namespace_key_pattern(namespace), False))
+            except Exception as error:
+                raise StoreUnavailable(f"Mooncake remove raised: {error}") from error
+            if code < 0:
+                self._health.suspect = code == RPC_FAIL
+                raise StoreUnavailable(f"Mooncake master {self._master_address} answered "
+                                       f"the removal with error code {code}")
+            return code
 
     def close(self) -> None:
         """Unmount this client's segment and release its buffers (idempotent)."""

@@ -15,16 +15,21 @@ its lock, so a lookup from another thread waits for a round trip, not for a put'
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
+    LabelsNamespaces,
     LoadStatus,
     Medium,
     PoolStats,
     ReportsTiers,
+    Retains,
+    Retention,
     SchedulerStore,
+    StoreRefused,
     StoreUnavailable,
     TierAware,
     WorkerStore,
@@ -32,12 +37,15 @@ from umbp.runtime.contract import (
 from umbp.runtime.host_memory import byte_views
 from umbp.runtime.paged_copy import read_regions, write_regions
 from umbp.runtime.server import protocol
-from umbp.runtime.server.link import ServerLink, Stale
+from umbp.runtime.server.link import ServerLink, ServerRefused, Stale
+from umbp.runtime.server.schema import MAX_BATCH
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = ["ServerStore"]
+
+logger = logging.getLogger("umbp")
 
 _MEDIA: dict[int, Medium | None] = {
     protocol.WHERE_NONE: None,
@@ -154,6 +162,64 @@ class ServerStore(ClosesOnExit):
     def close(self) -> None:
         self._link.close()
 
+    # --------------------------------------------------------------- namespaces
+
+    def register_namespace(self, namespace: str, label: str) -> None:
+        """Tell the server (and every server this client reconnects to) which model
+        `namespace` belongs to; never raises."""
+        request = {"namespace": namespace, "label": label}
+        self._link.greet_with(f"namespace:{namespace}", protocol.REGISTER, request)
+        try:
+            self._request(protocol.REGISTER, request)
+        except (StoreUnavailable, StoreRefused) as error:
+            logger.warning("umbp: namespace %s not registered now: %s", namespace, error)
+
+    def retain(self, keys: Sequence[str], seconds: float) -> Retention:
+        """Keep the objects under `keys` in the server's DRAM for `seconds`. A batch over
+        the server's limit goes in several requests, each checked whole. Raises
+        `StoreRefused` (a limit), `StoreUnavailable`."""
+        retained = extended = not_retained = 0
+        for start in range(0, len(keys), MAX_BATCH):
+            answer = self._request(
+                protocol.RETAIN, {"keys": list(keys[start : start + MAX_BATCH]),
+                                  "seconds": seconds})
+            retained += int(answer["retained"])
+            extended += int(answer["extended"])
+            not_retained += int(answer["not_in_dram"]) + int(answer["missing"])
+        return Retention(retained, extended, not_retained)
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        """One row per namespace the server knows (`umbp ls`). Raises `StoreUnavailable`."""
+        answer = self._request(protocol.NAMESPACES, {})
+        if not isinstance(answer, list):
+            raise StoreUnavailable(f"umbp server at {self._link.endpoint}: malformed listing")
+        return answer
+
+    def drop(self, namespace: str | None) -> dict[str, Any]:
+        """Drop a namespace's objects (every object for None) but those in use; what was
+        dropped. Raises `StoreRefused` (unknown namespace), `StoreUnavailable`."""
+        answer = self._request(protocol.DROP, {"namespace": namespace})
+        if not isinstance(answer, dict):
+            raise StoreUnavailable(f"umbp server at {self._link.endpoint}: malformed answer")
+        return answer
+
+    def set_limits(self, namespace: str, **changes: int | None) -> dict[str, Any]:
+        """Set `quota_bytes` and/or `retain_budget_bytes` of a namespace (None: no quota,
+        the default budget). Raises `StoreRefused`, `StoreUnavailable`."""
+        answer = self._request(protocol.LIMITS, {"namespace": namespace, **changes})
+        if not isinstance(answer, dict):
+            raise StoreUnavailable(f"umbp server at {self._link.endpoint}: malformed answer")
+        return answer
+
+    def _request(self, op: int, request: Any) -> Any:
+        """One exchange; the server's refusal as `StoreRefused` (it changed nothing)."""
+        try:
+            return self._link.request_json(op, request)
+        except StoreUnavailable as error:
+            if isinstance(error.__cause__, ServerRefused):
+                raise StoreRefused(str(error.__cause__)) from None
+            raise
+
     @property
     def endpoint(self) -> str:
         return self._link.endpoint
@@ -228,6 +294,6 @@ if TYPE_CHECKING:
 
     def _server_store_honours_the_contract(
         store: ServerStore,
-    ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers]:
+    ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers, Retains, LabelsNamespaces]:
         """Never called: makes mypy prove that ServerStore satisfies the protocols."""
-        return store, store, store, store
+        return store, store, store, store, store, store

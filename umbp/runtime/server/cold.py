@@ -43,6 +43,10 @@ class ColdTier(Protocol):
     def keys(self) -> Iterable[str]:
         ...
 
+    def sizes(self) -> Iterable[tuple[str, int]]:
+        """(key, payload bytes) of every resident object."""
+        ...
+
     def take_evicted_keys(self) -> Iterable[str]:
         """Keys the tier evicted or dropped since the last call (not resident now)."""
         ...

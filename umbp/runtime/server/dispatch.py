@@ -70,6 +70,10 @@ def dispatch(
     if isinstance(request, schema.EndGet):
         core.end_get(session, request.token, request.corrupt)
         return None
+    if isinstance(request, (schema.Register, schema.Drop, schema.Retain, schema.Limits)):
+        return protocol.encode_json(protocol.OK, _namespace_answer(core, request))
+    if op == protocol.NAMESPACES:
+        return protocol.encode_json(protocol.OK, core.namespaces())
     if op == protocol.HELLO:
         return protocol.encode_json(protocol.OK, server.hello)
     if op == protocol.CLEAR:
@@ -82,3 +86,16 @@ def dispatch(
         }
         return protocol.encode_json(protocol.OK, figures)
     raise protocol.ProtocolError(f"unknown op {op}")
+
+
+def _namespace_answer(
+    core: StoreCore, request: schema.Register | schema.Drop | schema.Retain | schema.Limits
+) -> Any:
+    if isinstance(request, schema.Register):
+        core.register(request.namespace, request.label)
+        return True
+    if isinstance(request, schema.Drop):
+        return core.drop(request.namespace)
+    if isinstance(request, schema.Retain):
+        return core.retain(request.keys, request.seconds)
+    return core.set_limits(request.namespace, dict(request.changes))

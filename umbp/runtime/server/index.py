@@ -1,9 +1,9 @@
 """The server's DRAM index: pages of the shared pool as regions, and its resident entries.
 
-The paging, pins and LRU victims are `umbp.runtime.paging`'s (shared with the embedded
-pool and the SSD tier); what is the server's own is that clients copy bytes themselves,
-so pages travel as (offset, length) regions of the shared pool, consecutive pages fused
-into one region. Not thread-safe: the server holds its one index lock around every call.
+The paging, pins and LRU are `umbp.runtime.paging`'s (shared with the embedded pool and
+the SSD tier), the namespaces' shares of them `umbp.runtime.server.shares`'s; what is
+the server's own here is that clients copy bytes themselves, so pages travel as
+(offset, length) regions of the shared pool, consecutive pages fused into one region. Not thread-safe: the server holds its one index lock around every call.
 Nothing here touches the pool's bytes.
 
 Page life cycle: free -> reserved (a put in flight or a promotion from SSD, not visible)
@@ -19,7 +19,8 @@ exactly one of them.
 
 from __future__ import annotations
 
-from umbp.runtime.paging import PagedLru, Resident, pages_for
+from umbp.runtime.paging import pages_for
+from umbp.runtime.server.shares import NamespacedLru, SharedResident
 
 __all__ = ["Entry", "PoolIndex", "Regions", "pages_for"]
 
@@ -27,20 +28,20 @@ Regions = tuple[tuple[int, int], ...]
 """(offset in the pool, length) of each piece of an object, in object order."""
 
 
-class Entry(Resident):
+class Entry(SharedResident):
     """One object in DRAM, with the regions a client copies and the checksum it checks."""
 
-    __slots__ = ("checksum", "nbytes", "regions")
+    __slots__ = ("checksum", "regions")
 
     def __init__(self, key: str, regions: Regions, nbytes: int, checksum: int, page_bytes: int):
-        super().__init__(key, _pages_of(regions, page_bytes))
+        super().__init__(key, _pages_of(regions, page_bytes), nbytes)
         self.regions = regions
-        self.nbytes = nbytes
         self.checksum = checksum
 
 
-class PoolIndex(PagedLru[Entry]):
-    """Pages and objects of a pool of `total_pages` pages of `page_bytes`."""
+class PoolIndex(NamespacedLru[Entry]):
+    """Pages and objects of a pool of `total_pages` pages of `page_bytes`; victims are
+    chosen by the namespaces' shares (`umbp.runtime.server.shares`)."""
 
     def __init__(
         self, total_pages: int, page_bytes: int, high_pages: int, low_pages: int

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def serve_command(
     persist_on_exit: bool = False,
     max_connections: int | None = None,
     frame_timeout_s: float | None = None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     command = [
         sys.executable, "-m", "umbp.cli", "serve",
@@ -77,7 +79,7 @@ def serve_command(
         command += ["--max-connections", str(max_connections)]
     if frame_timeout_s is not None:
         command += ["--frame-timeout", repr(frame_timeout_s)]
-    return command
+    return command + list(extra_args)
 
 
 def start_server(
@@ -95,12 +97,13 @@ def start_server(
     persist_on_exit: bool = False,
     max_connections: int | None = None,
     frame_timeout_s: float | None = None,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """Spawn `umbp serve` and return once it answers at `socket_path`.
 
     Its output goes to `log_path` (appended), or to a temporary file. `detach=True` starts
     it in a session of its own, so that it outlives the caller and its terminal's
-    signals. Raises `ServerStartError` with the log's tail when the server exits or does
+    signals. `extra_args`: further `umbp serve` options (quotas, metrics...). Raises `ServerStartError` with the log's tail when the server exits or does
     not answer within `wait_s` (a server that does not answer in time is killed).
     """
     if server_reachable(socket_path, timeout_s=1.0):
@@ -109,7 +112,7 @@ def start_server(
         socket_path, capacity_bytes, ssd_dir=ssd_dir, ssd_capacity_bytes=ssd_capacity_bytes,
         page_bytes=page_bytes, high_watermark=high_watermark, low_watermark=low_watermark,
         persist_on_exit=persist_on_exit, max_connections=max_connections,
-        frame_timeout_s=frame_timeout_s,
+        frame_timeout_s=frame_timeout_s, extra_args=extra_args,
     )
     log_fd, log_name = _open_log(log_path)
     try:

@@ -7,7 +7,8 @@ a server this client is no longer connected to; the failing exchange raises
 `StoreUnavailable` within `io_timeout_s`. A new connection is tried at most once per
 `reconnect_interval_s`; in between, exchanges fail at once instead of hammering a server
 that is down. When a server (the same one, or a restarted one with a new pool) answers
-again, the link maps its pool and carries on by itself.
+again, the link maps its pool, repeats its greetings (what a new server must hear, such
+as the namespaces this client registered) and carries on by itself.
 
 Thread-safe: one lock serialises the socket (a request and its answer are one critical
 section); copies into and out of the pool run outside it, inside `Connection.copying()`.
@@ -99,6 +100,7 @@ class ServerLink:
         self._connection: Connection | None = None
         self._last_attempt = float("-inf")
         self._closed = False
+        self._greetings: dict[str, tuple[int, Any]] = {}
 
     @property
     def endpoint(self) -> str:
@@ -113,6 +115,12 @@ class ServerLink:
         with self._lock:
             self._closed = True
             self._disconnect_locked()
+
+    def greet_with(self, name: str, op: int, request: Any) -> None:
+        """Send `request` on every new connection, right after HELLO (the latest one
+        given under `name` replaces an earlier one)."""
+        with self._lock:
+            self._greetings[name] = (op, request)
 
     @contextlib.contextmanager
     def malformed_drops(self, connection: Connection) -> Iterator[None]:
@@ -246,7 +254,18 @@ class ServerLink:
             sock.close()
             raise
         logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
-        return Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]))
+        connection = Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]))
+        try:
+            for op, request in self._greetings.values():
+                try:
+                    self._round_trip(connection, protocol.encode_json(op, request), deadline)
+                except ServerRefused as error:  # the server lives; the greeting was wrong
+                    logger.warning("umbp: server at %s refused a greeting: %s",
+                                   self._endpoint, error)
+        except BaseException:
+            connection.drop()
+            raise
+        return connection
 
     def _fail_locked(self, error: BaseException) -> None:
         if isinstance(error, ServerRefused):

@@ -11,10 +11,12 @@ import os
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 from umbp.runtime.server import protocol, schema
 from umbp.runtime.server.dispatch import answer
+from umbp.runtime.server.metrics import RequestTimes
 from umbp.runtime.server.state import StoreCore
 
 __all__ = ["ConnectionHandler", "StoreServer", "bind"]
@@ -38,10 +40,12 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
                 op, body = protocol.read_request(
                     sock, schema.body_limit, self.server.frame_timeout_s
                 )
+                started = time.perf_counter()
                 reply = answer(self.server, op, body, session)
                 if reply is not None:
                     sock.settimeout(self.server.frame_timeout_s)  # a reader that never reads
                     sock.sendall(reply)
+                self.server.request_times.observe(op, time.perf_counter() - started)
         except protocol.ProtocolError as error:
             # Not this protocol (unknown op, oversized or unfinished frame): say why, then
             # drop the connection; its session's reservations and pins come back below.
@@ -76,6 +80,7 @@ class StoreServer(socketserver.ThreadingUnixStreamServer):
         self.max_connections = max_connections
         self.frame_timeout_s = frame_timeout_s
         self.refused_connections = 0
+        self.request_times = RequestTimes()
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
         # One thread per connection, and at most `max_connections` of them: a connection

@@ -20,6 +20,16 @@ Ops and bodies:
 * `END_GET` {"token", "corrupt"} -> no answer (one-way): unpins, drops the corrupt keys
   (positions in the BEGIN_GET request).
 * `CLEAR` {} -> bool; `STATS` {} -> the stats dict (see `umbp.runtime.server.stats`).
+
+Per namespace (operators, and engines registering; `umbp.runtime.server.operations`):
+* `REGISTER` {"namespace", "label"} -> true: the model a namespace belongs to;
+* `NAMESPACES` {} -> [one row per namespace] (`umbp ls`);
+* `DROP` {"namespace": str or null} -> {"namespace", "objects", "dram", "ssd", "in_use"}
+  (`umbp clear`; null: every namespace);
+* `RETAIN` {"keys", "seconds"} -> {"retained", "extended", "not_in_dram", "missing",
+  "seconds"}: keep those objects in DRAM, or ERROR (over a budget, too long);
+* `LIMITS` {"namespace", "quota_bytes"?, "retain_budget_bytes"?} -> the namespace's
+  limits now (`umbp limits`).
 """
 
 from __future__ import annotations
@@ -43,10 +53,23 @@ BEGIN_GET: Final = 6
 END_GET: Final = 7
 CLEAR: Final = 8
 STATS: Final = 9
+REGISTER: Final = 10
+NAMESPACES: Final = 11
+DROP: Final = 12
+RETAIN: Final = 13
+LIMITS: Final = 14
 OK: Final = 100
 ERROR: Final = 101
 
 ONE_WAY: Final = frozenset({END_GET})
+
+OP_NAMES: Final = {
+    HELLO: "hello", LOOKUP: "lookup", WHERE: "where", BEGIN_PUT: "begin_put",
+    COMMIT_PUT: "commit_put", BEGIN_GET: "begin_get", END_GET: "end_get", CLEAR: "clear",
+    STATS: "stats", REGISTER: "register", NAMESPACES: "namespaces", DROP: "drop",
+    RETAIN: "retain", LIMITS: "limits",
+}
+"""Each op's name, as the metrics label requests by it."""
 
 WHERE_NONE: Final = 0
 WHERE_CPU: Final = 1

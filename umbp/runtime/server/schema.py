@@ -12,12 +12,17 @@ Limits (also what the client may send; a client batch beyond them is a bug):
   holds that much) with no control characters;
 * a batch holds at most `MAX_BATCH` keys;
 * a size is an int in [0, `MAX_OBJECT_BYTES`]; a checksum an int in [0, 2**64) or null;
-  a token an int in [1, 2**63); JSON booleans are not ints here.
+  a token an int in [1, 2**63); JSON booleans are not ints here;
+* a namespace is 1 to `MAX_NAMESPACE_CHARS` of letters, digits, '.', '_' and '-' (what
+  umbp's keys carry); a label a str of 1 to `MAX_LABEL_CHARS` characters with no control
+  character; a retention's seconds a finite number in (0, `MAX_SECONDS`].
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -30,11 +35,16 @@ __all__ = [
     "BeginGet",
     "BeginPut",
     "CommitPut",
+    "Drop",
     "EndGet",
     "Keys",
+    "Limits",
     "NoFields",
+    "Register",
+    "Retain",
     "body_limit",
     "parse",
+    "parse_namespace",
 ]
 
 MAX_KEY_BYTES: Final = 960
@@ -42,6 +52,11 @@ MAX_BATCH: Final = 1 << 16
 MAX_OBJECT_BYTES: Final = 1 << 40
 _MAX_TOKEN: Final = 1 << 63
 _MAX_CHECKSUM: Final = 1 << 64
+MAX_NAMESPACE_CHARS: Final = 160
+MAX_LABEL_CHARS: Final = 512
+MAX_SECONDS: Final = 1e7
+_NAMESPACE: Final = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAMESPACE_CHARS}}}")
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _NOT_CONTROL: Final = bytes(b for b in range(256) if not (b < 0x20 or b == 0x7F))
 """Deleting these from a key's UTF-8 leaves its ASCII control bytes (a C-speed check;
 UTF-8 encodes nothing else with bytes below 0x80)."""
@@ -60,6 +75,11 @@ BODY_LIMITS: Final = {
     protocol.BEGIN_GET: _KEYS_BODY,
     protocol.COMMIT_PUT: _INDEX_BODY,
     protocol.END_GET: _INDEX_BODY,
+    protocol.REGISTER: _SMALL_BODY,
+    protocol.NAMESPACES: _SMALL_BODY,
+    protocol.DROP: _SMALL_BODY,
+    protocol.RETAIN: _KEYS_BODY,
+    protocol.LIMITS: _SMALL_BODY,
 }
 """Largest body each op can need: a batch of keys (~110 bytes each for umbp's keys; 16 MiB
 holds 100,000 of them), a list of checksums or positions, or an empty object. A header
@@ -114,13 +134,37 @@ class EndGet:
     corrupt: tuple[int, ...]
 
 
-Request = NoFields | Keys | BeginPut | CommitPut | BeginGet | EndGet
+@dataclass(frozen=True, slots=True)
+class Register:
+    namespace: str
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    namespace: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Retain:
+    keys: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    namespace: str
+    changes: tuple[tuple[str, int | None], ...]
+    """(`quota_bytes` or `retain_budget_bytes`, bytes or None), each at most once."""
+
+
+Request = NoFields | Keys | BeginPut | CommitPut | BeginGet | EndGet | Register | Drop | Retain | Limits
 
 
 def parse(op: int, body: bytes) -> Request:
     """The request in `body` for `op`, checked whole; raises `BadRequest`."""
     fields = _decode(body)
-    if op in (protocol.HELLO, protocol.CLEAR, protocol.STATS):
+    if op in (protocol.HELLO, protocol.CLEAR, protocol.STATS, protocol.NAMESPACES):
         _exact_fields(fields, ())
         return NoFields()
     if op in (protocol.LOOKUP, protocol.WHERE):
@@ -139,7 +183,60 @@ def parse(op: int, body: bytes) -> Request:
     if op == protocol.END_GET:
         _exact_fields(fields, ("token", "corrupt"))
         return EndGet(_token(fields["token"]), _positions(fields["corrupt"]))
+    return _parse_namespace_op(op, fields)
+
+
+def _parse_namespace_op(op: int, fields: dict[str, Any]) -> Request:
+    if op == protocol.REGISTER:
+        _exact_fields(fields, ("namespace", "label"))
+        return Register(_namespace(fields["namespace"]), _label(fields["label"]))
+    if op == protocol.DROP:
+        _exact_fields(fields, ("namespace",))
+        namespace = fields["namespace"]
+        return Drop(None if namespace is None else _namespace(namespace))
+    if op == protocol.RETAIN:
+        _exact_fields(fields, ("keys", "seconds"))
+        return Retain(_keys(fields["keys"]), _seconds(fields["seconds"]))
+    if op == protocol.LIMITS:
+        optional = ("quota_bytes", "retain_budget_bytes")
+        unknown = sorted(set(fields) - {"namespace", *optional})
+        if "namespace" not in fields or unknown or not set(fields) & set(optional):
+            raise BadRequest(f"fields must be 'namespace' and one or both of {list(optional)}: "
+                             f"got {sorted(fields)}")
+        changes = tuple(
+            (name, None if fields[name] is None
+             else _int(fields[name], name, 0, MAX_OBJECT_BYTES + 1))
+            for name in optional if name in fields
+        )
+        return Limits(_namespace(fields["namespace"]), changes)
     raise protocol.ProtocolError(f"unknown op {op}")
+
+
+def parse_namespace(value: Any) -> str:
+    """A namespace as this protocol takes it; `BadRequest` naming the rule otherwise."""
+    return _namespace(value)
+
+
+def _namespace(value: Any) -> str:
+    if not isinstance(value, str) or not _NAMESPACE.fullmatch(value):
+        raise BadRequest(f"namespace must be 1 to {MAX_NAMESPACE_CHARS} of letters, digits, "
+                         f"'.', '_' or '-', got {value!r:.80}")
+    return value
+
+
+def _label(value: Any) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_LABEL_CHARS \
+            or _CONTROL.search(value):
+        raise BadRequest(f"label must be a string of 1 to {MAX_LABEL_CHARS} characters "
+                         f"without control characters, got {value!r:.80}")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise BadRequest(f"seconds must be a number in (0, {MAX_SECONDS:g}], got {value!r:.40}")
+    return float(value)
 
 
 def _decode(body: bytes) -> dict[str, Any]:

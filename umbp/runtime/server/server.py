@@ -10,7 +10,8 @@ the holder of the flock on `<socket>.owner` (see `ownership`); a socket or share
 file is deleted only when it is provably a dead holder's. The threat model is in
 docs/operations.md.
 
-What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open).
+What a restart keeps: objects in the SSD tier (its slot file rebuilds its index at open),
+and the labels engines registered for the namespaces still there (`labels`).
 What it loses: the DRAM tier, which lives and dies with the process.
 
 SIGTERM and SIGINT shut down cleanly: the socket, the shared-memory file and the record
@@ -35,8 +36,13 @@ from typing import Any
 
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.index import PoolIndex
+from umbp.runtime.server.labels import LabelFile
 from umbp.runtime.server.listener import StoreServer, bind
+from umbp.runtime.server.metrics import MetricsEndpoint, render
+from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
 from umbp.runtime.server.ownership import SocketOwnership
+from umbp.runtime.server.schema import MAX_SECONDS
+from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
 from umbp.runtime.server.state import StoreCore
 
@@ -66,6 +72,19 @@ class ServerConfig:
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
     """Time a client has to finish a frame once its first byte arrived (and to read an
     answer); an idle connection between frames may wait for ever."""
+    quotas: tuple[tuple[str, int], ...] = ()
+    """(namespace, bytes): the most DRAM each may hold (`umbp.runtime.server.shares`)."""
+    retain_budgets: tuple[tuple[str, int], ...] = ()
+    """(namespace, bytes): what each may retain, over `default_retain_budget_bytes`."""
+    default_retain_budget_bytes: int | None = None
+    """What a namespace may retain unless it has a budget of its own; None: a tenth of
+    `capacity_bytes` (within half the low watermark, the cap on all retention)."""
+    max_retain_s: float = DEFAULT_MAX_RETAIN_S
+    """The longest retention a request may ask for."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    """Serve Prometheus text at http://metrics_host:metrics_port/metrics (0: a free
+    port, named in the start-up event); None: no endpoint."""
 
     def validate(self) -> None:
         if self.page_bytes <= 0 or self.page_bytes % 64:
@@ -90,6 +109,10 @@ class ServerConfig:
             )
         if not 0.01 <= self.frame_timeout_s <= 3600:
             raise ValueError(f"frame_timeout_s must be in [0.01, 3600], got {self.frame_timeout_s}")
+        if not 0 < self.max_retain_s <= MAX_SECONDS:
+            raise ValueError(f"max_retain_s must be in (0, {MAX_SECONDS:g}], got {self.max_retain_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 def serve(config: ServerConfig) -> int:
@@ -101,6 +124,7 @@ def serve(config: ServerConfig) -> int:
     pool: SharedPool | None = None
     cold: ColdTier | None = None
     server: StoreServer | None = None
+    metrics: MetricsEndpoint | None = None
     try:
         ownership.clear_leftovers()
         pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
@@ -109,8 +133,12 @@ def serve(config: ServerConfig) -> int:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
             _report_cold_tier(cold)
         core = StoreCore(pool.view, _index_for(config, pool), cold)
+        if cold is not None and config.ssd_dir is not None:
+            core.restore_labels(LabelFile(config.ssd_dir))
+        _apply_limits(config, core)
         hello = _hello(config, pool)
         server = bind(socket_path, core, hello, config.max_connections, config.frame_timeout_s)
+        metrics = _start_metrics(config, server)
         ownership.bound()
         _run_until(stop, server, socket_path, pool)
         server.server_close()
@@ -118,8 +146,43 @@ def serve(config: ServerConfig) -> int:
         if config.persist_on_exit:
             _persist(core)
     finally:
+        if metrics is not None:
+            metrics.close()
         _shut_down(server, ownership, pool, cold)
     return 0
+
+
+def _apply_limits(config: ServerConfig, core: StoreCore) -> None:
+    """The command line's retention settings and per-namespace limits, each checked as
+    `umbp limits` checks it (a ValueError naming the one broken)."""
+    default_budget = config.default_retain_budget_bytes
+    try:
+        core.configure_retention(config.max_retain_s, config.capacity_bytes // 10
+                                 if default_budget is None else default_budget,
+                                 capped=default_budget is None)
+        for namespace, quota in config.quotas:
+            core.set_limits(namespace, {"quota_bytes": quota}, require=False)
+        for namespace, budget in config.retain_budgets:
+            core.set_limits(namespace, {"retain_budget_bytes": budget}, require=False)
+    except RequestRefused as error:
+        raise ValueError(str(error)) from None
+
+
+def _start_metrics(config: ServerConfig, server: StoreServer) -> MetricsEndpoint | None:
+    """The Prometheus endpoint, its address recorded in the HELLO answer (and so in
+    `umbp stats`)."""
+    if config.metrics_port is None:
+        return None
+    core = server.core
+
+    def scrape() -> str:
+        return render(core.stats(), core.namespaces(), server.request_times.snapshot(),
+                      server.refused_connections)
+
+    endpoint = MetricsEndpoint(config.metrics_host, config.metrics_port, scrape)
+    host, port = endpoint.address
+    server.hello["metrics"] = f"http://{host}:{port}/metrics"
+    return endpoint
 
 
 def _index_for(config: ServerConfig, pool: SharedPool) -> PoolIndex:
@@ -186,7 +249,8 @@ def _run_until(
     thread.start()
     print(
         json.dumps({"event": "serving", "socket": socket_path, "pool": pool.path,
-                    "pool_bytes": pool.nbytes, "pid": os.getpid()}),
+                    "pool_bytes": pool.nbytes, "pid": os.getpid(),
+                    "metrics": server.hello.get("metrics")}),
         file=sys.stderr,
         flush=True,
     )

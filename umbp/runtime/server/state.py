@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -21,6 +22,15 @@ from typing import Any
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
+from umbp.runtime.server.labels import LabelFile
+from umbp.runtime.server.namespaces import NamespaceBook, namespace_of
+from umbp.runtime.server.operations import (
+    DEFAULT_MAX_RETAIN_S,
+    check_retention,
+    checked_limits,
+    namespace_listing,
+    require_known,
+)
 from umbp.runtime.server.sessions import (
     PinnedGet,
     RequestRefused,
@@ -43,6 +53,11 @@ class StoreCore:
         self._counters = ServerCounters()
         self._sessions: list[Session] = []
         self._tiers = Tiering(view, index, cold, self._lock, self._counters)
+        self.book = NamespaceBook()
+        """Labels and counters per namespace (`umbp.runtime.server.operations`)."""
+        self.max_retain_s = DEFAULT_MAX_RETAIN_S
+        """The longest retention a request may ask for."""
+        self.label_file: LabelFile | None = None
 
     # ------------------------------------------------------------------ sessions
 
@@ -112,7 +127,11 @@ class StoreCore:
                     self._counters.put_rejects += 1
                 else:
                     wanted.append(position)
-        reserved = self._tiers.reserve([sizes[position] for position in wanted])
+        namespaces = {namespace_of(keys[position]) for position in wanted}
+        reserved = self._tiers.reserve(
+            [sizes[position] for position in wanted],
+            namespaces.pop() if len(namespaces) == 1 else None,
+        )
         token = next(session.tokens)
         items: list[Reserved] = []
         with self._lock, self._released_on_error(reserved):
@@ -152,9 +171,11 @@ class StoreCore:
             if len(checksums) != len(items):
                 raise RequestRefused(f"{len(checksums)} checksums for {len(items)} reserved keys")
             del session.reservations[token]
-            return [self._commit_one(item, checksum) for item, checksum in zip(items, checksums)]
+            now = time.time()
+            return [self._commit_one(item, checksum, now)
+                    for item, checksum in zip(items, checksums)]
 
-    def _commit_one(self, item: Reserved, checksum: int | None) -> bool:
+    def _commit_one(self, item: Reserved, checksum: int | None, now: float) -> bool:
         index = self._index
         if checksum is None:
             index.release(item.regions)
@@ -162,7 +183,8 @@ class StoreCore:
         if item.key in index:
             index.release(item.regions)  # another client stored it meanwhile
             return True
-        index.insert(item.key, item.regions, item.nbytes, checksum)
+        entry = index.insert(item.key, item.regions, item.nbytes, checksum)
+        self.book.put(entry.namespace, item.nbytes, now)
         self._counters.puts += 1
         self._counters.bytes_written += item.nbytes
         return True
@@ -203,6 +225,11 @@ class StoreCore:
                     if session.gets.pop(token, None) is get:
                         self._unpin_all_locked(get)
                 raise
+        if protocol.GET_MISSING in answers:
+            with self._lock:
+                for key, found in zip(keys, answers):
+                    if found == protocol.GET_MISSING:
+                        self.book.miss(namespace_of(key))
         return token, answers
 
     def end_get(self, session: Session, token: int, corrupt: Sequence[int]) -> None:
@@ -221,6 +248,7 @@ class StoreCore:
                 )
             del session.gets[token]
             counters = self._counters
+            now = time.time()
             for position, entry in enumerate(get.pinned):
                 if entry is None:
                     continue
@@ -230,8 +258,9 @@ class StoreCore:
                 else:
                     counters.hits += 1
                     counters.bytes_read += entry.nbytes
-                    if position in get.from_ssd:
-                        counters.hits_from_ssd += 1
+                    from_ssd = position in get.from_ssd
+                    counters.hits_from_ssd += from_ssd
+                    self.book.hit(entry.namespace, entry.nbytes, from_ssd, now)
                 self._index.unpin(entry)
 
     # --------------------------------------------------------------------- misc
@@ -295,6 +324,147 @@ class StoreCore:
             "sessions": sessions,
             "counters": counters,
         }
+
+    # ------------------------------------------------------- namespaces (operators)
+
+    def register(self, namespace: str, label: str) -> None:
+        """An engine says which model its namespace is (shown by `umbp ls`); a new label
+        is saved beside the SSD tier, when there is one (`labels`)."""
+        with self._lock:
+            known = self.book.registrations.get(namespace)
+            if known is not None and known.label == label:
+                return
+            self.book.register(namespace, label, time.time())
+            registrations = dict(self.book.registrations)
+        if self.label_file is not None:
+            self.label_file.save(registrations)
+
+    def restore_labels(self, label_file: LabelFile) -> None:
+        """Labels a previous server saved, for the namespaces still on the SSD tier;
+        later registrations are saved to `label_file`."""
+        saved = label_file.load()
+        with self._lock:
+            on_disk = set(self._tiers.cold_keys.namespaces())
+            for namespace, registration in saved.items():
+                if namespace in on_disk:
+                    self.book.registrations.setdefault(namespace, registration)
+            self.label_file = label_file
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        """Every namespace this server knows, with its figures (`operations`)."""
+        with self._lock:
+            now = time.monotonic()
+            self._index.expire_retentions(now)
+            return namespace_listing(self._index, self._tiers.cold_keys, self.book, now)
+
+    def drop(self, namespace: str | None) -> dict[str, Any]:
+        """Drop a namespace's objects (every object for None) from both tiers, except
+        those in use (a client is copying them, or they are moving between tiers),
+        which are left in place and counted. An unknown namespace changes nothing."""
+        with self._lock:
+            cold_keys = self._tiers.cold_keys
+            if namespace is not None:
+                require_known(namespace, self._index, cold_keys, self.book)
+            entries = (tuple(self._index.entries()) if namespace is None
+                       else self._index.entries_of(namespace))
+            in_use = {entry.key for entry in entries if entry.pins or entry.leaving}
+            dropped = [entry for entry in entries if entry.key not in in_use]
+            for entry in dropped:
+                self._index.retire(entry)
+            on_disk = [key for key in cold_keys.keys_of(namespace) if key not in in_use]
+            cold_keys.difference_update(on_disk)
+        removed = [key for key in on_disk if self._cold is not None and self._cold.remove(key)]
+        return {
+            "namespace": namespace,
+            "objects": len({entry.key for entry in dropped}.union(removed)),
+            "dram": len(dropped),
+            "ssd": len(removed),
+            "in_use": len(in_use),
+        }
+
+    def retain(self, keys: Sequence[str], seconds: float) -> dict[str, Any]:
+        """Keep the objects of `keys` in DRAM for `seconds` (`shares`): all of them, or
+        none when that would break the longest retention or a budget. Keys not in DRAM
+        are counted, not retained (an object on SSD only is not promoted for it)."""
+        if not 0 < seconds <= self.max_retain_s:
+            raise RequestRefused(f"a retention of {seconds:g} s is outside (0, "
+                                 f"{self.max_retain_s:g}] s (umbp serve --max-retain)")
+        with self._lock:
+            index = self._index
+            now = time.monotonic()
+            index.expire_retentions(now)
+            found, not_in_dram, missing = self._retention_candidates_locked(keys)
+            check_retention(index, found)
+            fresh = sum(index.retain(entry, now + seconds) for entry in found)
+        return {"retained": fresh, "extended": len(found) - fresh, "not_in_dram": not_in_dram,
+                "missing": missing, "seconds": seconds}
+
+    def _retention_candidates_locked(self, keys: Sequence[str]) -> tuple[list[Entry], int, int]:
+        found: dict[str, Entry] = {}
+        not_in_dram = missing = 0
+        for key in dict.fromkeys(keys):
+            entry = self._index.get(key)
+            if entry is not None and not entry.leaving:
+                found[key] = entry
+            elif entry is not None or key in self._tiers.cold_keys:
+                not_in_dram += 1
+            else:
+                missing += 1
+        return list(found.values()), not_in_dram, missing
+
+    def configure_retention(
+        self, max_seconds: float, default_budget_bytes: int, *, capped: bool
+    ) -> None:
+        """The longest retention and the default retention budget (`capped`: brought
+        down to the cap on all retention instead of refused above it)."""
+        with self._lock:
+            index = self._index
+            pages = default_budget_bytes // index.page_bytes
+            if capped:
+                pages = min(pages, index.retained_cap_pages)
+            elif pages > index.retained_cap_pages:
+                raise RequestRefused(
+                    f"default retention budget {default_budget_bytes} bytes is over what all "
+                    f"namespaces may retain together ({index.retained_cap_pages * index.page_bytes}"
+                    " bytes, half the low watermark)"
+                )
+            index.default_budget_pages = pages
+            self.max_retain_s = max_seconds
+
+    def set_limits(
+        self, namespace: str, changes: dict[str, int | None], *, require: bool = True
+    ) -> dict[str, Any]:
+        """Set a namespace's quota and retention budget (`changes`: `quota_bytes`,
+        `retain_budget_bytes`; a key left out is unchanged, None removes the quota or
+        restores the default budget). Checked whole first (`operations.checked_limits`);
+        a budget lowered below what is retained releases the retentions that end
+        first. `require`: refuse a namespace the server does not know (at start-up,
+        limits may name namespaces no engine has used yet)."""
+        with self._lock:
+            index = self._index
+            if require:
+                require_known(namespace, index, self._tiers.cold_keys, self.book)
+            page = index.page_bytes
+            current_quota = index.quota_pages.get(namespace)
+            current_budget = index.budget_pages.get(namespace)
+            quota_bytes = changes.get("quota_bytes", None if current_quota is None
+                                      else current_quota * page)
+            budget_bytes = changes.get("retain_budget_bytes", None if current_budget is None
+                                       else current_budget * page)
+            quota, budget = checked_limits(index, namespace, quota_bytes, budget_bytes)
+            if quota is None:
+                index.quota_pages.pop(namespace, None)
+            else:
+                index.quota_pages[namespace] = quota
+            if budget is None:
+                index.budget_pages.pop(namespace, None)
+            else:
+                index.budget_pages[namespace] = budget
+            released = index.release_past_budget(namespace)
+            return {"namespace": namespace,
+                    "quota_bytes": None if quota is None else quota * page,
+                    "retain_budget_bytes": index.budget_of(namespace) * page,
+                    "released": released}
 
 _RESIDENT = bytes([0, 1, 1]) + bytes(253)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_stats"]
+__all__ = ["format_stats", "human_bytes"]
 
 _TIER_ROWS = (
     ("capacity", "capacity_bytes", True),
@@ -79,11 +79,11 @@ def _cell(value: Any, is_bytes: bool) -> str:
     if value is None:
         return "-"
     if is_bytes and isinstance(value, int):
-        return _human_bytes(value)
+        return human_bytes(value)
     return str(value)
 
 
-def _human_bytes(count: int) -> str:
+def human_bytes(count: int) -> str:
     size = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":

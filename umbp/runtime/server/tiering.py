@@ -1,7 +1,8 @@
 """Room in the server's DRAM and the moves between its tiers.
 
-Making room: a put (or a promotion) that would cross the high watermark first takes LRU
-victims (`umbp.runtime.paging`); without a cold tier they are dropped, with one they are
+Making room: a put (or a promotion) that would cross the high watermark, or its
+namespace's quota, first takes victims (`umbp.runtime.server.shares`: quota, even share,
+LRU; retained objects never); without a cold tier they are dropped, with one they are
 demoted to it, without the index lock. Promotion reads an object from the cold tier
 into fresh DRAM pages and pins it like a DRAM hit.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import xxhash
@@ -28,6 +30,7 @@ from umbp.runtime.paged_copy import write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
+from umbp.runtime.server.namespaces import ColdKeys, namespace_of
 from umbp.runtime.server.sessions import ServerCounters, Session
 
 __all__ = ["Demotion", "GetAnswer", "Tiering"]
@@ -67,8 +70,8 @@ class Tiering:
         self._cold = cold
         self._lock = lock
         self._counters = counters
-        self.cold_keys: set[str] = set(cold.keys()) if cold is not None else set()
-        """The cold tier's keys, read under the lock (see the module docstring)."""
+        self.cold_keys = ColdKeys(cold.sizes() if cold is not None else ())
+        """The cold tier's keys and sizes, read under the lock (see the module docstring)."""
         self.generation = 0
         """Bumped by a clear: a demotion or promotion that straddles a clear must not
         bring back what the clear dropped."""
@@ -96,33 +99,47 @@ class Tiering:
                 if not there and self._demote_one(cold, entry) is Demotion.WRITTEN:
                     written += 1
         finally:
-            on_disk = tuple(cold.keys())
+            on_disk = ColdKeys(cold.sizes())
             with self._lock:
                 for entry in entries:
                     self._index.unpin(entry)
-                self.cold_keys = set(on_disk)
+                self.cold_keys = on_disk
         return written
 
-    def reserve(self, sizes: Sequence[int]) -> list[Regions | None]:
-        """Pages for each size (None where they ran out), making room first when the
-        batch would cross the high watermark: LRU objects are dropped (DRAM only) or
-        demoted to the cold tier, the latter without the index lock."""
+    def reserve(self, sizes: Sequence[int], namespace: str | None) -> list[Regions | None]:
+        """Pages for each size (None where they ran out, or past `namespace`'s quota),
+        making room first when the batch would cross the high watermark or the quota:
+        victims are dropped (DRAM only) or demoted to the cold tier, the latter without
+        the index lock."""
         if not sizes:
             return []
         needed = sum(pages_for(size, self._index.page_bytes) for size in sizes)
         with self._lock:
-            victims = self._choose_victims_locked(needed)
+            victims = self._choose_victims_locked(needed, namespace)
             if not victims:
-                return [self._index.reserve(size) for size in sizes]
+                return self._reserve_locked(sizes, namespace)
         self._demote(victims)
         with self._lock:
-            return [self._index.reserve(size) for size in sizes]
+            return self._reserve_locked(sizes, namespace)
 
-    def _choose_victims_locked(self, pages_needed: int) -> list[Entry]:
+    def _reserve_locked(self, sizes: Sequence[int], namespace: str | None) -> list[Regions | None]:
         index = self._index
-        if not index.needs_room(pages_needed):
+        room = None if namespace is None else index.quota_room(namespace)
+        if room is None:
+            return [index.reserve(size) for size in sizes]
+        reserved: list[Regions | None] = []
+        for size in sizes:
+            pages = pages_for(size, index.page_bytes)
+            regions = index.reserve(size) if pages <= room else None
+            room -= pages if regions is not None else 0
+            reserved.append(regions)
+        return reserved
+
+    def _choose_victims_locked(self, pages_needed: int, namespace: str | None) -> list[Entry]:
+        index = self._index
+        if not index.needs_room_for(namespace, pages_needed):
             return []
-        victims = index.choose_victims(pages_needed)
+        victims = index.choose_victims_for(namespace, pages_needed, time.monotonic())
         if self._cold is not None:
             return victims
         for victim in victims:
@@ -182,7 +199,7 @@ class Tiering:
         counters = self._counters
         self._index.finish_leaving(victim)
         if outcome in (Demotion.PRESENT, Demotion.WRITTEN):
-            self.cold_keys.add(victim.key)
+            self.cold_keys.add(victim.key, victim.nbytes)
             counters.evictions_to_ssd += 1
             if outcome is Demotion.WRITTEN:
                 counters.bytes_to_ssd += victim.nbytes
@@ -279,9 +296,10 @@ class Tiering:
         making room; otherwise through a staging buffer read *before* making room, since
         making room demotes other objects, and their writes may make the SSD tier evict
         this very one."""
+        namespace = namespace_of(key)
         with self._lock:
             index = self._index
-            direct = not index.needs_room(pages_for(nbytes, index.page_bytes))
+            direct = not index.needs_room_for(namespace, pages_for(nbytes, index.page_bytes))
             regions = index.reserve(nbytes) if direct else None
         try:
             if regions is not None and len(regions) <= 1:
@@ -294,7 +312,7 @@ class Tiering:
                 status = cold.get_into(key, staging)
                 if status is LoadStatus.HIT:
                     if regions is None:
-                        regions = self.reserve([nbytes])[0]
+                        regions = self.reserve([nbytes], namespace)[0]
                     if regions is None:
                         return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
                     return status, regions, write_regions(self._view, regions, staging)

@@ -218,6 +218,14 @@ class SsdTier(ClosesOnExit):
         with self._lock:
             return () if self._closed else self._slots.keys()
 
+    def sizes(self) -> tuple[tuple[str, int], ...]:
+        """(key, payload bytes) of every resident object, least recently used first; ()
+        once closed."""
+        with self._lock:
+            if self._closed:
+                return ()
+            return tuple((stored.key, stored.nbytes) for stored in self._slots.entries())
+
     def take_evicted_keys(self) -> tuple[str, ...]:
         """Keys evicted or dropped as corrupt since the last call, oldest first, that are
         not resident now: what the server reports as removed from this tier. (Removed

@@ -22,9 +22,11 @@ from umbp.core.identity import (
     NamespaceInputs,
     RankCoord,
     RankTopology,
+    namespace_fingerprint,
     rank_coord,
 )
 from umbp.core.support import SupportInputs
+from umbp.runtime.weights import WeightsUnknown, weights_identity
 from umbp.shell.vllm_compat.objects import RequestLike, SchedulerOutputLike
 
 
@@ -69,15 +71,21 @@ def parallel_sizes(vllm_config: Any) -> tuple[int, int, int, int]:
 
 
 def namespace_inputs(vllm_config: Any, kv_cache_config: Any) -> NamespaceInputs:
+    """Everything that shapes the stored bytes, the loaded weights included (a digest
+    of local weight files, read here: :mod:`umbp.runtime.weights`). A local model is
+    named by its files' digest alone, not its path, so the same files anywhere share a
+    namespace. Raises ``WeightsUnknown`` when the weights cannot be identified."""
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     model = vllm_config.model_config
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     tp, pcp, dcp, pp = parallel_sizes(vllm_config)
     kv_dtype = f"{vllm_config.cache_config.cache_dtype}/{model.dtype}"
+    weights = weights_of(vllm_config)
+    local = weights.startswith(("files:", "dummy:"))
     return NamespaceInputs(
-        model_id=str(model.model),
-        revision=None if model.revision is None else str(model.revision),
+        model_id="local files" if local else str(model.model),
+        revision=None if local or model.revision is None else str(model.revision),
         kv_dtype=kv_dtype,
         groups=tuple(cache_group_shape(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups),
         block_size=int(block_size),
@@ -86,7 +94,66 @@ def namespace_inputs(vllm_config: Any, kv_cache_config: Any) -> NamespaceInputs:
         pcp_size=pcp,
         dcp_size=dcp,
         pp_size=pp,
+        weights=weights,
+        model_settings=model_settings(model),
     )
+
+
+def weights_of(vllm_config: Any) -> str:
+    """The weights vLLM loaded (``NamespaceInputs.weights``); ``WeightsUnknown`` for
+    weights streamed from object storage (``model_weights`` names their URI while
+    ``model`` is a local folder of configs) or otherwise not identifiable."""
+    model = vllm_config.model_config
+    load = vllm_config.load_config
+    load_format = str(getattr(load.load_format, "value", load.load_format))
+    elsewhere = str(getattr(model, "model_weights", "") or "")
+    if elsewhere and elsewhere != str(model.model):
+        raise WeightsUnknown(
+            f"umbp cannot tell which weights are loaded: they stream from {elsewhere!r} "
+            "(object storage). Set an explicit kv_connector_extra_config 'namespace' that "
+            "you change whenever the weights change (see docs/configuration.md)"
+        )
+    revision = None if model.revision is None else str(model.revision)
+    return weights_identity(str(model.model), revision, load_format, load.download_dir)
+
+
+def model_settings(model: Any) -> tuple[tuple[str, str], ...]:
+    """The engine settings that change what the same weights compute: online
+    quantization and config overrides (the config file itself is in the weights'
+    digest). A callable override is named by its qualified name: its code is not."""
+    overrides = model.hf_overrides
+    if callable(overrides):
+        override_text = f"callable {getattr(overrides, '__module__', '?')}." \
+                        f"{getattr(overrides, '__qualname__', repr(overrides))}"
+    else:
+        override_text = spec_field_text(dict(overrides or {}))
+    return (
+        ("quantization", str(model.quantization)),
+        ("quantization_config", spec_field_text(getattr(model, "quantization_config", None))),
+        ("hf_overrides", override_text),
+    )
+
+
+def namespace_and_label(
+    vllm_config: Any, kv_cache_config: Any, override: str | None
+) -> tuple[str, str]:
+    """This engine's namespace (the user's explicit one, validated with the config, or
+    the fingerprint of :func:`namespace_inputs`: the weights are read only then) and
+    the label ``umbp ls`` shows beside it: the model as the operator named it, the
+    start of its weights' identity, dtype and parallel layout."""
+    model = vllm_config.model_config
+    tp, pcp, dcp, pp = parallel_sizes(vllm_config)
+    layout = f"tp{tp}" + "".join(
+        f" {name}{size}" for name, size in (("pcp", pcp), ("dcp", dcp), ("pp", pp)) if size > 1
+    )
+    if override is None:
+        inputs = namespace_inputs(vllm_config, kv_cache_config)
+        namespace, weights = namespace_fingerprint(inputs), f"weights {inputs.weights[:24]}"
+    else:
+        namespace, weights = override, "explicit namespace"
+    label = (f"vllm {model.model} {weights} {model.dtype} "
+             f"kv {vllm_config.cache_config.cache_dtype} {layout}")
+    return namespace, label
 
 
 def topology_of(vllm_config: Any) -> RankTopology:

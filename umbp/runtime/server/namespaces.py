@@ -1,0 +1,137 @@
+"""What `umbp serve` knows per namespace, for operators: the model each came from, its
+use, and its objects on the SSD tier (DRAM's are the index's: `shares`).
+
+An engine registers a readable label with its namespace when it connects (the model as
+the operator named it, dtype, parallel layout), so that `umbp ls` can say which model a
+fingerprint belongs to. Counters (hits, misses, puts, bytes) and the time of last use
+(a hit or a put) are kept per namespace; the SSD tier's objects are counted per
+namespace in `ColdKeys`, the server's mirror of the tier's keys.
+
+Mutated under the server's index lock only (not thread-safe by themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from umbp.core.identity import namespace_of_key
+from umbp.runtime.server.shares import OTHER_NAMESPACE
+
+__all__ = ["ColdKeys", "NamespaceBook", "NamespaceCounters", "Registration", "namespace_of"]
+
+
+def namespace_of(key: str) -> str:
+    """The namespace a key is charged to (`OTHER_NAMESPACE` for keys not umbp's)."""
+    namespace = namespace_of_key(key)
+    return OTHER_NAMESPACE if namespace is None else namespace
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    label: str
+    registered_unix: float
+
+
+@dataclass(slots=True)
+class NamespaceCounters:
+    hits: int = 0
+    hits_from_ssd: int = 0
+    misses: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    last_use_unix: float = 0.0
+    """Wall-clock time of the last hit or put; 0.0: never used since the server started."""
+
+
+class NamespaceBook:
+    """Labels and counters per namespace."""
+
+    def __init__(self) -> None:
+        self.registrations: dict[str, Registration] = {}
+        self.counters: dict[str, NamespaceCounters] = {}
+
+    def register(self, namespace: str, label: str, now_unix: float) -> None:
+        """The latest label wins (an engine restarted with other settings)."""
+        self.registrations[namespace] = Registration(label, now_unix)
+
+    def of(self, namespace: str) -> NamespaceCounters:
+        counters = self.counters.get(namespace)
+        if counters is None:
+            counters = self.counters[namespace] = NamespaceCounters()
+        return counters
+
+    def hit(self, namespace: str, nbytes: int, from_ssd: bool, now_unix: float) -> None:
+        counters = self.of(namespace)
+        counters.hits += 1
+        counters.hits_from_ssd += from_ssd
+        counters.bytes_read += nbytes
+        counters.last_use_unix = now_unix
+
+    def put(self, namespace: str, nbytes: int, now_unix: float) -> None:
+        counters = self.of(namespace)
+        counters.puts += 1
+        counters.bytes_written += nbytes
+        counters.last_use_unix = now_unix
+
+    def miss(self, namespace: str) -> None:
+        self.of(namespace).misses += 1
+
+
+class ColdKeys:
+    """The SSD tier's keys as the server mirrors them (see `tiering`), with each
+    object's size, and how many objects and bytes each namespace has there."""
+
+    def __init__(self, sized: Iterable[tuple[str, int]] = ()) -> None:
+        self._sizes: dict[str, int] = {}
+        self._census: dict[str, list[int]] = {}  # namespace -> [objects, bytes]
+        for key, nbytes in sized:
+            self.add(key, nbytes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sizes)
+
+    def add(self, key: str, nbytes: int) -> None:
+        if key in self._sizes:
+            return
+        self._sizes[key] = nbytes
+        census = self._census.setdefault(namespace_of(key), [0, 0])
+        census[0] += 1
+        census[1] += nbytes
+
+    def discard(self, key: str) -> None:
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is None:
+            return
+        census = self._census[namespace_of(key)]
+        census[0] -= 1
+        census[1] -= nbytes
+
+    def difference_update(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.discard(key)
+
+    def clear(self) -> None:
+        self._sizes.clear()
+        self._census.clear()
+
+    def census(self, namespace: str) -> tuple[int, int]:
+        """(objects, payload bytes) of the namespace on the SSD tier."""
+        objects, nbytes = self._census.get(namespace, (0, 0))
+        return objects, nbytes
+
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(name for name, (objects, _) in self._census.items() if objects)
+
+    def keys_of(self, namespace: str | None) -> tuple[str, ...]:
+        """The namespace's keys (every key for None)."""
+        if namespace is None:
+            return tuple(self._sizes)
+        return tuple(key for key in self._sizes if namespace_of(key) == namespace)
