@@ -47,9 +47,9 @@ def test_a_lowered_external_count_loads_what_vllm_allocated(
     vllm_allocates(driver, lambda external: external - BLOCK)  # 4 blocks matched, 3 taken
 
     driver.add("b", tokens + [9, 9], max_tokens=4)
-    first = driver.step()
+    records = driver.until_scheduled("b")
     table = driver.block_ids("b")[0]
-    assert sorted(first.loads["b"]) == sorted((0, b) for b in table[:3])
+    assert sorted(driver.loads_of(records, "b")) == sorted((0, b) for b in table[:3])
     driver.prefill("b")
     # Three blocks restored, the fourth computed by the forward pass: all exact.
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2

@@ -45,13 +45,10 @@ def stored_copies(driver: Driver, block_hash: bytes) -> int:
     return sum(key.endswith(suffix) for key in driver.worker.worker.pool.stored_keys())
 
 
-def step_with(driver: Driver, request_id: str, max_steps: int = 10) -> StepRecord:
-    """Step until ``request_id`` is scheduled; that step's record."""
-    for _ in range(max_steps):
-        record = driver.step()
-        if request_id in record.output.num_scheduled_tokens:
-            return record
-    raise AssertionError(f"{request_id} was not scheduled in {max_steps} steps")
+def step_with(driver: Driver, request_id: str) -> StepRecord:
+    """Step until ``request_id`` is scheduled (its asynchronous load, if any, lands on
+    the worker's thread: no fixed step count); that step's record."""
+    return driver.until_scheduled(request_id)[-1]
 
 
 def scheduled_from(record: StepRecord, request_id: str) -> int:
@@ -120,7 +117,7 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     # the corrupt bytes are never served again, the whole prefix is.
     assert driver.scheduler.reset_prefix_cache()
     driver.add("c", tokens, max_tokens=2)
-    step_with(driver, "c", max_steps=3)
+    driver.until_scheduled("c")
     assert driver.assert_blocks_hold("c", tokens, range(4)) == 4 * 2
     driver.run(["c"])
     assert driver.cached_tokens("c") == 4 * BLOCK
@@ -152,7 +149,7 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again_by_the_request(
     # A third request restores every block from umbp, byte-exact.
     assert driver.scheduler.reset_prefix_cache()
     driver.add("c", tokens, max_tokens=2)
-    restore = step_with(driver, "c", max_steps=3) if load_async else driver.step()
+    restore = driver.until_scheduled("c")[-1] if load_async else driver.step()
     assert scheduled_from(restore, "c") == 6 * BLOCK
     assert driver.assert_blocks_hold("c", tokens, range(6)) == 6 * 2
     driver.run(["c"])

@@ -356,11 +356,13 @@ class Driver:
         ))
 
     def drain(self, max_steps: int = 200) -> None:
-        """Step an idle engine until the connector has no pending work (store
-        acknowledgements, KV event residency checks)."""
+        """Step an idle engine as vLLM's engine loop does, until its scheduler has
+        nothing left (``has_requests``: the connector's pending work, store
+        acknowledgements and KV-event checks; finished requests whose blocks wait for
+        a load still running)."""
         for _ in range(max_steps):
             self.step()
-            if not self.connector.has_pending_push_work():
+            if not self.scheduler.has_requests():
                 return
             time.sleep(0.01)
         raise AssertionError("the connector kept pending push work")
