@@ -4,7 +4,9 @@ One file, `<directory>/ssd-tier.slots`, mode 0600; little-endian:
 
 * superblock, bytes [0, 4096): magic ``UMBP-SSD``, format version, header-record size,
   `slot_bytes`, slot count, data-area offset, and an xxh3-64 of those fields. A file whose
-  superblock is damaged or whose geometry differs from the one asked for is reset (emptied).
+  superblock is damaged or whose geometry differs from the one asked for is reset (emptied);
+  a file that does not start with the magic is not umbp's and is refused, untouched (umbp
+  writes the superblock first into an empty file, so every file it made starts so).
 * header area, from byte 4096: one `RECORD_BYTES` (1024-byte) record per slot, in slot
   order. A free slot's record is all zeros. An occupied slot's record holds magic
   ``UMBP-HDR``, format version, key length, the slot's own index (catches a misdirected
@@ -45,6 +47,7 @@ __all__ = [
     "RECORD_MAGIC",
     "SLOT_FILE_NAME",
     "SUPERBLOCK_BYTES",
+    "SUPERBLOCK_MAGIC",
     "Extents",
     "Record",
     "Recovered",
@@ -64,7 +67,7 @@ SLOT_FILE_NAME = "ssd-tier.slots"
 FORMAT_VERSION = 1
 
 SUPERBLOCK_BYTES = 4096
-_SUPERBLOCK_MAGIC = b"UMBP-SSD"
+SUPERBLOCK_MAGIC = b"UMBP-SSD"
 # magic, version, record bytes, slot bytes, slot count, data offset; then its checksum.
 _SUPERBLOCK = struct.Struct("<8sIIQQQ")
 _CHECKSUM = struct.Struct("<Q")
@@ -126,7 +129,7 @@ class SlotGeometry:
 
     def superblock(self) -> bytes:
         fields = _SUPERBLOCK.pack(
-            _SUPERBLOCK_MAGIC,
+            SUPERBLOCK_MAGIC,
             FORMAT_VERSION,
             RECORD_BYTES,
             self.slot_bytes,
