@@ -66,7 +66,12 @@ class StoredObject(Resident):
         checksum: int,
         generation: int,
     ) -> None:
-        super().__init__(key, slots)
+        # Every field set here, Resident's too: a reopen builds one per object.
+        self.key = key
+        self.pages = slots
+        self.pins = 0
+        self.leaving = False
+        self.retired = False
         self.extents = extents
         """(file offset, offset in the object, length) of each run of consecutive slots,
         so a read or write is one syscall per run rather than per slot."""
