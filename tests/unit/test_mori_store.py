@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
-from umbp.runtime.mori.store import META_SUFFIX, MoriStore
 from umbp.runtime.mori.binding import MoriSetupError, import_mori
+from umbp.runtime.mori.store import META_SUFFIX, MoriStore
 from umbp.testing.fake_mori import (
     FakeOptions,
     corrupt_object,
