@@ -9,6 +9,7 @@ answers for itself, in order, with its own bytes.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -33,9 +34,13 @@ def store() -> Iterator[ServerStore]:
     """A server with 64-byte pages, room for 131,072 small objects."""
     directory = Path(tempfile.mkdtemp(prefix="umbp-batch-", dir="/tmp"))
     socket_path = str(directory / "umbp.sock")
-    process = start_server(socket_path, 8 << 20, page_bytes=64)
+    log = directory / "serve.log"
+    process = start_server(socket_path, 8 << 20, page_bytes=64, log_path=str(log))
     client = ServerStore(socket_path, io_timeout_s=60.0)
     try:
+        events = [json.loads(line) for line in log.read_text().splitlines()
+                  if line.startswith('{"event": "populated"')]
+        assert [event["bytes"] for event in events] == [8 << 20]  # its start-up, logged
         yield client
     finally:
         client.close()
