@@ -74,6 +74,9 @@ class PoolIndex(PagedLru[Entry]):
     def _regions(self, pages: tuple[int, ...], nbytes: int) -> Regions:
         """Consecutive pages fused into one region: fewer, larger copies for the client."""
         page_bytes = self.page_bytes
+        first = pages[0]
+        if pages == tuple(range(first, first + len(pages))):  # the usual run, at C speed
+            return ((first * page_bytes, nbytes),)
         regions: list[tuple[int, int]] = []
         start = pages[0]
         run = 1

@@ -33,15 +33,15 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
         core = self.server.core
         session = core.open_session()
         self.server.track(sock)
+        connection = protocol.ServedConnection(
+            sock, schema.body_limit, self.server.frame_timeout_s
+        )
         try:
             while True:
-                op, body = protocol.read_request(
-                    sock, schema.body_limit, self.server.frame_timeout_s
-                )
+                op, body = connection.read_request()
                 reply = answer(self.server, op, body, session)
                 if reply is not None:
-                    sock.settimeout(self.server.frame_timeout_s)  # a reader that never reads
-                    sock.sendall(reply)
+                    connection.reply(reply)  # bounded: a reader that never reads
         except protocol.ProtocolError as error:
             # Not this protocol (unknown op, oversized or unfinished frame): say why, then
             # drop the connection; its session's reservations and pins come back below.
