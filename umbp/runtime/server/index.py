@@ -93,6 +93,10 @@ class PoolIndex(PagedLru[Entry]):
 def _pages_of(regions: Regions, page_bytes: int) -> tuple[int, ...]:
     """The pages under `regions`, in object order (an empty object's one region of length
     0 still covers its page)."""
+    if len(regions) == 1:  # the usual object: one run of pages, no per-page loop
+        offset, length = regions[0]
+        first = offset // page_bytes
+        return tuple(range(first, first + pages_for(length, page_bytes)))
     pages: list[int] = []
     for offset, length in regions:
         first = offset // page_bytes
