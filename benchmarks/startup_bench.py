@@ -1,14 +1,15 @@
 """Start-up of big pools: populating the DRAM tiers per GiB, reopening the SSD index per
 object, measured here and projected to a GPU host's sizes.
 
-    python benchmarks/startup_bench.py [--gib 2] [--repeats 3] [--ssd-objects 1048576]
-                                       [--json FILE] [--quick]
+    python benchmarks/startup_bench.py [--gib 2] [--repeats 5] [--ssd-objects 1048576]
+                                       [--part all|dram|ssd] [--json FILE] [--quick]
 
 DRAM: `--gib` GiB populated as `umbp serve` does (`create_shared_pool`: a /dev/shm file
 allocated in 1 GiB steps), beside the same allocation by two threads on one file (what
 tmpfs would allow in parallel) and on two files; and as the embedded pool does
-(`allocate_prefaulted_slab`) with one thread and with as many as it uses. Passes
-alternate; each figure is the best of `--repeats`. Projected: the seconds a 64 GiB and a
+(`allocate_prefaulted_slab`) with one thread and with as many as it uses. Each round runs
+every variant, in an order rotated round by round; each figure is the best of
+`--repeats` rounds. Projected: the seconds a 64 GiB and a
 512 GiB pool take at the measured cost per GiB.
 
 SSD: an `SsdTier` of `--ssd-objects` objects of 100 bytes (one 512-byte slot each: the
@@ -37,12 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import measure
 
-from umbp.runtime import host_memory
-from umbp.runtime.server import shm
 from umbp.runtime.ssd.tier import SsdTier
 
 GIB = 1 << 30
 PROJECTED_GIB = (64, 512)
+SHM_DIRECTORY = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,13 @@ class Reopen:
 
 
 def server_pool(nbytes: int) -> None:
+    from umbp.runtime.server import shm
+
     shm.release_shared_pool(shm.create_shared_pool(nbytes))
 
 
 def one_file_two_threads(nbytes: int) -> None:
-    path = shm.SHM_DIRECTORY / f"umbp-bench-{os.getpid()}"
+    path = SHM_DIRECTORY / f"umbp-bench-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -94,7 +96,7 @@ def one_file_two_threads(nbytes: int) -> None:
 
 
 def two_files_two_threads(nbytes: int) -> None:
-    paths = [shm.SHM_DIRECTORY / f"umbp-bench-{os.getpid()}-{part}" for part in (0, 1)]
+    paths = [SHM_DIRECTORY / f"umbp-bench-{os.getpid()}-{part}" for part in (0, 1)]
     fds = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) for path in paths]
     try:
         _in_threads([lambda fd=fd: os.posix_fallocate(fd, 0, nbytes // 2) for fd in fds])
@@ -105,6 +107,8 @@ def two_files_two_threads(nbytes: int) -> None:
 
 
 def embedded_slab(threads: int) -> Callable[[int], None]:
+    from umbp.runtime import host_memory
+
     def populate(nbytes: int) -> None:
         original = host_memory.populate_threads
         host_memory.populate_threads = lambda: threads
@@ -124,8 +128,10 @@ def _in_threads(runs: list[Callable[[], Any]]) -> None:
 
 
 def measure_population(gib: float, repeats: int) -> list[Population]:
+    from umbp.runtime.host_memory import populate_threads
+
     nbytes = int(gib * GIB) // (2 << 20) * (2 << 20)
-    threads = host_memory.populate_threads()
+    threads = populate_threads()
     runs: dict[str, Callable[[int], None]] = {
         "umbp serve (1 GiB fallocate steps, 1 thread)": server_pool,
         "one /dev/shm file, 2 threads": one_file_two_threads,
@@ -133,8 +139,14 @@ def measure_population(gib: float, repeats: int) -> list[Population]:
         "embedded slab, 1 thread": embedded_slab(1),
         f"embedded slab, {threads} threads": embedded_slab(threads),
     }
-    times = measure.time_alternately(repeats, {name: (lambda run=run: run(nbytes))
-                                               for name, run in runs.items()})
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        # Rotating order: what ran just before (freed shmem pages, free huge pages or
+        # none) changes how fast memory is handed out; every variant follows each other.
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(measure.timed_seconds(lambda name=name: runs[name](nbytes)))
     return [Population(name, nbytes / GIB, min(seconds)) for name, seconds in times.items()]
 
 
@@ -164,9 +176,12 @@ def measure_reopen(objects: int, slots_per_object: int) -> Reopen:
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=2.0, help="GiB populated per pass")
-    parser.add_argument("--repeats", type=int, default=3, help="passes per figure (best)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="passes per figure (best), each in another order")
     parser.add_argument("--ssd-objects", type=int, default=1 << 20,
                         help="objects in the one-slot SSD index reopened")
+    parser.add_argument("--part", choices=("all", "dram", "ssd"), default="all",
+                        help="measure only the DRAM population or only the SSD reopen")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--quick", action="store_true",
                         help="0.25 GiB, 1 pass, 16,384 and 1,024 objects")
@@ -181,17 +196,22 @@ def parse_arguments() -> argparse.Namespace:
 def main() -> None:
     arguments = parse_arguments()
     started = time.perf_counter()
-    populations = measure_population(arguments.gib, arguments.repeats)
+    populations = (measure_population(arguments.gib, arguments.repeats)
+                   if arguments.part in ("all", "dram") else [])
     reopens = [measure_reopen(arguments.ssd_objects, 1),
-               measure_reopen(arguments.multi_slot_objects, 16)]
-    print(f"{'DRAM tier population':<48}{'s/GiB':>8}"
-          + "".join(f"{f'{gib} GiB (s)':>14}" for gib in PROJECTED_GIB))
+               measure_reopen(arguments.multi_slot_objects, 16)
+               ] if arguments.part in ("all", "ssd") else []
+    if populations:
+        print(f"{'DRAM tier population':<48}{'s/GiB':>8}"
+              + "".join(f"{f'{gib} GiB (s)':>14}" for gib in PROJECTED_GIB))
     for figure in populations:
         print(f"{figure.name:<48}{figure.seconds_per_gib:>8.3f}"
               + "".join(f"{figure.projected_seconds(gib):>14.1f}" for gib in PROJECTED_GIB))
-    print(f"(measured on {populations[0].gib:.2f} GiB, best of {arguments.repeats}; "
-          "larger sizes projected)")
-    print(f"{'SSD reopen':<48}{'seconds':>8}{'us/object':>14}{'us/slot':>14}")
+    if populations:
+        print(f"(measured on {populations[0].gib:.2f} GiB, best of {arguments.repeats}; "
+              "larger sizes projected)")
+    if reopens:
+        print(f"{'SSD reopen':<48}{'seconds':>8}{'us/object':>14}{'us/slot':>14}")
     for reopen in reopens:
         name = f"{reopen.objects:,} objects of {reopen.slots_per_object} slot(s)"
         print(f"{name:<48}{reopen.seconds:>8.2f}{reopen.us_per_object:>14.2f}"
