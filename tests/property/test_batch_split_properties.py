@@ -121,13 +121,18 @@ def test_the_server_limits_hold_a_batch_of_umbp_keys_in_few_requests() -> None:
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
+def stores() -> Iterator[tuple[ServerStore, ServerStore]]:
+    """Two clients of one real server: one to send batches whole, one to cut them."""
     directory = Path(tempfile.mkdtemp(prefix="umbp-split-", dir="/tmp"))
     socket_path = str(directory / "umbp.sock")
     process = start_server(socket_path, 8 << 20, page_bytes=256)
+    whole = ServerStore(socket_path, io_timeout_s=60.0)
+    cut = ServerStore(socket_path, io_timeout_s=60.0)
     try:
-        yield socket_path
+        yield whole, cut
     finally:
+        whole.close()
+        cut.close()
         stop_server(process, socket_path)
 
 
@@ -138,32 +143,27 @@ SMALL_KEYS = st.lists(st.one_of(st.text(min_size=1, max_size=12).filter(
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(put=SMALL_KEYS, ask=SMALL_KEYS, max_keys=st.integers(min_value=1, max_value=4))
 def test_a_store_cut_into_small_requests_answers_as_one_that_is_not(
-    endpoint: str, put: list[str], ask: list[str], max_keys: int
+    stores: tuple[ServerStore, ServerStore], put: list[str], ask: list[str], max_keys: int
 ) -> None:
     """Puts, lookups, wheres and gets through a client whose requests carry at most
     `max_keys` keys in 600 bytes, against the same calls through an uncut client."""
     put = list(dict.fromkeys(put))  # a batch puts each key once
     payloads = {key: random.Random(key).randbytes(1 + len(key) * 37 % 700) for key in put}
-    whole = ServerStore(endpoint)
-    cut = ServerStore(endpoint)
+    whole, cut = stores
     small = functools.partial(request_spans, max_keys=max_keys, body_bytes=600)
-    try:
-        assert whole.clear()
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(server_client, "request_spans", small)
-            assert cut.put_batch(put, [payloads[key] for key in put]) == (True,) * len(put)
-            asked = ask + put
-            cut_lookup, cut_where = cut.lookup(asked), cut.where(asked)
-            outs = [bytearray(len(payloads.get(key, b"?"))) for key in asked]
-            cut_get = cut.get_batch_into(asked, outs)
-        assert cut_lookup == whole.lookup(asked) == tuple(key in payloads for key in asked)
-        assert cut_where == whole.where(asked)
-        assert cut_get == tuple(
-            LoadStatus.HIT if key in payloads else LoadStatus.MISSING for key in asked
-        )
-        for key, out in zip(asked, outs):
-            if key in payloads:
-                assert bytes(out) == payloads[key]
-    finally:
-        whole.close()
-        cut.close()
+    assert whole.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server_client, "request_spans", small)
+        assert cut.put_batch(put, [payloads[key] for key in put]) == (True,) * len(put)
+        asked = ask + put
+        cut_lookup, cut_where = cut.lookup(asked), cut.where(asked)
+        outs = [bytearray(len(payloads.get(key, b"?"))) for key in asked]
+        cut_get = cut.get_batch_into(asked, outs)
+    assert cut_lookup == whole.lookup(asked) == tuple(key in payloads for key in asked)
+    assert cut_where == whole.where(asked)
+    assert cut_get == tuple(
+        LoadStatus.HIT if key in payloads else LoadStatus.MISSING for key in asked
+    )
+    for key, out in zip(asked, outs):
+        if key in payloads:
+            assert bytes(out) == payloads[key]
