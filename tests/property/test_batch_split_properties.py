@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,7 @@ def stores() -> Iterator[tuple[ServerStore, ServerStore]]:
         whole.close()
         cut.close()
         stop_server(process, socket_path)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 SMALL_KEYS = st.lists(st.one_of(st.text(min_size=1, max_size=12).filter(
