@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, str] = {
     "shared-server": "shared_server_bench.py",
     "mooncake": "mooncake_bench.py",
     "serve": "serve_bench.py",
+    "clients": "clients_bench.py",
+    "startup": "startup_bench.py",
 }
 
 

@@ -56,6 +56,24 @@ def test_lookup_answers_each_key_in_order(backend: Backend) -> None:
     assert store.lookup(["a", "b", "c", "b"]) == (False, True, False, True)
 
 
+def test_a_lookup_longer_than_any_call_answers_every_key_in_order(backend: Backend) -> None:
+    """131,072 keys (a 256-request store step's residency check): more than the store's
+    stated `batch_limit` (umbp serve: 65,536) and than the 4,096 objects per call the
+    Mooncake and MORI adapters move; residents on both sides of every cut."""
+    store = backend.store
+    limit = store.batch_limit
+    assert limit is None or (isinstance(limit, int) and limit >= 1)
+    count = max(131_072, 2 * (limit or 0) + 1)
+    keys = [f"long-lookup-{index:07d}" for index in range(count)]
+    resident = sorted({0, 4_095, 4_096, 65_535, 65_536, 65_537, count // 2, count - 1})
+    assert store.put_batch([keys[i] for i in resident], [b"r"] * len(resident)) == (
+        (True,) * len(resident)
+    )
+    answers = store.lookup(keys)
+    assert len(answers) == count
+    assert [index for index, found in enumerate(answers) if found] == resident
+
+
 # ------------------------------------------------------------------ round trips
 
 

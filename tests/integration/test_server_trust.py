@@ -220,6 +220,16 @@ def test_the_slot_file_is_never_followed_or_adopted_when_others_can_read_it(
                         "--ssd-capacity", "1M")  # fmt: skip
     assert "is open to other users (mode 0644); run chmod 600" in error, error
     assert not os.path.exists(sock)
+    # A private file of ours that umbp did not make (it was emptied and reused before).
+    readable.chmod(0o600)
+    foreign = random.Random(3).randbytes(100_000)
+    readable.write_bytes(foreign)
+    error = serve_fails("--socket", sock, "--capacity", "1M", "--ssd-dir", str(ssd),
+                        "--ssd-capacity", "1M")  # fmt: skip
+    assert f"{readable} is not an umbp SSD slot file" in error, error
+    assert "move it away or choose another --ssd-dir" in error, error
+    assert readable.read_bytes() == foreign
+    assert not os.path.exists(sock)
 
 
 def test_directories_others_can_write_are_refused_unless_sticky(workdir: Path) -> None:

@@ -146,3 +146,37 @@ def test_the_live_requests_bench_drives_the_scheduler_hook_at_every_live_count(
     assert data["stored_blocks_per_step"] == {"2": 3 * 16, "12": 3 * 16}
     assert all(us > 0 for us in data["median_us"].values())
     assert "12 live vs 2:" in done.stdout
+
+
+def test_quick_clients_bench_verifies_every_byte_and_writes_json(tmp_path: Path) -> None:
+    """benchmarks/clients_bench.py: client processes against one real `umbp serve`, every
+    byte they get back compared with what they put; the figures are only reported."""
+    report = tmp_path / "clients.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "clients_bench.py"), "--quick",
+         "--clients", "1,2", "--mib", "4", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 client vs memcpy of the same bytes (same run)" in done.stdout
+    rows = json.loads(report.read_text())["rows"]
+    assert [row["clients"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["errors"] == 0, row
+        assert row["put_aggregate_gbps"] > 0 and row["get_aggregate_gbps"] > 0
+        assert row["batch_calls"] > 0 and row["p99_batch_ms"] > 0
+
+
+def test_quick_startup_bench_reports_population_and_reopen(tmp_path: Path) -> None:
+    report = tmp_path / "startup.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "startup_bench.py"), "--quick",
+         "--gib", "0.05", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(report.read_text())
+    assert len(data["population"]) == 5 and all(row["seconds"] > 0 for row in data["population"])
+    assert [(row["objects"], row["slots_per_object"]) for row in data["reopen"]] == [
+        (16_384, 1), (1_024, 16)
+    ]

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from umbp.runtime import LoadStatus, StoreUnavailable
-from umbp.runtime.ssd.format import MAX_KEY_BYTES, RECORD_BYTES
+from umbp.runtime.ssd.format import MAX_KEY_BYTES, RECORD_BYTES, SLOT_FILE_NAME
+from umbp.runtime.ssd.index import ForeignSlotFile
 from umbp.runtime.ssd.tier import SsdTier
 from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
@@ -312,6 +313,22 @@ def test_other_geometry_or_damaged_superblock_resets(
     damaged = open_tier(slots=5)
     assert damaged.keys() == () and damaged.stats().dropped_at_open == 1
     assert damaged.put("j", content(1, 10)) and damaged.keys() == ("j",)
+
+
+def test_a_file_umbp_did_not_make_is_refused_untouched(directory: Path) -> None:
+    directory.mkdir(mode=0o700)
+    slot_file = directory / SLOT_FILE_NAME
+    foreign = content(5, 100_000)
+    slot_file.write_bytes(foreign)
+    slot_file.chmod(0o600)
+    with pytest.raises(ForeignSlotFile, match="is not an umbp SSD slot file") as refused:
+        SsdTier(directory, 8 * SLOT, SLOT)
+    assert str(slot_file) in str(refused.value)
+    assert slot_file.read_bytes() == foreign
+    slot_file.write_bytes(b"")  # an empty file is formatted (a start that died early)
+    tier = SsdTier(directory, 8 * SLOT, SLOT)
+    assert tier.put("k", content(1, 10)) and tier.stats().dropped_at_open == 0
+    tier.close()
 
 
 def test_damaged_header_record_drops_that_object_at_open(
@@ -671,6 +688,10 @@ def test_kill_9_mid_puts_then_reopen_serves_only_exact_objects(tmp_path: Path) -
             break
     child.send_signal(signal.SIGKILL)
     child.wait()
+    # The child kept putting until the signal landed: its last acknowledged put is
+    # the last line it wrote (each one write, after the put returned).
+    for line in child.stdout:
+        last = int(line)
     child.stdout.close()
     assert last >= 60
     with SsdTier(directory, 24 * 4096, 4096) as tier:

@@ -115,6 +115,7 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     assert stats["worker_loaded_blocks"] == 3
     # The pool dropped the corrupt object and b stored the block it recomputed:
     # the corrupt bytes are never served again, the whole prefix is.
+    driver.drain()
     assert driver.scheduler.reset_prefix_cache()
     driver.add("c", tokens, max_tokens=2)
     driver.until_scheduled("c")

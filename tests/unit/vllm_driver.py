@@ -60,6 +60,7 @@ def vllm_config_for(
     model_dir: Path, *, block_size: int = 32, max_model_len: int = 1024,
     max_num_batched_tokens: int = 512, extra: dict[str, Any] | None = None,
     kv_events: bool = True, kv_role: str = "kv_both", cache: dict[str, Any] | None = None,
+    max_num_seqs: int = 8,
 ) -> Any:
     """An engine's VllmConfig with umbp as its KV connector (no weights are read)."""
     from vllm.config import (
@@ -78,17 +79,25 @@ def vllm_config_for(
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
                                  **(cache or {})),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, is_encoder_decoder=False,
             enable_chunked_prefill=True,
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="UMBPStoreConnector", kv_connector_module_path="umbp",
             kv_role=kv_role,
-            kv_connector_extra_config={"capacity_bytes": 64 << 20, **(extra or {})},
+            kv_connector_extra_config=_extra_config(extra or {}),
         ),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
     )
+
+
+def _extra_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """umbp's options: an embedded pool of 64 MiB unless told otherwise (a server's size
+    is the server's business)."""
+    if extra.get("mode", "embedded") != "embedded":
+        return dict(extra)
+    return {"capacity_bytes": 64 << 20, **extra}
 
 
 def resolve_layout(vllm_config: Any, specs: Iterable[Any]) -> None:
@@ -137,6 +146,10 @@ class Reported:
 
 
 class Driver:
+    track_loads = True
+    """Record which blocks each step's load changed (`StepRecord.loads`): a copy and a
+    comparison of every KV tensor per step, which a driver of a huge cache turns off."""
+
     def __init__(
         self,
         model_dir: Path,
@@ -150,6 +163,7 @@ class Driver:
         kv_events: bool = True,
         kv_role: str = "kv_both",
         cache: dict[str, Any] | None = None,
+        max_num_seqs: int = 8,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
@@ -164,7 +178,7 @@ class Driver:
         self.vllm_config = vllm_config_for(
             model_dir, block_size=block_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, extra=extra, kv_events=kv_events,
-            kv_role=kv_role, cache=cache,
+            kv_role=kv_role, cache=cache, max_num_seqs=max_num_seqs,
         )
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -278,6 +292,8 @@ class Driver:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
+        if not self.track_loads:
+            return kv_output, {}
         self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
         return kv_output, self._changed_blocks(before, output)
 

@@ -12,6 +12,23 @@ buffer (`memoryview`, `bytearray`, a numpy array such as a row of a uint8 torch 
 through `.numpy()`). Back-ends read payloads and write into `outs` through the buffer
 protocol, so the runtime never imports torch.
 
+Batches of any length. Every batched call takes as many keys as the caller has (a
+store step's residency lookup covers every cached block of every request in the step:
+131,072 keys for 256 requests with 8K-token cached prefixes at block 16). A store whose
+service takes fewer per call states its limit as `batch_limit` and asks in consecutive
+calls of at most that many keys, in order, so that a batch answers exactly as those calls
+would one after another (`umbp.runtime.batches`). The back-ends' limits:
+
+* `umbp serve` (`ServerStore`): 65,536 keys and 16 MiB of JSON per request
+  (`umbp.runtime.server.schema`); both are kept, longer batches go as several requests;
+* Mooncake Store (`MooncakeStore`): none stated by Mooncake (`batch_is_exist` answered
+  1,000,000 keys in one call, docs/backends.md); umbp's adapter moves puts and gets in
+  calls of 4,096 objects, the slots of its registered checksum-trailer area;
+* MORI UMBP (`MoriStore`): none stated by its API; the adapter moves puts and gets in
+  calls of 4,096 objects, the slots of its registered sidecar area;
+* the embedded pool (`SlabPool`, and the scheduler's lookups of it, in process or
+  through `umbp.runtime.lookup_service`): none.
+
 The contract is deliberately synchronous. Asynchronous scheduling (tickets, poll, wait,
 cancel) is not part of it: the worker calls a `WorkerStore` from its transfer threads
 (`umbp.shell.transfers`: synchronous loads, asynchronous loads and stores, each its own
@@ -119,6 +136,14 @@ class PoolStats:
 class SchedulerStore(Protocol):
     """What the scheduler process needs: residency answers, nothing that moves bytes."""
 
+    @property
+    def batch_limit(self) -> int | None:
+        """The most keys one call to the service behind this store carries; None when
+        it takes any number. Every batched method accepts a batch of any length: a
+        longer one goes as consecutive calls within this limit, answered in key order
+        (see the module docstring)."""
+        ...
+
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
         """Residency of each key, in order. Batched because the scheduler asks about every
         block of a prompt at once. Never raises for a missing key; raises
@@ -137,6 +162,11 @@ class SchedulerStore(Protocol):
 @runtime_checkable
 class WorkerStore(Protocol):
     """What a worker process needs: move KV bytes in and out."""
+
+    @property
+    def batch_limit(self) -> int | None:
+        """Same as `SchedulerStore.batch_limit`."""
+        ...
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[memoryview]) -> tuple[bool, ...]:
         """Store `payloads[i]` under `keys[i]`; one result per key. A key already resident

@@ -75,6 +75,9 @@ class _Borrowed:
     """The scheduler's view of a pool its worker owns: closing the view must not
     close the pool. Answers by hash too (`HashLookup`), as the pool does."""
 
+    batch_limit: int | None = None
+    """No limit, as the pool itself."""
+
     def __init__(self, pool: SlabPool) -> None:
         self._pool = pool
 

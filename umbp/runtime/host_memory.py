@@ -8,15 +8,23 @@ faults once, at construction, and never again.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import mmap
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from umbp.runtime.population import Progress, populate
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["allocate_prefaulted_slab", "byte_view", "byte_views"]
+__all__ = ["allocate_prefaulted_slab", "byte_view", "byte_views", "populate_threads"]
+
+logger = logging.getLogger("umbp")
 
 # Linux's MADV_POPULATE_WRITE (5.14+): fault every page in one syscall. Python exposes the
 # constant only from 3.13, so the Linux value is spelled out for older interpreters.
@@ -24,6 +32,8 @@ _MADV_POPULATE_WRITE: int | None = getattr(
     mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
 )
 _OS_PAGE_BYTES = mmap.PAGESIZE
+_POPULATE_STEP_BYTES = 256 << 20
+_REPORT_INTERVAL_S = 2.0
 
 
 def allocate_prefaulted_slab(nbytes: int) -> mmap.mmap:
@@ -32,7 +42,8 @@ def allocate_prefaulted_slab(nbytes: int) -> mmap.mmap:
     Private (not the shared default of `mmap.mmap(-1, n)`) so that a forked child gets a
     copy-on-write image instead of silently sharing pages with a parent that keeps its own
     index, and so that transparent huge pages apply (shared anonymous memory is shmem,
-    governed by a different THP switch).
+    governed by a different THP switch). Pages are faulted in by several threads
+    (`umbp.runtime.population`); a population that lasts logs its progress.
     """
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
@@ -41,6 +52,12 @@ def allocate_prefaulted_slab(nbytes: int) -> mmap.mmap:
     if not _populate_in_kernel(slab):
         _touch_every_page(slab)
     return slab
+
+
+def populate_threads() -> int:
+    """Threads that fault a pool in: the CPUs this process may run on, at most 8 (page
+    faults of one process contend beyond that)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _advise_huge_pages(slab: mmap.mmap) -> None:
@@ -56,14 +73,45 @@ def _advise_huge_pages(slab: mmap.mmap) -> None:
 
 
 def _populate_in_kernel(slab: mmap.mmap) -> bool:
-    """Prefault with one madvise call; False when the kernel or platform lacks it."""
-    if _MADV_POPULATE_WRITE is None:
+    """Prefault with MADV_POPULATE_WRITE, a range per thread (through libc, which lets go
+    of the GIL; `mmap.madvise` holds it); False when the kernel or platform lacks it."""
+    madvise = _libc_madvise()
+    if _MADV_POPULATE_WRITE is None or madvise is None:
         return False
+    anchor = ctypes.c_char.from_buffer(slab)
+    base = ctypes.addressof(anchor)
+    advice = _MADV_POPULATE_WRITE
+
+    def fill(offset: int, length: int) -> None:
+        if madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length), advice) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"madvise(MADV_POPULATE_WRITE): {os.strerror(error)}")
+
     try:
-        slab.madvise(_MADV_POPULATE_WRITE)
-    except OSError:
-        return False
+        populate(
+            len(slab), fill, threads=populate_threads(), step_bytes=_POPULATE_STEP_BYTES,
+            report=_log_progress, interval_s=_REPORT_INTERVAL_S,
+        )
+    except OSError as error:
+        if error.errno in (errno.EINVAL, errno.ENOSYS):  # a kernel before 5.14
+            return False
+        raise
+    finally:
+        del anchor  # the slab can be closed again once no ctypes object exports it
     return True
+
+
+def _libc_madvise() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function: Callable[..., int] | None = getattr(libc, "madvise", None)
+    return function
+
+
+def _log_progress(progress: Progress) -> None:
+    logger.info("umbp: prefaulting the pool: %s", progress.describe())
 
 
 def _touch_every_page(slab: mmap.mmap) -> None:

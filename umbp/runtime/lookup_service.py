@@ -162,6 +162,10 @@ class LookupClient:
     """A ``SchedulerStore`` that asks a ``LookupService`` in another process; a lookup
     by hash (``HashLookup``) sends the prefixes and raw hashes, no key string."""
 
+    batch_limit: int | None = None
+    """None: one request frames up to 4 GiB of keys (a u32 length), some 39 million of
+    umbp's keys; no batch a scheduler builds comes near it."""
+
     def __init__(self, path: str, timeout_s: float) -> None:
         self._path = path
         self._timeout_s = timeout_s
@@ -229,6 +233,9 @@ class RankedLookup:
     go to its store by hash, or as that rank's key strings to a store that only
     reads strings.
     """
+
+    batch_limit: int | None = None
+    """No limit of its own: each rank's store takes the batch as its contract says."""
 
     def __init__(self, stores: Mapping[str, SchedulerStore]) -> None:
         """``stores`` maps a rank tag (a key up to its ``:pp<r>`` field, as

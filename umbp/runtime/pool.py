@@ -112,6 +112,9 @@ class SlabPool(ClosesOnExit):
     (numpy's default for large arrays) halved get throughput on the reference machine.
     """
 
+    batch_limit: int | None = None
+    """No limit: a batch of any length is one call into this process's slab."""
+
     def __init__(
         self,
         capacity_bytes: int,

@@ -98,6 +98,11 @@ class MooncakeStore(ClosesOnExit):
     `connect_timeout_s` or refuses the client.
     """
 
+    batch_limit: int | None = None
+    """None: Mooncake states no per-call limit (a 1,000,000-key `batch_is_exist` is one
+    call, docs/backends.md); puts and gets go in calls of `TRAILER_SLOTS` objects, the
+    slots of the registered trailer area."""
+
     def __init__(
         self,
         master_address: str,

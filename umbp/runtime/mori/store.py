@@ -100,6 +100,10 @@ class MoriStore(ClosesOnExit):
     is missing or refuses the configuration, naming the address.
     """
 
+    batch_limit: int | None = None
+    """None: MORI's API states no per-call limit; puts and gets go in calls of
+    `_META_SLOTS` objects, the slots of the registered sidecar area."""
+
     def __init__(
         self,
         deployment: str = "embedded",

@@ -4,10 +4,16 @@ Bytes move through the server's shared-memory pool, mapped here; only control me
 cross the socket. A put is two round trips (reserve pages, then commit their checksums
 once the bytes are written); a get is one round trip plus a one-way unpin.
 
+Batches of any length: the server takes at most `MAX_BATCH` keys and `BODY_LIMITS` bytes
+per request (`umbp.runtime.server.schema`), so a longer batch goes as consecutive requests
+within both (`umbp.runtime.batches`), answered in key order, exactly as those requests
+would be one after another.
+
 Failure semantics: the connection, its pool mapping and reconnects are the link's
 (`umbp.runtime.server.link`). A call whose exchange fails answers as the contract says
 (`lookup`/`where`/`stats` raise `StoreUnavailable`, `put_batch` answers False,
-`get_batch_into` answers UNAVAILABLE) within `io_timeout_s`.
+`get_batch_into` answers UNAVAILABLE) within `io_timeout_s`; for a batch sent as several
+requests, each request's keys answer for that request.
 
 Thread-safe: the link serialises the socket; copies into and out of the pool run outside
 its lock, so a lookup from another thread waits for a round trip, not for a put's copies.
@@ -19,6 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from umbp.runtime.batches import Span, json_key_spans
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     LabelsNamespaces,
@@ -38,12 +45,12 @@ from umbp.runtime.host_memory import byte_views
 from umbp.runtime.paged_copy import read_regions, write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.link import ServerLink, ServerRefused, Stale
-from umbp.runtime.server.schema import MAX_BATCH
+from umbp.runtime.server.schema import MAX_BATCH, body_limit
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["ServerStore"]
+__all__ = ["REQUEST_BODY_BYTES", "ServerStore", "request_spans"]
 
 logger = logging.getLogger("umbp")
 
@@ -52,6 +59,15 @@ _MEDIA: dict[int, Medium | None] = {
     protocol.WHERE_CPU: Medium.CPU,
     protocol.WHERE_DISK: Medium.DISK,
 }
+REQUEST_BODY_BYTES = min(
+    body_limit(op) for op in (protocol.LOOKUP, protocol.WHERE, protocol.BEGIN_PUT,
+                              protocol.BEGIN_GET)
+)
+"""The largest request body the server reads for a batch of keys."""
+_ENVELOPE_BYTES = 64
+"""A request's JSON object around its lists (``{"keys":[...],"sizes":[...]}``), rounded up."""
+_SIZE_BYTES = 14
+"""An object size in a request (at most 2**40: 13 digits) and its separator."""
 _GET_STATUS = {
     protocol.GET_MISSING: LoadStatus.MISSING,
     protocol.GET_CORRUPT: LoadStatus.CORRUPT,
@@ -62,6 +78,10 @@ _GET_STATUS = {
 
 class ServerStore(ClosesOnExit):
     """`SchedulerStore`, `WorkerStore` and `TierAware` over a `umbp serve` socket."""
+
+    batch_limit: int | None = MAX_BATCH
+    """The server takes at most this many keys per request (and `BODY_LIMITS` bytes);
+    longer batches go as several requests."""
 
     def __init__(
         self,
@@ -76,43 +96,41 @@ class ServerStore(ClosesOnExit):
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
         """Residency of each key in either tier. Raises `StoreUnavailable`."""
-        if not keys:
-            self._link.require_open()
-            return ()
-        answer = self._link.request_raw(protocol.LOOKUP, {"keys": list(keys)}, len(keys))
+        answer = self._ask_per_key(protocol.LOOKUP, keys)
         return tuple([byte == 1 for byte in answer])
 
     def where(self, keys: Sequence[str]) -> tuple[Medium | None, ...]:
         """`Medium.CPU`, `Medium.DISK` or None per key. Raises `StoreUnavailable`."""
-        if not keys:
-            self._link.require_open()
-            return ()
-        answer = self._link.request_raw(protocol.WHERE, {"keys": list(keys)}, len(keys))
+        answer = self._ask_per_key(protocol.WHERE, keys)
         return tuple([_MEDIA.get(code) for code in answer])
 
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload; False for every key the server did not take (including
-        all of them when it cannot be reached). Raises ValueError for caller bugs."""
+        all of a request's keys when it cannot be reached). Raises ValueError for caller
+        bugs."""
         sources = byte_views(keys, payloads, writable=False)
-        if not keys:
-            return ()
-        try:
-            return self._put(keys, sources)
-        except (StoreUnavailable, Stale):
-            return (False,) * len(keys)
+        results: list[bool] = []
+        for start, end in request_spans(keys, with_sizes=True):
+            try:
+                results.extend(self._put(keys[start:end], sources[start:end]))
+            except (StoreUnavailable, Stale):
+                results.extend([False] * (end - start))
+        return tuple(results)
 
     def get_batch_into(
         self, keys: Sequence[str], outs: Sequence[Buffer]
     ) -> tuple[LoadStatus, ...]:
         """Load each object into its buffer, verifying its checksum; UNAVAILABLE for every
-        key when the server cannot be reached. Raises ValueError for caller bugs."""
+        key of a request when the server cannot be reached. Raises ValueError for caller
+        bugs."""
         destinations = byte_views(keys, outs, writable=True)
-        if not keys:
-            return ()
-        try:
-            return self._get(keys, destinations)
-        except (StoreUnavailable, Stale):
-            return (LoadStatus.UNAVAILABLE,) * len(keys)
+        statuses: list[LoadStatus] = []
+        for start, end in request_spans(keys, with_sizes=True):
+            try:
+                statuses.extend(self._get(keys[start:end], destinations[start:end]))
+            except (StoreUnavailable, Stale):
+                statuses.extend([LoadStatus.UNAVAILABLE] * (end - start))
+        return tuple(statuses)
 
     def stats(self) -> PoolStats:
         """The DRAM tier's occupancy with the server's counters (evictions: objects that
@@ -229,6 +247,19 @@ class ServerStore(ClosesOnExit):
         operator (and the tests) see that a reconnect reached a new server."""
         return self._link.connected_server()
 
+    def _ask_per_key(self, op: int, keys: Sequence[str]) -> bytes:
+        """The one-byte-per-key answer of LOOKUP or WHERE for the whole batch."""
+        if not keys:
+            self._link.require_open()
+            return b""
+        spans = request_spans(keys, with_sizes=False)
+        if len(spans) == 1:
+            return self._link.request_raw(op, {"keys": list(keys)}, len(keys))
+        return b"".join([
+            self._link.request_raw(op, {"keys": list(keys[start:end])}, end - start)
+            for start, end in spans
+        ])
+
     # --------------------------------------------------------------------- puts
 
     def _put(self, keys: Sequence[str], sources: list[memoryview]) -> tuple[bool, ...]:
@@ -288,6 +319,20 @@ class ServerStore(ClosesOnExit):
             connection, protocol.END_GET, {"token": answer["token"], "corrupt": corrupt}
         )
         return tuple(statuses)
+
+
+def request_spans(
+    keys: Sequence[str],
+    *,
+    with_sizes: bool,
+    max_keys: int = MAX_BATCH,
+    body_bytes: int = REQUEST_BODY_BYTES,
+) -> list[Span]:
+    """The requests a batch goes as: each of at most `max_keys` keys in a body of at most
+    `body_bytes` (the server's limits unless told), with a size per key when
+    `with_sizes` (BEGIN_PUT, BEGIN_GET)."""
+    extra = _SIZE_BYTES if with_sizes else 0
+    return json_key_spans(keys, max_keys, body_bytes - _ENVELOPE_BYTES, extra)
 
 
 if TYPE_CHECKING:

@@ -75,6 +75,9 @@ class PoolIndex(NamespacedLru[Entry]):
     def _regions(self, pages: tuple[int, ...], nbytes: int) -> Regions:
         """Consecutive pages fused into one region: fewer, larger copies for the client."""
         page_bytes = self.page_bytes
+        first = pages[0]
+        if pages == tuple(range(first, first + len(pages))):  # the usual run, at C speed
+            return ((first * page_bytes, nbytes),)
         regions: list[tuple[int, int]] = []
         start = pages[0]
         run = 1
@@ -91,6 +94,10 @@ class PoolIndex(NamespacedLru[Entry]):
 def _pages_of(regions: Regions, page_bytes: int) -> tuple[int, ...]:
     """The pages under `regions`, in object order (an empty object's one region of length
     0 still covers its page)."""
+    if len(regions) == 1:  # the usual object: one run of pages, no per-page loop
+        offset, length = regions[0]
+        first = offset // page_bytes
+        return tuple(range(first, first + pages_for(length, page_bytes)))
     pages: list[int] = []
     for offset, length in regions:
         first = offset // page_bytes

@@ -103,8 +103,11 @@ def start_server(
 
     Its output goes to `log_path` (appended), or to a temporary file. `detach=True` starts
     it in a session of its own, so that it outlives the caller and its terminal's
-    signals. `extra_args`: further `umbp serve` options (quotas, metrics...). Raises `ServerStartError` with the log's tail when the server exits or does
-    not answer within `wait_s` (a server that does not answer in time is killed).
+    signals. `extra_args`: further `umbp serve` options (quotas, metrics...). Raises
+    `ServerStartError` with the log's tail when the server exits, or goes `wait_s`
+    without answering and without logging anything (it is then killed): a server
+    allocating a large DRAM tier logs its progress every second, and is waited for as
+    long as it does.
     """
     if server_reachable(socket_path, timeout_s=1.0):
         raise ServerStartError(f"a umbp server already answers at {socket_path}")
@@ -152,6 +155,7 @@ def _wait_until_answering(
     process: subprocess.Popen[bytes], socket_path: str, wait_s: float, log_name: str
 ) -> None:
     deadline = time.monotonic() + wait_s
+    logged = _size(log_name)
     while True:
         hello = _hello(socket_path, timeout_s=1.0)
         if hello is not None and hello.get("pid") == process.pid:
@@ -162,14 +166,24 @@ def _wait_until_answering(
                 f"umbp serve exited with status {code} before answering at {socket_path}; "
                 f"log {log_name}:\n{_tail(log_name)}"
             )
+        if _size(log_name) != logged:  # progress (a large pool being allocated)
+            logged = _size(log_name)
+            deadline = time.monotonic() + wait_s
         if time.monotonic() >= deadline:
             process.kill()
             process.wait()
             raise ServerStartError(
-                f"umbp serve did not answer at {socket_path} within {wait_s:g} s (killed); "
-                f"log {log_name}:\n{_tail(log_name)}"
+                f"umbp serve did not answer at {socket_path}, nor log anything, for "
+                f"{wait_s:g} s (killed); log {log_name}:\n{_tail(log_name)}"
             )
         time.sleep(_POLL_S)
+
+
+def _size(log_name: str) -> int:
+    try:
+        return os.stat(log_name).st_size
+    except OSError:
+        return -1
 
 
 def _tail(log_name: str) -> str:

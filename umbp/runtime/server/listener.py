@@ -35,16 +35,16 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
         core = self.server.core
         session = core.open_session()
         self.server.track(sock)
+        connection = protocol.ServedConnection(
+            sock, schema.body_limit, self.server.frame_timeout_s
+        )
         try:
             while True:
-                op, body = protocol.read_request(
-                    sock, schema.body_limit, self.server.frame_timeout_s
-                )
+                op, body = connection.read_request()
                 started = time.perf_counter()
                 reply = answer(self.server, op, body, session)
                 if reply is not None:
-                    sock.settimeout(self.server.frame_timeout_s)  # a reader that never reads
-                    sock.sendall(reply)
+                    connection.reply(reply)  # bounded: a reader that never reads
                 self.server.request_times.observe(op, time.perf_counter() - started)
         except protocol.ProtocolError as error:
             # Not this protocol (unknown op, oversized or unfinished frame): say why, then

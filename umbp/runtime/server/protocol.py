@@ -126,49 +126,95 @@ def read_frame(sock: socket.socket, deadline: Deadline | None) -> tuple[int, byt
     return op, _read_exactly(sock, length, deadline)
 
 
-def read_request(
-    sock: socket.socket, body_limit: Callable[[int], int], frame_timeout_s: float
-) -> tuple[int, bytes]:
-    """The server's read of one request. It waits for a request's first byte as long as
-    the client likes (connections are long-lived and mostly idle), but the rest of the
-    frame must arrive within `frame_timeout_s` (a half frame never holds a thread for
-    good). The body length is checked against `body_limit(op)` before a body byte is
-    read, and the body is received in chunks, so memory grows only with bytes that
-    actually arrived, never with what a header claims."""
-    sock.settimeout(None)
-    first = sock.recv(HEADER.size)  # usually the whole header: no extra syscall
-    if not first:
-        raise ConnectionError("the client closed the connection")
-    deadline = Deadline(frame_timeout_s)
-    try:
-        header = first + _read_exactly(sock, HEADER.size - len(first), deadline)
-        op, length = HEADER.unpack(header)
-        limit = body_limit(op)
-        if length > limit:
+class ServedConnection:
+    """The server's end of one client connection: request frames in, answers out.
+
+    It waits for a request's first byte as long as the client likes (connections are
+    long-lived and mostly idle), but the rest of the frame must arrive within
+    `frame_timeout_s` (a half frame never holds a thread for good). The body length is
+    checked against `body_limit(op)` before the body is taken, and more is received only
+    as bytes arrive, so memory grows only with bytes that actually arrived, never with
+    what a header claims.
+
+    Few system calls per request, since every client's requests pass through the one
+    server process: the socket stays blocking between frames, so a request is usually
+    one `recv` (at most `_CHUNK_BYTES`; the bytes of a next request read with it, such as
+    the BEGIN_GET a client sends right after a one-way END_GET, wait for the next call),
+    and an answer one non-blocking `send`. Only a frame or answer that does not fit at
+    once goes through timed reads or writes."""
+
+    def __init__(
+        self, sock: socket.socket, body_limit: Callable[[int], int], frame_timeout_s: float
+    ) -> None:
+        self.sock = sock
+        self._body_limit = body_limit
+        self._frame_timeout_s = frame_timeout_s
+        self._pending = bytearray()
+        sock.settimeout(None)
+        self._timed = False
+
+    def read_request(self) -> tuple[int, bytes]:
+        """The next request frame; ConnectionError when the client left, ProtocolError
+        for a frame this protocol refuses."""
+        pending = self._pending
+        if not pending:
+            self._blocking()
+            first = self.sock.recv(_CHUNK_BYTES)
+            if not first:
+                raise ConnectionError("the client closed the connection")
+            pending += first
+        deadline = Deadline(self._frame_timeout_s)
+        try:
+            self._fill(HEADER.size, deadline)
+            op, length = HEADER.unpack_from(pending)
+            limit = self._body_limit(op)
+            if length > limit:
+                raise ProtocolError(
+                    f"a body of {length} bytes for op {op} exceeds its limit of {limit}"
+                )
+            end = HEADER.size + length
+            self._fill(end, deadline)
+        except TimeoutError:
             raise ProtocolError(
-                f"a body of {length} bytes for op {op} exceeds its limit of {limit}"
-            )
-        return op, _read_chunked(sock, length, deadline)
-    except TimeoutError:
-        raise ProtocolError(
-            f"a frame was not completed within {frame_timeout_s:g} s of its first byte"
-        ) from None
+                f"a frame was not completed within {self._frame_timeout_s:g} s of its "
+                "first byte"
+            ) from None
+        body = bytes(pending[HEADER.size : end])
+        del pending[:end]
+        return op, body
+
+    def reply(self, frame: bytes) -> None:
+        """Send an answer frame; a client that does not read it within `frame_timeout_s`
+        raises TimeoutError (an OSError: the connection is dropped)."""
+        sent = 0
+        if not self._timed:
+            try:
+                sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(frame):
+                return
+        self.sock.settimeout(self._frame_timeout_s)
+        self._timed = True
+        self.sock.sendall(memoryview(frame)[sent:])
+
+    def _fill(self, size: int, deadline: Deadline) -> None:
+        pending = self._pending
+        while len(pending) < size:
+            self.sock.settimeout(deadline.remaining())
+            self._timed = True
+            part = self.sock.recv(min(size - len(pending), _CHUNK_BYTES))
+            if not part:
+                raise ConnectionError("the client closed the connection mid-frame")
+            pending += part
+
+    def _blocking(self) -> None:
+        if self._timed:
+            self.sock.settimeout(None)
+            self._timed = False
 
 
 _CHUNK_BYTES: Final = 256 << 10
-
-
-def _read_chunked(sock: socket.socket, size: int, deadline: Deadline) -> bytes:
-    parts: list[bytes] = []
-    left = size
-    while left:
-        sock.settimeout(deadline.remaining())
-        part = sock.recv(min(left, _CHUNK_BYTES))
-        if not part:
-            raise ConnectionError("the client closed the connection mid-frame")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def send_all(sock: socket.socket, data: bytes, deadline: Deadline | None) -> None:

@@ -349,9 +349,12 @@ def _token(value: Any) -> int:
 
 
 def _checksums(value: Any) -> tuple[int | None, ...]:
+    checksums = _list(value, "checksums")
+    if None not in checksums:  # the usual commit: every reserved key written
+        return _ints(checksums, "checksums", 0, _MAX_CHECKSUM)
     return tuple(
         None if checksum is None else _int(checksum, f"checksums[{position}]", 0, _MAX_CHECKSUM)
-        for position, checksum in enumerate(_list(value, "checksums"))
+        for position, checksum in enumerate(checksums)
     )
 
 

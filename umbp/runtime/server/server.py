@@ -30,10 +30,12 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from umbp.runtime.population import PopulationStopped, Progress
 from umbp.runtime.server.cold import ColdTier, open_cold_tier, stats_dict
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.labels import LabelFile
@@ -127,7 +129,7 @@ def serve(config: ServerConfig) -> int:
     metrics: MetricsEndpoint | None = None
     try:
         ownership.clear_leftovers()
-        pool = create_shared_pool(config.capacity_bytes // config.page_bytes * config.page_bytes)
+        pool = _create_pool(config, stop)
         ownership.record_pool(pool.path)
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
@@ -145,6 +147,8 @@ def serve(config: ServerConfig) -> int:
         server.drop_connections()
         if config.persist_on_exit:
             _persist(core)
+    except PopulationStopped:
+        pass  # a SIGTERM while the DRAM tier was being allocated: a clean stop
     finally:
         if metrics is not None:
             metrics.close()
@@ -183,6 +187,26 @@ def _start_metrics(config: ServerConfig, server: StoreServer) -> MetricsEndpoint
     host, port = endpoint.address
     server.hello["metrics"] = f"http://{host}:{port}/metrics"
     return endpoint
+
+
+def _create_pool(config: ServerConfig, stop: threading.Event) -> SharedPool:
+    """The DRAM tier, allocated whole before the server answers; while that lasts, one
+    `populating` event a second says how far it is (a pool of hundreds of GiB takes
+    minutes), and `populated` says how long it took."""
+
+    def report(progress: Progress) -> None:
+        _event("populating", done_bytes=progress.done_bytes,
+               total_bytes=progress.total_bytes, seconds=round(progress.seconds, 1))
+
+    nbytes = config.capacity_bytes // config.page_bytes * config.page_bytes
+    started = time.monotonic()
+    pool = create_shared_pool(nbytes, report=report, should_stop=stop.is_set)
+    _event("populated", bytes=nbytes, seconds=round(time.monotonic() - started, 2))
+    return pool
+
+
+def _event(name: str, **fields: Any) -> None:
+    print(json.dumps({"event": name, **fields}), file=sys.stderr, flush=True)
 
 
 def _index_for(config: ServerConfig, pool: SharedPool) -> PoolIndex:

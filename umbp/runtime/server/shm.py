@@ -13,9 +13,11 @@ import fcntl
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from umbp.runtime.population import Progress, populate
 from umbp.runtime.private_files import check_private_descriptor
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
 ]
 
 SHM_DIRECTORY = Path("/dev/shm")
+_ALLOCATION_STEP_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,20 @@ class SharedPool:
     live pool (locked) from one a killed server left behind (`remove_stale_pool`)."""
 
 
-def create_shared_pool(nbytes: int, directory: Path = SHM_DIRECTORY) -> SharedPool:
+def create_shared_pool(
+    nbytes: int,
+    directory: Path = SHM_DIRECTORY,
+    *,
+    report: Callable[[Progress], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> SharedPool:
     """A new owner-only file of `nbytes` in `directory`, its pages allocated up front
-    (tmpfs answers ENOSPC now instead of SIGBUS on some later write; ~0.4 s per GiB) and
-    mapped."""
+    (tmpfs answers ENOSPC now instead of SIGBUS on some later write) and mapped.
+
+    Allocation runs in 1 GiB steps, `report`ed at most every second while it lasts
+    (docs/performance.md, "Start-up": about 0.3 s per GiB here), and ends early with
+    `PopulationStopped` when `should_stop` says so. One thread: tmpfs allocates a file's
+    pages under that file's lock, so more threads on one file measured no faster."""
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     _require_room(directory, nbytes)
@@ -57,8 +70,13 @@ def create_shared_pool(nbytes: int, directory: Path = SHM_DIRECTORY) -> SharedPo
         os.fchmod(fd, 0o600)  # the umask must not loosen or tighten it
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, nbytes)
+
+        def allocate(offset: int, length: int) -> None:
+            os.posix_fallocate(fd, offset, length)
+
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            populate(nbytes, allocate, step_bytes=_ALLOCATION_STEP_BYTES, report=report,
+                     should_stop=should_stop)
         except OSError as error:
             raise OSError(
                 error.errno,

@@ -4,7 +4,9 @@ One file, `<directory>/ssd-tier.slots`, mode 0600; little-endian:
 
 * superblock, bytes [0, 4096): magic ``UMBP-SSD``, format version, header-record size,
   `slot_bytes`, slot count, data-area offset, and an xxh3-64 of those fields. A file whose
-  superblock is damaged or whose geometry differs from the one asked for is reset (emptied).
+  superblock is damaged or whose geometry differs from the one asked for is reset (emptied);
+  a file that does not start with the magic is not umbp's and is refused, untouched (umbp
+  writes the superblock first into an empty file, so every file it made starts so).
 * header area, from byte 4096: one `RECORD_BYTES` (1024-byte) record per slot, in slot
   order. A free slot's record is all zeros. An occupied slot's record holds magic
   ``UMBP-HDR``, format version, key length, the slot's own index (catches a misdirected
@@ -32,7 +34,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import xxhash
@@ -45,6 +47,7 @@ __all__ = [
     "RECORD_MAGIC",
     "SLOT_FILE_NAME",
     "SUPERBLOCK_BYTES",
+    "SUPERBLOCK_MAGIC",
     "Extents",
     "Record",
     "Recovered",
@@ -54,17 +57,16 @@ __all__ = [
     "consecutive_runs",
     "count_objects_in_place",
     "encode_key",
-    "parse_record",
     "read_geometry",
+    "read_records",
     "recover",
-    "scan_records",
 ]
 
 SLOT_FILE_NAME = "ssd-tier.slots"
 FORMAT_VERSION = 1
 
 SUPERBLOCK_BYTES = 4096
-_SUPERBLOCK_MAGIC = b"UMBP-SSD"
+SUPERBLOCK_MAGIC = b"UMBP-SSD"
 # magic, version, record bytes, slot bytes, slot count, data offset; then its checksum.
 _SUPERBLOCK = struct.Struct("<8sIIQQQ")
 _CHECKSUM = struct.Struct("<Q")
@@ -95,15 +97,16 @@ class SlotGeometry:
 
     slot_bytes: int
     total_slots: int
+    data_offset: int = field(init=False)
+    """File offset of slot 0's payload: the first 4 KiB boundary after the records."""
+
+    def __post_init__(self) -> None:
+        end_of_records = SUPERBLOCK_BYTES + self.total_slots * RECORD_BYTES
+        object.__setattr__(self, "data_offset", -(-end_of_records // _ALIGNMENT) * _ALIGNMENT)
 
     @property
     def header_offset(self) -> int:
         return SUPERBLOCK_BYTES
-
-    @property
-    def data_offset(self) -> int:
-        end_of_records = SUPERBLOCK_BYTES + self.total_slots * RECORD_BYTES
-        return -(-end_of_records // _ALIGNMENT) * _ALIGNMENT
 
     @property
     def file_bytes(self) -> int:
@@ -126,7 +129,7 @@ class SlotGeometry:
 
     def superblock(self) -> bytes:
         fields = _SUPERBLOCK.pack(
-            _SUPERBLOCK_MAGIC,
+            SUPERBLOCK_MAGIC,
             FORMAT_VERSION,
             RECORD_BYTES,
             self.slot_bytes,
@@ -220,7 +223,9 @@ def build_records(
 
 
 class Record(NamedTuple):
-    """A header record that passed its own checks."""
+    """A header record that passed its own checks; with `run` > 1, the first record of
+    an object whose `run` parts lie in consecutive slots from `slot`, every one of those
+    records exactly as umbp writes it (so each is whole and self-consistent)."""
 
     slot: int
     key: str
@@ -229,17 +234,82 @@ class Record(NamedTuple):
     nbytes: int
     generation: int
     checksum: int
+    run: int = 1
+
+    def each_part(self) -> tuple[Record, ...]:
+        """One record per slot: a run's records as they lie in the file."""
+        if self.run == 1:
+            return (self,)
+        return tuple(
+            self._replace(slot=self.slot + part, part_index=part, run=1)
+            for part in range(self.run)
+        )
 
 
-def parse_record(slot: int, record: bytes, slot_bytes: int) -> Record | None:
-    """The record's fields when it is whole and self-consistent, else None."""
-    if len(record) != RECORD_BYTES:
-        return None
-    (stored_checksum,) = _CHECKSUM.unpack_from(record, _RECORD_CHECKED_BYTES)
-    if _xxh3_64(record[:_RECORD_CHECKED_BYTES]) != stored_checksum:
+def read_records(fd: int, geometry: SlotGeometry) -> Iterator[tuple[int, Record | None]]:
+    """(slot, record) for every header record that is not all zeros (a free slot's): the
+    parsed `Record` when it is whole and self-consistent, None for garbage, a damaged
+    record or one cut short by the end of the file, so that damage is counted rather than
+    taken for a free slot. An object's first record whose other parts follow in the next
+    slots, their records exactly as umbp writes them, comes as one `Record` whose `run`
+    covers them all (compared as bytes, not parsed record by record: a KV block spans
+    8-32 slots of 64 KiB, and a reopen reads every slot's record). Reads
+    `_SCAN_CHUNK_RECORDS` records per pread and skips an all-zero chunk, or record, at C
+    speed."""
+    total = geometry.total_slots
+    slot_bytes = geometry.slot_bytes
+    for first in range(0, total, _SCAN_CHUNK_RECORDS):
+        count = min(_SCAN_CHUNK_RECORDS, total - first)
+        chunk = os.pread(fd, count * RECORD_BYTES, geometry.record_offset(first))
+        if not chunk.strip(b"\0"):
+            continue
+        view = memoryview(chunk)
+        whole = len(chunk) // RECORD_BYTES
+        index = 0
+        while index < whole:
+            at = index * RECORD_BYTES
+            if chunk.startswith(RECORD_MAGIC, at):
+                record = _parsed(view, at, first + index, slot_bytes)
+                if record is not None and index + record.part_count <= whole:
+                    record = _whole_run(chunk, at, record)
+                yield first + index, record
+                index += 1 if record is None else record.run
+                continue
+            if chunk.count(0, at, at + RECORD_BYTES) != RECORD_BYTES:
+                yield first + index, None
+            index += 1
+        cut = whole * RECORD_BYTES
+        if chunk.count(0, cut) != len(chunk) - cut:
+            yield first + whole, None
+
+
+def _whole_run(chunk: bytes, at: int, record: Record) -> Record:
+    """`record` with `run` set to its part count when it is part 0 of an object of
+    several parts whose other records follow it in `chunk` exactly as `build_records`
+    makes them, else `record` unchanged."""
+    parts = record.part_count
+    if parts == 1 or record.part_index != 0:
+        return record
+    slots = tuple(range(record.slot, record.slot + parts))
+    key_start = at + _RECORD_HEAD.size
+    encoded_key = chunk[key_start : key_start + len(record.key.encode())]
+    expected = build_records(
+        slots, slots, encoded_key, record.nbytes, record.generation, record.checksum
+    )
+    if chunk[at : at + parts * RECORD_BYTES] != expected:
+        return record
+    return record._replace(run=parts)
+
+
+
+def _parsed(view: memoryview, at: int, slot: int, slot_bytes: int) -> Record | None:
+    """The record at `view[at:at + RECORD_BYTES]` of `slot` when it is whole and
+    self-consistent, else None."""
+    (stored_checksum,) = _CHECKSUM.unpack_from(view, at + _RECORD_CHECKED_BYTES)
+    if _xxh3_64(view[at : at + _RECORD_CHECKED_BYTES]) != stored_checksum:
         return None
     (_, version, key_bytes, own_slot, part_index, part_count, nbytes, generation,
-     checksum) = _RECORD_HEAD.unpack_from(record)  # fmt: skip
+     checksum) = _RECORD_HEAD.unpack_from(view, at)  # fmt: skip
     if (
         version != FORMAT_VERSION
         or own_slot != slot
@@ -249,35 +319,20 @@ def parse_record(slot: int, record: bytes, slot_bytes: int) -> Record | None:
         or generation == 0
     ):
         return None
-    start = _RECORD_HEAD.size
+    start = at + _RECORD_HEAD.size
     try:
-        key = record[start : start + key_bytes].decode("utf-8")
+        key = str(view[start : start + key_bytes], "utf-8")
     except UnicodeDecodeError:
         return None
     return Record(slot, key, part_index, part_count, nbytes, generation, checksum)
 
 
-def scan_records(fd: int, geometry: SlotGeometry) -> Iterator[tuple[int, bytes]]:
-    """(slot, record) for every record that is not all zeros (a free slot's): records
-    with the magic and garbage alike, so that garbage is counted as damage rather than
-    silently taken for free slots. All-zero chunks are skipped at C speed."""
-    total = geometry.total_slots
-    for first in range(0, total, _SCAN_CHUNK_RECORDS):
-        count = min(_SCAN_CHUNK_RECORDS, total - first)
-        chunk = os.pread(fd, count * RECORD_BYTES, geometry.record_offset(first))
-        if not chunk.strip(b"\0"):
-            continue
-        for index in range(count):
-            record = chunk[index * RECORD_BYTES : (index + 1) * RECORD_BYTES]
-            if record.startswith(RECORD_MAGIC) or record.strip(b"\0"):
-                yield first + index, record
-
-
 # -------------------------------------------------------------------- recovery
 
 
-@dataclass(frozen=True, slots=True)
-class RecoveredObject:
+class RecoveredObject(NamedTuple):
+    """A complete object found in place (a tuple: a reopen builds one per object)."""
+
     key: str
     slots: tuple[int, ...]
     """Slot of each part, in object order."""
@@ -301,39 +356,60 @@ class Recovered:
 
 def recover(fd: int, geometry: SlotGeometry, file_bytes: int) -> Recovered:
     """Read every record and keep the complete, self-consistent objects whose bytes lie
-    inside the file's first `file_bytes` (see the module docstring)."""
-    groups: dict[int, list[Record]] = {}
+    inside the file's first `file_bytes` (see the module docstring). Only the header area
+    is read, never an object's bytes (their checksums are verified on every read)."""
+    first_of: dict[int, Record] = {}  # generation -> its first record
+    others: dict[int, list[Record]] = {}  # generations with more than one record
     to_zero: list[int] = []
     dropped = 0
-    for slot, raw in scan_records(fd, geometry):
-        parsed = parse_record(slot, raw, geometry.slot_bytes)
+    for slot, parsed in read_records(fd, geometry):
         if parsed is None:
             to_zero.append(slot)
             dropped += 1
+            continue
+        first = first_of.setdefault(parsed.generation, parsed)
+        if first is not parsed:
+            others.setdefault(parsed.generation, [first]).append(parsed)
+    complete: list[RecoveredObject] = []
+    for generation, first in first_of.items():
+        records = others.get(generation)
+        slots: tuple[int, ...] | None
+        if records is None and first.run == first.part_count:
+            # Every part in consecutive slots, each record checked (one slot: every KV
+            # block that fits one; a run: read_records compared them): complete when the
+            # bytes lie inside the file.
+            inside = geometry.slot_offset(first.slot) + first.nbytes <= file_bytes
+            slots = tuple(range(first.slot, first.slot + first.run)) if inside else None
         else:
-            groups.setdefault(parsed.generation, []).append(parsed)
-    newest: dict[str, RecoveredObject] = {}
-    for generation in sorted(groups):
-        records = groups[generation]
-        slots = _complete_object_slots(records, geometry, file_bytes)
+            records = [part for record in records or [first] for part in record.each_part()]
+            slots = _complete_object_slots(records, geometry, file_bytes)
         if slots is None:
             dropped += 1
-            to_zero.extend(record.slot for record in records)
-            continue
-        first = records[0]
-        previous = newest.get(first.key)
+            to_zero.extend(
+                part.slot for record in records or [first] for part in record.each_part()
+            )
+        else:
+            complete.append(
+                RecoveredObject(first.key, slots, first.nbytes, first.checksum, generation)
+            )
+    complete.sort(key=_generation_of)
+    newest: dict[str, RecoveredObject] = {}
+    for found in complete:
+        previous = newest.pop(found.key, None)
         if previous is not None:  # a lost write left two copies; the newer one wins
             dropped += 1
             to_zero.extend(previous.slots)
-        newest[first.key] = RecoveredObject(
-            first.key, slots, first.nbytes, first.checksum, generation
-        )
+        newest[found.key] = found  # re-inserted: the dict stays in generation order
     return Recovered(
-        objects=tuple(sorted(newest.values(), key=lambda found: found.generation)),
+        objects=tuple(newest.values()),
         slots_to_zero=tuple(to_zero),
         dropped=dropped,
-        next_generation=max(groups, default=0) + 1,
+        next_generation=max(first_of, default=0) + 1,
     )
+
+
+def _generation_of(found: RecoveredObject) -> int:
+    return found.generation
 
 
 def count_objects_in_place(fd: int, geometry: SlotGeometry, file_bytes: int) -> int:
@@ -343,8 +419,7 @@ def count_objects_in_place(fd: int, geometry: SlotGeometry, file_bytes: int) -> 
         return 0
     generations = set()
     try:
-        for slot, raw in scan_records(fd, geometry):
-            parsed = parse_record(slot, raw, geometry.slot_bytes)
+        for _, parsed in read_records(fd, geometry):
             if parsed is not None:
                 generations.add(parsed.generation)
     except OSError:

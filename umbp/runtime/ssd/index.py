@@ -2,7 +2,9 @@
 checksum), and the index rebuilt from the slot file when it is opened: keep what the
 file holds whole, or start it empty.
 
-A file whose superblock matches the tier's geometry is kept: every complete,
+A file that does not start with the superblock's magic is not umbp's: it is refused with a
+`ForeignSlotFile` naming the path and the fix, and nothing is written to it. A file whose
+superblock matches the tier's geometry is kept: every complete,
 self-consistent object its header records describe is recovered
 (`umbp.runtime.ssd.format.recover`), the records of everything else are zeroed, and each damaged
 record, incomplete or inconsistent object and lost tail counts in `dropped_at_open`. A
@@ -36,9 +38,15 @@ from pathlib import Path
 
 from umbp.runtime.paging import Resident
 from umbp.runtime.ssd.file import WriteFailed, pwrite_all, zero_records
-from umbp.runtime.ssd.format import Extents, SlotGeometry, count_objects_in_place, recover
+from umbp.runtime.ssd.format import (
+    SUPERBLOCK_MAGIC,
+    Extents,
+    SlotGeometry,
+    count_objects_in_place,
+    recover,
+)
 
-__all__ = ["OpenedFile", "StoredObject", "load_or_format"]
+__all__ = ["ForeignSlotFile", "OpenedFile", "StoredObject", "load_or_format"]
 
 logger = logging.getLogger("umbp")
 
@@ -58,7 +66,12 @@ class StoredObject(Resident):
         checksum: int,
         generation: int,
     ) -> None:
-        super().__init__(key, slots)
+        # Every field set here, Resident's too: a reopen builds one per object.
+        self.key = key
+        self.pages = slots
+        self.pins = 0
+        self.leaving = False
+        self.retired = False
         self.extents = extents
         """(file offset, offset in the object, length) of each run of consecutive slots,
         so a read or write is one syscall per run rather than per slot."""
@@ -78,12 +91,23 @@ class OpenedFile:
     """Entries dropped while opening (`SsdStats.dropped_at_open`)."""
 
 
+class ForeignSlotFile(OSError):
+    """The file at the slot file's path is not an umbp SSD slot file; it was not touched."""
+
+
 def load_or_format(fd: int, geometry: SlotGeometry, path: Path) -> OpenedFile:
     """Recover the objects of the slot file open as `fd` at `path`, or format it when
-    its superblock does not match `geometry`."""
+    its superblock does not match `geometry`. Raises `ForeignSlotFile` for a file that
+    is not umbp's, before writing anything."""
     file_bytes = os.fstat(fd).st_size
     expected = geometry.superblock()
     found = os.pread(fd, len(expected), 0) if file_bytes else b""
+    if file_bytes and not SUPERBLOCK_MAGIC.startswith(found[: len(SUPERBLOCK_MAGIC)]):
+        raise ForeignSlotFile(
+            f"{path} is not an umbp SSD slot file (it does not start with "
+            f"{SUPERBLOCK_MAGIC.decode()}; {file_bytes} bytes left untouched); move it away "
+            "or choose another --ssd-dir"
+        )
     if found == expected:
         dropped = 0
         if file_bytes < geometry.file_bytes:

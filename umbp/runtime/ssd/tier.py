@@ -35,11 +35,13 @@ slot file is `flock`ed; a second opener gets EBUSY.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,7 +110,8 @@ class SsdTier(ClosesOnExit):
             # A slot where a write failed with ENOSPC/EFBIG is retired (never handed out
             # again). Both watermarks are the whole file: evict only what a put needs.
             self._slots = PagedLru(self._total_slots, self._total_slots, self._total_slots)
-            self._restore(load_or_format(self._fd, self._geometry, self._path))
+            with _no_cyclic_collection():
+                self._restore(load_or_format(self._fd, self._geometry, self._path))
             preallocate(self._fd, self._file_bytes, self._path)
         except BaseException:
             os.close(self._fd)
@@ -384,6 +387,20 @@ class SsdTier(ClosesOnExit):
     def _require_open(self) -> None:
         if self._closed:
             raise StoreUnavailable("SsdTier is closed")
+
+
+@contextlib.contextmanager
+def _no_cyclic_collection() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a reopen builds one index entry per
+    object: the entries form no cycles, and each collection the allocations trigger
+    would rescan all that were built so far (a third of a 1M-object reopen)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _validate_geometry(capacity_bytes: int, slot_bytes: int) -> None:
