@@ -29,6 +29,7 @@ from umbp.core.kv_events import (
     has_pending,
     new_event_tracker,
     residency_batch,
+    sweep_due,
     track_stored,
 )
 from umbp.core.rank_keys import KeyLayout
@@ -69,6 +70,9 @@ def check_structure(state: EventTracker) -> None:
     rotation = {record.turn: identity for identity, record in records.items() if record.published}
     assert dict(state.rotation.items()) == rotation
     assert has_pending(state) == bool(pending)
+    assert sweep_due(state) == any(
+        record.turn < state.sweep_before for record in records.values() if record.published
+    ), "a sweep is due exactly while a published object was last checked before a store"
     for record in records.values():
         assert record.published or record.pending, "an unpublished object awaits its check"
         assert (record.stored is None) == record.published
@@ -128,6 +132,9 @@ class EventReconciliation(RuleBasedStateMachine):
         assert set(after.objects.keys()) == tracked
         assert len(tracked) <= after.max_objects
         assert after.suppressed == before.suppressed + rejected
+        # A store may have evicted anything published before it: all of it is due.
+        assert all(record.turn < after.sweep_before
+                   for record in after.objects.values() if record.published)
         self.state = after
 
     @rule(target=batches, size=st.integers(1, 6), recheck=st.booleans())
@@ -170,6 +177,7 @@ class EventReconciliation(RuleBasedStateMachine):
             visited |= {identity for identity, _ in batch}
             self._apply(batch, [oracle[identity] for identity, _ in batch])
         assert set(tracked) <= visited
+        assert not sweep_due(self.state), "the sweep a store made due ends"
 
     # -------------------------------------------------------------- checks
 

@@ -134,6 +134,30 @@ def test_kv_events_name_the_pool_and_this_versions_fields(make_driver: Any) -> N
         assert all(e.lookahead_token_ids == [] for e in events)
 
 
+def test_an_engine_going_idle_announces_the_evictions_its_own_stores_made(
+    make_driver: Any,
+) -> None:
+    # Five 32 KiB objects fit. A's three are published; B's four then evict some of
+    # them. The engine has no request left after B, yet it keeps stepping until the
+    # sweep is done, and then goes quiet.
+    from vllm.distributed.kv_events import BlockRemoved
+
+    driver = make_driver(extra={"capacity_bytes": 5 * 32 * 1024})
+    driver.add("a", prompt(3, tail=0, seed=3))
+    driver.run(["a"])
+    driver.drain()
+    published = {h for e in driver.stored_events() for h in e.block_hashes}
+    assert len(published) == 3
+    driver.add("b", prompt(4, tail=0, seed=4))
+    driver.run(["b"])
+    driver.drain()  # fails if the engine never goes quiet
+    removed = {h for e in driver.publisher.events if isinstance(e, BlockRemoved)
+               for h in e.block_hashes}
+    # Seven objects in room for five: at least two of A's left, and only A's.
+    assert len(removed) >= 2 and removed <= published
+    assert len(driver.stored_events()) == 3 + 4
+
+
 def test_preempted_request_resumes_and_its_blocks_stay_right(make_driver: Any) -> None:
     # 13 usable blocks; two requests of 5 prompt blocks that each decode 3 more
     # blocks cannot both keep running: vLLM preempts one.

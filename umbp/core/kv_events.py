@@ -18,7 +18,10 @@ whenever it is checked. Both queues are ``pmap``s from ticket to identity plus a
 head ticket that skips the holes left by objects that moved on, so drawing a batch
 costs O(batch log n) amortised, with n up to ``max_objects``. Because serials and
 turns share one clock, "checked longer ago than the oldest pending object was
-stored" is a comparison of two tickets.
+stored" is a comparison of two tickets, and so is "checked before the last store"
+(:func:`sweep_due`): a store may evict published objects to make room, so after one
+every published object is due for a check, and the shell keeps checking until none
+is, even when the engine has nothing else to do.
 
 A round's cost and the cyclic GC's share of it are in docs/performance.md (KV
 events); a sharded map (many small pmaps) was tried there and was slower.
@@ -53,6 +56,7 @@ __all__ = [
     "new_event_tracker",
     "residency_batch",
     "stored_objects",
+    "sweep_due",
     "track_stored",
 ]
 
@@ -143,6 +147,9 @@ class EventTracker:
     next_ticket: int
     suppressed: int = 0
     """New objects not tracked because ``max_objects`` were tracked already."""
+    sweep_before: int = 0
+    """Published objects whose turn is older than this ticket were last checked
+    before the latest store, which may have evicted them."""
 
 
 _EMPTY_OBJECTS: Final[PMap[ObjectId, TrackedObject]] = pmap()
@@ -160,6 +167,11 @@ def has_pending(state: EventTracker) -> bool:
     return len(state.pending_queue) > 0
 
 
+def sweep_due(state: EventTracker) -> bool:
+    """Whether some published object was last checked before the latest store."""
+    return len(state.rotation) > 0 and state.rotation_head < state.sweep_before
+
+
 def clear(state: EventTracker) -> EventTracker:
     """Forget every object (the pool was cleared); the suppression count is kept."""
     return replace(new_event_tracker(state.max_objects), suppressed=state.suppressed)
@@ -174,9 +186,11 @@ def track_stored(
 
     Objects some worker failed to store are skipped. A new identity is not tracked
     once ``max_objects`` are (counted in ``suppressed``); an identity already
-    tracked is stored again: new serial, pending, published flag kept.
+    tracked is stored again: new serial, pending, published flag kept. Every
+    object published before it is due for a check (:func:`sweep_due`).
     """
     edit = _Edit(state)
+    edit.sweep_before = state.next_ticket
     seen: set[ObjectId] = set()
     for stored in objects:
         identity = stored.identity
@@ -354,7 +368,8 @@ class _Edit:
     """Batched changes to one tracker, producing the next one. Local mutation of
     evolvers only; nothing is shared with the caller's value."""
 
-    __slots__ = ("_state", "next_ticket", "objects", "pending_queue", "rotation", "suppressed")
+    __slots__ = ("_state", "next_ticket", "objects", "pending_queue", "rotation", "suppressed",
+                 "sweep_before")
 
     def __init__(self, state: EventTracker) -> None:
         self._state = state
@@ -363,6 +378,7 @@ class _Edit:
         self.rotation = state.rotation.evolver()
         self.next_ticket = state.next_ticket
         self.suppressed = state.suppressed
+        self.sweep_before = state.sweep_before
 
     def take_ticket(self) -> int:
         ticket = self.next_ticket
@@ -405,6 +421,7 @@ class _Edit:
             rotation_head=_advance(rotation, state.rotation_head, self.next_ticket),
             next_ticket=self.next_ticket,
             suppressed=self.suppressed,
+            sweep_before=self.sweep_before,
         )
 
 

@@ -47,8 +47,13 @@ class KVEventPublisher:
                    for obj in core_events.stored_objects(plan, POOL_MEDIUM)]
         self._state = core_events.track_stored(self._state, objects, result.failed)
 
-    def take(self, store: SchedulerStore | None, keyspace: KeySpace | None) -> list[Any]:
-        """Events decided since the last call; starts the next residency check."""
+    def take(self, store: SchedulerStore | None, keyspace: KeySpace | None,
+             engine_busy: bool) -> list[Any]:
+        """Events decided since the last call; starts the next residency check.
+
+        Published objects are checked at most once a second while the engine is
+        busy (each check competes with its steps); once it is idle, the sweep a
+        store made due runs check after check, so the engine can go quiet soon."""
         decided: list[Any] = []
         if self._inflight is not None and self._inflight[1].done():
             batch, answer, layout = self._inflight
@@ -59,11 +64,14 @@ class KVEventPublisher:
             )
             decided = [_to_vllm(event) for event in events]
         if self._inflight is None and store is not None and keyspace is not None:
-            self._start_check(store, keyspace)
+            self._start_check(store, keyspace, engine_busy)
         return decided
 
     def has_pending(self) -> bool:
-        return self._inflight is not None or core_events.has_pending(self._state)
+        """Whether checks remain: the engine must keep stepping to run them."""
+        return self._inflight is not None or core_events.has_pending(self._state) or (
+            core_events.sweep_due(self._state)
+        )
 
     def clear(self) -> None:
         if self._inflight is not None:
@@ -71,9 +79,11 @@ class KVEventPublisher:
             self._inflight = None
         self._state = core_events.clear(self._state)
 
-    def _start_check(self, store: SchedulerStore, keyspace: KeySpace) -> None:
+    def _start_check(self, store: SchedulerStore, keyspace: KeySpace, engine_busy: bool) -> None:
         now = self._clock()
-        recheck = now >= self._next_recheck
+        recheck = now >= self._next_recheck or (
+            not engine_busy and core_events.sweep_due(self._state)
+        )
         if recheck:
             self._next_recheck = now + RECHECK_PUBLISHED_EVERY_S
         batch = core_events.residency_batch(self._state, CHECK_BATCH, recheck)

@@ -348,7 +348,7 @@ class UMBPScheduler:
     def take_events(self) -> list[Any]:
         if self._kv_events is None:
             return []
-        events = self._kv_events.take(self._store, self._keyspace)
+        events = self._kv_events.take(self._store, self._keyspace, engine_busy=bool(self._requests))
         self.counters.kv_events_suppressed = self._kv_events.suppressed
         self.counters.kv_events_published += len(events)
         return events
