@@ -1,7 +1,7 @@
 """The scheduler hook's cost per step against the number of live requests.
 
     python benchmarks/live_requests_bench.py [--live 16,1024] [--changing 16] [--rounds N]
-                                             [--before REV] [--json FILE]
+                                             [--before REV] [--json FILE] [--quick]
 
 A GPU engine runs hundreds of requests at once; each step only some of them give
 umbp anything to do (new requests to store, prefill chunks), while the rest decode.
@@ -263,7 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--before", help="also run this earlier commit's umbp, side by side")
     parser.add_argument("--umbp", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 and 128 live, 10 steps: for trying the script, not for figures")
     arguments = parser.parse_args(argv)
+    if arguments.quick:
+        arguments.live, arguments.rounds = "16,128", 10
     sys.path.insert(0, str(arguments.umbp))
     problem = _vllm033_on_path()
     if problem is not None:

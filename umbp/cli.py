@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, str] = {
     "serve": "serve_bench.py",
     "clients": "clients_bench.py",
     "startup": "startup_bench.py",
+    "stall": "stall_bench.py",
+    "live-requests": "live_requests_bench.py",
 }
 
 
