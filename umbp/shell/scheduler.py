@@ -34,7 +34,6 @@ from umbp.core.loads.failures import (
     stores_over_sync_loads,
     sync_loads_of,
 )
-from umbp.core.lookup.admission import stored_prompt_tokens
 from umbp.core.plans import StorePlan
 from umbp.core.rank_keys import rank_tags
 from umbp.core.request_params import announcement
@@ -50,6 +49,7 @@ from umbp.core.stores.handoffs import finished_partial_tail_plans, transfer_stor
 from umbp.core.stores.tracking import (
     announces_under_role,
     eagle_store_groups,
+    stored_prompt_tokens,
     stores_under_role,
 )
 from umbp.runtime.backends import open_scheduler_store
@@ -271,6 +271,8 @@ class UMBPScheduler:
         if self._kv_events is not None:
             for event, result in acknowledged:
                 self._kv_events.track(event, result)
+        if not (acknowledged and self._retain_after_stores):
+            return  # a request's stores end only when an event is acknowledged
         for request_id, (hashes, seconds) in list(self._retain_after_stores.items()):
             if not self._pinned.stores_of(request_id):
                 del self._retain_after_stores[request_id]

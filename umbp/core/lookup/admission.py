@@ -47,7 +47,6 @@ __all__ = [
     "awaits_announced",
     "lookup_still_current",
     "next_lookup_action",
-    "stored_prompt_tokens",
 ]
 
 
@@ -240,14 +239,6 @@ def admission_answer(
 
 
 # --------------------------------------------- disaggregated prefill (announced)
-
-
-def stored_prompt_tokens(geometry: CacheGeometry, num_prompt_tokens: int, num_hashes: int) -> int:
-    """The prompt tokens whose blocks a prefill engine stores for a request it
-    finished: its whole blocks that have a hash (what it announces to the decode
-    engine)."""
-    covered = min(num_prompt_tokens, num_hashes * geometry.hash_block_size)
-    return covered - covered % geometry.block_size
 
 
 def announced_reach(geometry: CacheGeometry, announced_tokens: int, num_tokens: int) -> int:

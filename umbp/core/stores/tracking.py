@@ -22,6 +22,7 @@ __all__ = [
     "storable_tokens",
     "store_candidate_ranges",
     "store_token_limit",
+    "stored_prompt_tokens",
     "stores_this_step",
     "stores_under_role",
 ]
@@ -93,6 +94,14 @@ def stores_under_role(active: bool, kv_role: str | None) -> bool:
     """A consumer (``kv_role="kv_consumer"``) only loads; an inactive umbp does
     neither."""
     return active and kv_role != "kv_consumer"
+
+
+def stored_prompt_tokens(geometry: CacheGeometry, num_prompt_tokens: int, num_hashes: int) -> int:
+    """The prompt tokens whose blocks a prefill engine stores for a request it
+    finished: its whole blocks that have a hash (what it announces to the decode
+    engine)."""
+    covered = storable_tokens(num_prompt_tokens, num_hashes, geometry.hash_block_size)
+    return covered - covered % geometry.block_size
 
 
 def announces_under_role(active: bool, kv_role: str | None) -> bool:
