@@ -61,11 +61,12 @@ _MEDIA: dict[int, Medium | None] = {
 }
 REQUEST_BODY_BYTES = min(
     body_limit(op) for op in (protocol.LOOKUP, protocol.WHERE, protocol.BEGIN_PUT,
-                              protocol.BEGIN_GET)
+                              protocol.BEGIN_GET, protocol.RETAIN)
 )
 """The largest request body the server reads for a batch of keys."""
 _ENVELOPE_BYTES = 64
-"""A request's JSON object around its lists (``{"keys":[...],"sizes":[...]}``), rounded up."""
+"""A request's JSON object around its lists (``{"keys":[...],"sizes":[...]}``, or RETAIN's
+``"seconds"``), rounded up."""
 _SIZE_BYTES = 14
 """An object size in a request (at most 2**40: 13 digits) and its separator."""
 _GET_STATUS = {
@@ -197,10 +198,9 @@ class ServerStore(ClosesOnExit):
         the server's limit goes in several requests, each checked whole. Raises
         `StoreRefused` (a limit), `StoreUnavailable`."""
         retained = extended = not_retained = 0
-        for start in range(0, len(keys), MAX_BATCH):
+        for start, end in request_spans(keys, with_sizes=False):
             answer = self._request(
-                protocol.RETAIN, {"keys": list(keys[start : start + MAX_BATCH]),
-                                  "seconds": seconds})
+                protocol.RETAIN, {"keys": list(keys[start:end]), "seconds": seconds})
             retained += int(answer["retained"])
             extended += int(answer["extended"])
             not_retained += int(answer["not_in_dram"]) + int(answer["missing"])

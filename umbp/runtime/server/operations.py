@@ -7,7 +7,7 @@ Every function here reads the index and the SSD mirror under the server's index 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 from umbp.runtime.server.index import Entry, PoolIndex
@@ -16,7 +16,6 @@ from umbp.runtime.server.sessions import RequestRefused
 
 __all__ = [
     "DEFAULT_MAX_RETAIN_S",
-    "NamespaceLimits",
     "check_retention",
     "checked_limits",
     "known_namespaces",
@@ -27,8 +26,6 @@ __all__ = [
 DEFAULT_MAX_RETAIN_S: Final = 24 * 3600.0
 """The longest retention a request may ask for unless `umbp serve --max-retain` says."""
 
-NamespaceLimits = Mapping[str, int | None]
-"""`quota_bytes` (None: no quota) and `retain_budget_bytes` (None: the default)."""
 
 
 def known_namespaces(index: PoolIndex, cold: ColdKeys, book: NamespaceBook) -> set[str]:

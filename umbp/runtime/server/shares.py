@@ -102,7 +102,6 @@ class NamespaceUsage(Generic[S]):
     objects: int = 0
     leaving_pages: int = 0
     retained_pages: int = 0
-    retained_bytes: int = 0
     retained_objects: int = 0
     evictions: dict[EvictionCause, int] = field(default_factory=dict)
     evictable: OrderedDict[str, S] = field(default_factory=OrderedDict)
@@ -192,7 +191,7 @@ class NamespacedLru(PagedLru[S]):
         super().reset()
         for usage in self._usage.values():
             usage.pages = usage.nbytes = usage.objects = usage.leaving_pages = 0
-            usage.retained_pages = usage.retained_bytes = usage.retained_objects = 0
+            usage.retained_pages = usage.retained_objects = 0
             usage.evictable.clear()
         self._expiries.clear()
         self.retained_pages = 0
@@ -333,7 +332,6 @@ class NamespacedLru(PagedLru[S]):
             usage.evictable.pop(entry.key, None)
             pages = len(entry.pages)
             usage.retained_pages += pages
-            usage.retained_bytes += entry.nbytes
             usage.retained_objects += 1
             self.retained_pages += pages
         if until > entry.retained_until:
@@ -395,7 +393,6 @@ class NamespacedLru(PagedLru[S]):
     def _forget_retention(self, entry: S, usage: NamespaceUsage[S]) -> None:
         pages = len(entry.pages)
         usage.retained_pages -= pages
-        usage.retained_bytes -= entry.nbytes
         usage.retained_objects -= 1
         self.retained_pages -= pages
         entry.retained_until = 0.0
