@@ -99,7 +99,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            healthy = all(self._healthy(engine) for engine in self.server.engines)
+            healthy = all(map(self._healthy, (self.server.prefill, self.server.decode)))
             self._answer(200 if healthy else 503, b"")
             return
         self._relay(self.server.decode, "GET", None)
@@ -113,10 +113,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             body = json.loads(raw)
         except ValueError as error:
-            body = f"the request body is not JSON ({error})"
+            self._refuse(f"the request body is not JSON ({error})")
+            return
         if not isinstance(body, dict):
-            problem = body if isinstance(body, str) else "the request body must be a JSON object"
-            self._answer(400, json.dumps({"error": f"umbp pd-proxy: {problem}"}).encode())
+            self._refuse("the request body must be a JSON object")
             return
         announced = self._prefill(body)
         payload = json.dumps(decode_body(body, announced)).encode()
@@ -162,6 +162,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
         finally:
             connection.close()
 
+    def _refuse(self, problem: str) -> None:
+        self._answer(400, json.dumps({"error": f"umbp pd-proxy: {problem}"}).encode())
+
     def _answer(self, status: int, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -188,17 +191,14 @@ class ProxyServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], prefill: Upstream, decode: Upstream) -> None:
         super().__init__(address, ProxyHandler)
         self.prefill, self.decode = prefill, decode
-        self.engines = (prefill, decode)
 
 
-def serve(host: str, port: int, prefill_url: str, decode_url: str, timeout_s: float,
-          ready: threading.Event | None = None) -> ProxyServer:
+def serve(host: str, port: int, prefill_url: str, decode_url: str,
+          timeout_s: float) -> ProxyServer:
     """A running proxy (in a thread of its own); ``shutdown()`` stops it."""
     server = ProxyServer((host, port), Upstream(prefill_url, timeout_s),
                          Upstream(decode_url, timeout_s))
     threading.Thread(target=server.serve_forever, name="umbp-pd-proxy", daemon=True).start()
-    if ready is not None:
-        ready.set()
     return server
 
 

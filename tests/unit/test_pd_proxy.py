@@ -34,3 +34,28 @@ def test_the_decode_engine_gets_the_announcement_over_the_clients_params() -> No
 def test_an_engine_url_must_be_plain_http(url: str) -> None:
     with pytest.raises(ValueError, match="http://host:port"):
         Upstream(url, 1.0)
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (b"{not json", "not JSON"),
+    (b'"a JSON string"', "must be a JSON object"),
+])
+def test_a_bad_completion_body_is_refused_before_any_engine_is_asked(
+    raw: bytes, problem: str
+) -> None:
+    import http.client
+    import json
+
+    from umbp.pd_proxy import serve
+
+    server = serve("127.0.0.1", 0, "http://127.0.0.1:9", "http://127.0.0.1:9", 5.0)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        connection.request("POST", "/v1/completions", body=raw,
+                           headers={"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        assert answer.status == 400
+        assert problem in json.loads(answer.read())["error"]
+    finally:
+        server.shutdown()
+        server.server_close()
