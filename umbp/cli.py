@@ -366,13 +366,14 @@ def run_mooncake_command(args: argparse.Namespace) -> int:
 
     from umbp.runtime.contract import StoreUnavailable
     from umbp.runtime.mooncake.operations import mooncake_namespaces
+    from umbp.runtime.server.shares import OTHER_LABEL
 
     try:
         if args.command == "ls":
             counts = mooncake_namespaces(args.mooncake_http, args.timeout)
             print(json.dumps(counts, indent=2) if args.json else "\n".join(
                 [f"{'namespace':<40}{'objects':>10}"] + [
-                    f"{name or '(other)':<40}{count:>10}"
+                    f"{name or OTHER_LABEL:<40}{count:>10}"
                     for name, count in sorted(counts.items(), key=lambda item: -item[1])]))
             return 0
         from umbp.runtime.mooncake.store import MooncakeStore

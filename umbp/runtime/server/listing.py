@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from umbp.runtime.server.shares import OTHER_LABEL
 from umbp.runtime.server.stats import human_bytes
 
 __all__ = ["format_drop", "format_limits", "format_namespaces"]
@@ -36,7 +37,7 @@ def format_namespaces(rows: list[dict[str, Any]], now_unix: float | None = None)
         quota = "-" if row["quota_bytes"] is None else human_bytes(row["quota_bytes"])
         last = row["last_use_unix"]
         lines.append(
-            f"{row['namespace'] or '(other)':<20}{_tier(row['dram']):>18}{_tier(row['ssd']):>18}"
+            f"{row['namespace'] or OTHER_LABEL:<20}{_tier(row['dram']):>18}{_tier(row['ssd']):>18}"
             f"{kept:>28}{quota:>11}{row['hits']:>9}{row['misses']:>9}  "
             f"{'never' if last is None else _ago(now - last)}"
         )

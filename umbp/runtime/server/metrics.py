@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from umbp.runtime.server import protocol
+from umbp.runtime.server.shares import OTHER_LABEL
 
 __all__ = ["LATENCY_BUCKETS_S", "MetricsEndpoint", "RequestTimes", "render"]
 
@@ -36,8 +37,6 @@ LATENCY_BUCKETS_S: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0, 10.0,
 )
-OTHER_LABEL: Final = "(other)"
-"""The namespace label of objects whose keys are not umbp's."""
 
 
 class RequestTimes:

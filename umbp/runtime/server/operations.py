@@ -13,6 +13,7 @@ from typing import Any, Final
 from umbp.runtime.server.index import Entry, PoolIndex
 from umbp.runtime.server.namespaces import ColdKeys, NamespaceBook
 from umbp.runtime.server.sessions import RequestRefused
+from umbp.runtime.server.shares import OTHER_LABEL
 
 __all__ = [
     "DEFAULT_MAX_RETAIN_S",
@@ -161,4 +162,4 @@ def _usage_pages(index: PoolIndex, name: str) -> int:
 
 
 def _shown(namespace: str) -> str:
-    return repr(namespace) if namespace else "(other)"
+    return repr(namespace) if namespace else OTHER_LABEL

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from umbp.core.request_params import MAX_RETAIN_S
 from umbp.runtime.server import protocol
 
 __all__ = [
@@ -54,7 +55,7 @@ _MAX_TOKEN: Final = 1 << 63
 _MAX_CHECKSUM: Final = 1 << 64
 MAX_NAMESPACE_CHARS: Final = 160
 MAX_LABEL_CHARS: Final = 512
-MAX_SECONDS: Final = 1e7
+MAX_SECONDS: Final = MAX_RETAIN_S  # what a request may ask is what the server takes
 _NAMESPACE: Final = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAMESPACE_CHARS}}}")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _NOT_CONTROL: Final = bytes(b for b in range(256) if not (b < 0x20 or b == 0x7F))

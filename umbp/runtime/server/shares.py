@@ -49,6 +49,7 @@ from umbp.core.identity import namespace_of_key
 from umbp.runtime.paging import PagedLru, Resident
 
 __all__ = [
+    "OTHER_LABEL",
     "OTHER_NAMESPACE",
     "EvictionCause",
     "NamespaceUsage",
@@ -57,7 +58,8 @@ __all__ = [
 ]
 
 OTHER_NAMESPACE: Final = ""
-"""Where objects whose keys are not umbp's are charged (`umbp ls` shows `(other)`)."""
+"""Where objects whose keys are not umbp's are charged (`umbp ls` shows `OTHER_LABEL`)."""
+OTHER_LABEL: Final = "(other)"
 
 
 class EvictionCause(enum.StrEnum):
