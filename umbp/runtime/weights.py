@@ -115,7 +115,7 @@ def weight_files(root: Path) -> tuple[Path, ...]:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    for entry in sorted(os.scandir(root), key=lambda entry: entry.name):
+    for entry in os.scandir(root):  # weight_files sorts what this finds
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
@@ -124,8 +124,7 @@ def _walk(root: Path) -> Iterator[Path]:
             yield Path(entry.path)
 
 
-def files_digest(root: Path, *, weights: bool = True, chunks: int = SAMPLE_CHUNKS,
-                 chunk_bytes: int = CHUNK_BYTES) -> tuple[str, DigestCost]:
+def files_digest(root: Path, *, weights: bool = True) -> tuple[str, DigestCost]:
     """``files:<32 hex digits>``, the digest of ``root``'s weight files (a sample of
     each; none when ``weights`` is False) and config files (whole), and what computing
     it read. Raises :class:`WeightsUnknown` when ``root`` holds none of them."""
@@ -140,9 +139,9 @@ def files_digest(root: Path, *, weights: bool = True, chunks: int = SAMPLE_CHUNK
                              f"and no {' or '.join(CONFIG_FILES)}")
     with contextlib.ExitStack() as opened:
         fds = [opened.enter_context(_read_only(path)) for path in files]
-        for path, fd, pieces in _planned_reads(files, fds, chunks, chunk_bytes):
+        for path, fd, size, pieces in _planned_reads(files, fds):
             relative = path.name if path == root else path.relative_to(root).as_posix()
-            digest.update(f"file\0{relative}\0{os.fstat(fd).st_size}\0".encode())
+            digest.update(f"file\0{relative}\0{size}\0".encode())
             for offset, length in pieces:
                 chunk = os.pread(fd, length, offset)
                 digest.update(chunk)
@@ -163,23 +162,23 @@ def files_digest(root: Path, *, weights: bool = True, chunks: int = SAMPLE_CHUNK
 
 
 def _planned_reads(
-    files: tuple[Path, ...], fds: list[int], chunks: int, chunk_bytes: int
-) -> list[tuple[Path, int, list[tuple[int, int]]]]:
+    files: tuple[Path, ...], fds: list[int]
+) -> list[tuple[Path, int, int, list[tuple[int, int]]]]:
     """Each file's pieces, every one announced to the kernel first (``WILLNEED``), so
     that their reads from a cold disk overlap instead of waiting one by one: the
     files' starts (safetensors headers) in one round, then every piece."""
     for fd in fds:
-        _will_need(fd, 0, chunk_bytes)
+        _will_need(fd, 0, CHUNK_BYTES)
     planned = []
     for path, fd in zip(files, fds):
         size = os.fstat(fd).st_size
-        pieces = [(offset, min(chunk_bytes, size - offset))
-                  for offset in sample_offsets(size, chunks, chunk_bytes)]
+        pieces = [(offset, min(CHUNK_BYTES, size - offset))
+                  for offset in sample_offsets(size, SAMPLE_CHUNKS, CHUNK_BYTES)]
         if path.name.endswith(".safetensors"):
             pieces += safetensors_pieces(fd, size)
         for offset, length in pieces:
             _will_need(fd, offset, length)
-        planned.append((path, fd, pieces))
+        planned.append((path, fd, size, pieces))
     return planned
 
 
