@@ -282,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, short prompts")
+    parser.add_argument("--engines", default="none,before,async,layered",
+                        help="which engines to run, comma-separated (none is the reference)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
@@ -304,7 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     connectors: dict[str, dict[str, Any] | None] = {
         "none": None, "before": umbp, "async": umbp, "layered": {**umbp, "load_async": False},
     }
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in connectors}
+    chosen = args.engines.split(",")
+    unknown = [name for name in chosen if name not in connectors]
+    if unknown or "none" not in chosen:
+        parser.error(f"--engines takes none (required) and any of {list(connectors)[1:]}, "
+                     f"got {args.engines!r}")
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="umbp-stall-") as scratch:
         before_tree = Path(scratch) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before],
@@ -343,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"restored and a new {prefix}-token prompt stored ({args.events} each); "
           f"{args.repeats} repeats; the model's OpenMP threads: "
           f"{ {name: row['model_threads'] for name, row in figures.items()} }; CPUs by thread "
-          f"(this checkout): {figures['async']['thread_cpus']}")
+          f"(this checkout): {figures[chosen[-1]]['thread_cpus']}")
     print("ITL: every decode step of the window; copy steps: those with no new prompt "
           "prefilling (restores and the previous prompt's stores run in them)")
     print(f"{'engine':<28} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'copy p50':>9} {'copy p99':>9} "
@@ -355,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['copy_itl_p50_ms']:>9.1f} {row['copy_itl_p99_ms']:>9.1f} "
               f"{row['ttft_median_ms']:>17.1f} {row['restored_tokens']!s:>14}")
     none = figures["none"]
-    for name in ("before", "async", "layered"):
+    for name in [name for name in chosen if name != "none"]:
         row = figures[name]
         itl = row["copy_itl_p99_ms"] / none["copy_itl_p99_ms"]
         p50 = row["copy_itl_p50_ms"] / none["copy_itl_p50_ms"]
