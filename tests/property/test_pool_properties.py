@@ -6,7 +6,8 @@ watermarks. After every step it checks the invariants:
 * used bytes never exceed capacity, and equal the pages owned by resident objects;
 * every page is free or owned by exactly one resident object (free + owned == total);
 * residency equals the model's; a key absent from the model is never a HIT;
-* a HIT delivers exactly the bytes last accepted under that key;
+* a HIT delivers exactly the bytes last accepted under that key, copied out or lent
+  in place (``lend``: the lent row holds them, ``settle`` answers as a get would);
 * a lookup by hash (``lookup_hashes``) answers what ``lookup`` answers for the same keys.
   Keys are a mix of what core builds (a prefix ending with ':' + a lowercase hex digest,
   the empty digest too) and keys that only look like it (upper case, odd length, no
@@ -145,6 +146,42 @@ class SlabPoolMachine(RuleBasedStateMachine):
             assert status is self.model.load(key, size)
             if status is LoadStatus.HIT:
                 assert bytes(out) == expected_bytes
+
+    @rule(data=st.data())
+    def put_one_page(self, data: st.DataObject) -> None:
+        """Objects of at most a page: the ones a pool lends in place."""
+        key = data.draw(st.sampled_from(KEYS))
+        payload = content(data.draw(st.integers(0, 2**32)),
+                          data.draw(st.integers(0, self.pool.page_bytes)))
+        expected = (self.model.put(key, payload),)
+        assert self.pool.put_batch([key], [memoryview(payload)]) == expected
+
+    @rule(data=st.data())
+    def lend_in_place_and_settle(self, data: st.DataObject) -> None:
+        """A loan answers, object by object, what a get of that size would: the lent
+        row holds the stored bytes, settle verifies them (a flipped byte is CORRUPT,
+        dropped) and refreshes recency in key order; objects larger than a page are not
+        lent at all."""
+        keys = data.draw(st.lists(st.sampled_from(list(self.model.objects) or KEYS),
+                                  min_size=1, max_size=4, unique=True))
+        keys += [key for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=1))
+                 if key not in keys]  # unique keys: the model loads them in order
+        page = self.pool.page_bytes
+        sizes = sorted({len(self.model.objects.get(key, b"")) for key in keys} | {page + 1})
+        size = data.draw(st.sampled_from(sizes))
+        loan = self.pool.lend(keys, size)
+        if size > page:
+            assert loan is None
+            return
+        assert loan is not None and len(loan.rows) == len(keys)
+        expected = [self.model.load(key, size) for key in keys]
+        for key, row, status in zip(keys, loan.rows, expected):
+            assert (row is not None) == (status in (LoadStatus.HIT, LoadStatus.CORRUPT))
+            if status is LoadStatus.HIT:
+                assert row is not None
+                assert bytes(loan.memory[row, :size]) == self.model.objects[key]
+        assert loan.settle() == tuple(expected)
+        assert loan.settle() == tuple(expected)  # settled once; asking again repeats it
 
     @rule(key=st.sampled_from(KEYS), delta=st.sampled_from([-1, 1, 7]))
     def load_with_wrong_size(self, key: str, delta: int) -> None:

@@ -340,6 +340,77 @@ def test_key_stored_again_after_eviction_is_not_reported() -> None:
     assert pool.lookup(["a", "b", "c"]) == (True, False, True)
 
 
+# ------------------------------------------------------------------ lending in place
+
+
+def test_a_lent_object_is_read_in_place_and_settled_like_a_get() -> None:
+    pool = make_pool()
+    pool.put_batch(["a", "b"], [content(1, 3000), content(2, 3000)])
+    loan = pool.lend(["b", "gone", "a"], 3000)
+    assert loan is not None
+    row_b, missing, row_a = loan.rows
+    assert missing is None and row_a is not None and row_b is not None
+    assert bytes(loan.memory[row_a, :3000]) == content(1, 3000)
+    assert bytes(loan.memory[row_b, :3000]) == content(2, 3000)
+    assert loan.settle() == (LoadStatus.HIT, LoadStatus.MISSING, LoadStatus.HIT)
+    assert pool.stored_keys() == ("b", "a")  # settled in key order: most recent last
+    stats = pool.stats()
+    assert (stats.hits, stats.misses, stats.bytes_read) == (2, 1, 6000)
+    other_size = pool.lend(["a"], 2999)
+    assert other_size is not None and other_size.settle() == (LoadStatus.SIZE_MISMATCH,)
+    assert pool.lend(["a"], PAGE + 1) is None  # would span pages: read with a get
+    assert_pages_accounted(pool, ["a", "b"])
+
+
+def test_a_lent_object_is_neither_evicted_nor_overwritten_until_settled() -> None:
+    pool = make_pool(pages=4, high=1.0, low=0.5)
+    pool.put_batch(["a"], [content(1, PAGE)])
+    loan = pool.lend(["a"], PAGE)
+    assert loan is not None and loan.rows[0] is not None
+    # Four more pages through a four-page pool: everything else goes, the lent one stays.
+    for index in range(4):
+        pool.put_batch([f"x{index}"], [content(10 + index, PAGE)])
+    assert pool.lookup(["a"]) == (True,)
+    assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
+    pool.clear()  # cleared while lent: the pages come back when the loan settles
+    assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
+    assert pool.free_page_count() == 3
+    assert loan.settle() == (LoadStatus.HIT,)  # the bytes copied were the stored ones
+    assert pool.lookup(["a"]) == (False,)
+    assert pool.free_page_count() == 4
+    pool.put_batch(["b"], [content(2, PAGE)])
+    assert load(pool, "b", PAGE) == (LoadStatus.HIT, content(2, PAGE))
+
+
+def test_a_corrupt_lent_object_is_dropped_when_settled() -> None:
+    pool = make_pool()
+    pool.put_batch(["a"], [content(1, 100)])
+    offset, _ = pool.object_regions("a")[0]
+    view = pool.slab_view()
+    view[offset + 7] ^= 0x10
+    view.release()
+    loan = pool.lend(["a"], 100)
+    assert loan is not None and loan.rows[0] is not None  # lent: verified only when settled
+    assert loan.settle() == (LoadStatus.CORRUPT,)
+    assert pool.lookup(["a"]) == (False,)
+    assert pool.take_evicted_keys() == ("a",)
+    assert pool.stats().corrupt_loads == 1
+    assert_pages_accounted(pool, ["a"])
+
+
+def test_closing_a_pool_with_a_loan_out_leaves_the_lent_memory_readable() -> None:
+    pool = make_pool()
+    pool.put_batch(["a"], [content(1, 100)])
+    loan = pool.lend(["a"], 100)
+    assert loan is not None and loan.rows[0] is not None
+    pool.close()
+    assert bytes(loan.memory[loan.rows[0], :100]) == content(1, 100)
+    assert loan.settle() == (LoadStatus.HIT,)
+    closed = pool.lend(["a"], 100)
+    assert closed is not None and closed.rows == (None,)
+    assert closed.settle() == (LoadStatus.UNAVAILABLE,)
+
+
 # ------------------------------------------------------------------ contract edges
 
 

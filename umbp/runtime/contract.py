@@ -47,8 +47,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.rank_keys import HashRuns
@@ -56,6 +60,8 @@ from umbp.core.rank_keys import HashRuns
 __all__ = [
     "HashLookup",
     "LabelsNamespaces",
+    "LendsObjects",
+    "LentObjects",
     "LoadStatus",
     "Medium",
     "PoolStats",
@@ -208,6 +214,39 @@ class HashLookup(Protocol):
     def lookup_hashes(self, runs: HashRuns) -> tuple[bool, ...]:
         """Residency of each key of `runs`, in position order. Raises `StoreUnavailable`
         like `lookup`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LentObjects:
+    """Objects a store lends where they lie, for a caller to copy straight out of its
+    memory: no staging copy between the store and the KV cache.
+
+    ``memory`` is uint8 ``[rows, row_bytes]``; a lent object is the first ``nbytes``
+    of its row. ``rows`` gives, per key in order, the row of the lent object, or None
+    when it was not lent (missing, another size, the store closed). Lent objects stay
+    where they are (pinned: neither evicted nor overwritten) until ``settle``, which
+    the borrower calls exactly once, after its copies: it verifies each lent object's
+    checksum over the memory it was copied from and answers one `LoadStatus` per key
+    (HIT, CORRUPT, or why a key was not lent). Bytes copied before ``settle`` are
+    unverified: the borrower must treat every key ``settle`` does not answer HIT as
+    failed."""
+
+    memory: npt.NDArray[np.uint8]
+    rows: tuple[int | None, ...]
+    settle: Callable[[], tuple[LoadStatus, ...]]
+
+
+@runtime_checkable
+class LendsObjects(Protocol):
+    """Optional: a store whose objects lie in this process's memory (the embedded pool)
+    lends them in place (`LentObjects`) instead of copying them into the caller's
+    buffers."""
+
+    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects | None:
+        """Lend the objects under `keys` of `nbytes` each; None when objects of that
+        size are not stored whole in one row (the caller reads them with
+        `get_batch_into`)."""
         ...
 
 

@@ -17,13 +17,14 @@ Invariants (checked by tests/property/test_pool_properties.py):
 * a load that answers HIT delivered exactly the bytes last stored under that key: every
   object carries an xxh3-64 checksum, computed on put over the slab pages just written
   (hot in cache, and it covers what was actually stored) and verified on every load over
-  the destination just filled.
+  the destination just filled (a loan: over the pinned pages the borrower copied from).
 
 Concurrency: one `threading.Lock` guards the index, the free list, the counters *and* the
-copies, taken once per object (not per batch) so that a `lookup` from another thread waits
-for at most one object copy. Copying outside the lock would need page pinning against
-concurrent eviction, clear and corrupt-drops; it buys nothing in CPython today because a
-`memoryview` copy holds the GIL anyway, so the simplest correct scheme is the one here.
+copies of `put_batch` / `get_batch_into`, taken once per object (not per batch) so that a
+`lookup` from another thread waits for at most one object copy. `lend` copies nothing
+under the lock: it pins the objects (`PagedLru.pin`: not evicted, their pages not reused
+even if cleared meanwhile), the borrower copies from the pages, and `settle` verifies the
+checksums outside the lock, then counts and unpins under it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
 from umbp.core.rank_keys import HashRuns
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     HashLookup,
+    LentObjects,
     LoadStatus,
     PoolStats,
     SchedulerStore,
@@ -133,6 +139,12 @@ class SlabPool(ClosesOnExit):
         )
         self._slab = allocate_prefaulted_slab(self._total_pages * page_bytes)
         self._slab_bytes = memoryview(self._slab)
+        # The slab as page rows, lent to readers (`lend`); a loan keeps its own reference,
+        # so the mapping outlives a close() until the last borrower lets go of it.
+        self._page_rows: npt.NDArray[np.uint8] = np.frombuffer(self._slab, np.uint8).reshape(
+            self._total_pages, page_bytes
+        )
+        self._lent = 0  # objects pinned by loans not settled yet
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         # Per key prefix, the raw hashes of its resident keys (see _hash_identity): what
         # lookup_hashes reads. Kept exact by _admit and _forget, the only two places a key
@@ -193,6 +205,83 @@ class SlabPool(ClosesOnExit):
             [self._get_one(key, destination) for key, destination in zip(keys, destinations)]
         )
 
+    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects | None:
+        """Pin the objects under `keys` and lend their pages for copying in place
+        (`LendsObjects`); None when objects of `nbytes` span several pages. A key not
+        resident answers MISSING, one of another size SIZE_MISMATCH, all of them
+        UNAVAILABLE once the pool is closed; `settle` verifies, refreshes LRU order
+        and counts like `get_batch_into`, and drops a corrupt object the same way."""
+        if nbytes > self._page_bytes:
+            return None
+        lent: list[_StoredObject | None] = []
+        refused: list[LoadStatus] = []
+        with self._lock:
+            memory = self._page_rows
+            for key in keys:
+                stored = None if self._closed else self._pages.get(key)
+                if stored is not None and stored.nbytes == nbytes:
+                    self._pages.pin(stored)
+                    self._lent += 1
+                    refused.append(LoadStatus.HIT)
+                else:
+                    refused.append(self._refusal(stored))
+                lent.append(stored if refused[-1] is LoadStatus.HIT else None)
+        rows = tuple(None if stored is None else stored.pages[0] for stored in lent)
+        settled: list[tuple[LoadStatus, ...]] = []
+
+        def settle() -> tuple[LoadStatus, ...]:
+            if not settled:
+                settled.append(self._settle_loan(memory, lent, refused))
+            return settled[0]
+
+        return LentObjects(memory, rows, settle)
+
+    def _refusal(self, stored: _StoredObject | None) -> LoadStatus:
+        """Why an object is not lent (under the lock; counts a miss like a get)."""
+        if self._closed:
+            return LoadStatus.UNAVAILABLE
+        if stored is None:
+            self._counters.misses += 1
+            return LoadStatus.MISSING
+        return LoadStatus.SIZE_MISMATCH
+
+    def _settle_loan(
+        self, memory: npt.NDArray[np.uint8], lent: Sequence[_StoredObject | None],
+        refused: Sequence[LoadStatus],
+    ) -> tuple[LoadStatus, ...]:
+        # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
+        intact = [
+            stored is not None
+            and xxhash.xxh3_64_intdigest(memory[stored.pages[0], : stored.nbytes])
+            == stored.checksum
+            for stored in lent
+        ]
+        statuses: list[LoadStatus] = []
+        with self._lock:
+            for stored, ok, status in zip(lent, intact, refused):
+                if stored is None:
+                    statuses.append(status)
+                    continue
+                statuses.append(self._verdict(stored, ok))
+                self._pages.unpin(stored)
+                self._lent -= 1
+        return tuple(statuses)
+
+    def _verdict(self, stored: _StoredObject, intact: bool) -> LoadStatus:
+        """A read object's status, counted (under the lock): a corrupt one is dropped
+        and reported as evicted (unless clear or close dropped it meanwhile)."""
+        if not intact:
+            if not stored.retired:
+                self._pages.retire(stored)
+                self._forget(stored)
+                self._evicted[stored.key] = None
+            self._counters.corrupt_loads += 1
+            return LoadStatus.CORRUPT
+        self._pages.touch(stored)
+        self._counters.hits += 1
+        self._counters.bytes_read += stored.nbytes
+        return LoadStatus.HIT
+
     def take_evicted_keys(self) -> tuple[str, ...]:
         """Keys evicted or dropped as corrupt since the last call, oldest first, that are
         not resident now (a key stored again meanwhile is not reported). Not part of the
@@ -229,6 +318,7 @@ class SlabPool(ClosesOnExit):
             self._closed = True
             self._forget_everything()
             self._slab_bytes.release()
+            self._page_rows = np.empty((0, self._page_bytes), np.uint8)
             try:
                 self._slab.close()
             except BufferError:
@@ -317,17 +407,8 @@ class SlabPool(ClosesOnExit):
                 return LoadStatus.MISSING
             if destination.nbytes != stored.nbytes:
                 return LoadStatus.SIZE_MISMATCH
-            if read_regions(self._slab_bytes, stored.regions, destination) != stored.checksum:
-                # Can no longer be trusted: dropped, and reported as evicted.
-                self._pages.retire(stored)
-                self._forget(stored)
-                self._evicted[key] = None
-                self._counters.corrupt_loads += 1
-                return LoadStatus.CORRUPT
-            self._pages.touch(stored)
-            self._counters.hits += 1
-            self._counters.bytes_read += stored.nbytes
-            return LoadStatus.HIT
+            intact = read_regions(self._slab_bytes, stored.regions, destination) == stored.checksum
+            return self._verdict(stored, intact)
 
     def _regions(self, pages: tuple[int, ...], nbytes: int) -> tuple[tuple[int, int], ...]:
         """(slab offset, length) of each piece of an `nbytes` object laid on `pages`;
@@ -361,7 +442,10 @@ class SlabPool(ClosesOnExit):
                 del self._hashes_by_prefix[prefix]
 
     def _forget_everything(self) -> None:
-        self._pages.reset()
+        if self._lent:  # lent pages come back when their loans settle
+            self._pages.clear()
+        else:
+            self._pages.reset()
         self._hashes_by_prefix.clear()
         self._evicted.clear()
 
