@@ -222,6 +222,51 @@ def test_layer_by_layer_scatters_make_the_whole_scatter_and_touch_only_their_lay
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+def test_scatter_from_lent_rows_equals_the_scatter_of_staged_rows(name: str) -> None:
+    """``src_rows``: objects lying in wider rows in any order (a pool's pages lent in
+    place) restore the blocks exactly as the same objects staged row by row, whole or
+    one layer at a time."""
+    case = CASES[name]
+    source = random_base(case.base_bytes, seed=5)
+    block_ids = [case.num_blocks - 1, 0, 2]
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    staged = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
+    copier.gather(block_ids, staged)
+    page_bytes = -(-copier.object_bytes // 64) * 64 + 64  # wider than an object
+    pages = torch.randint(0, 256, (7, page_bytes), dtype=torch.uint8)
+    lent_rows = [5, 1, 3]
+    for row, page in enumerate(lent_rows):
+        pages[page, : copier.object_bytes] = staged[row]
+    whole = torch.zeros_like(source)
+    BlockCopier(case.build(whole), case.num_blocks).scatter(block_ids, pages, src_rows=lent_rows)
+    by_layer = torch.zeros_like(source)
+    restorer = BlockCopier(case.build(by_layer), case.num_blocks)
+    for layer in range(restorer.num_layers):
+        assert restorer.scatter_layer_async(layer, block_ids, pages, src_rows=lent_rows).done()
+    expected = expected_restore(case, source, block_ids)
+    assert torch.equal(whole, expected)
+    assert torch.equal(by_layer, expected)
+
+
+@pytest.mark.parametrize(
+    ("rows", "src_rows", "error", "message"),
+    [
+        (torch.zeros(4, 1152, dtype=torch.uint8), [0], ValueError, "1 src_rows for 2 blocks"),
+        (torch.zeros(4, 1152, dtype=torch.uint8), [0, 4], IndexError, "src row 4 out of range"),
+        (torch.zeros(4, 1088, dtype=torch.uint8), [0, 1], ValueError, "cannot hold objects"),
+        (torch.zeros(4, 1152, dtype=torch.int8), [0, 1], ValueError, "uint8 rows"),
+    ],
+)
+def test_wrong_lent_rows_are_rejected(
+    rows: torch.Tensor, src_rows: list[int], error: type[Exception], message: str
+) -> None:
+    case = cpu_attention_case(torch.float32)
+    copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
+    with pytest.raises(error, match=message):
+        copier.scatter([0, 1], rows, src_rows=src_rows)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_round_trip_of_every_block(name: str) -> None:
     case = CASES[name]
     round_trip(case, list(reversed(range(case.num_blocks))))

@@ -134,9 +134,12 @@ class BlockCopier:
         """Copy blocks ``block_ids`` into rows of ``out`` (uint8 ``[n, object_bytes]``)."""
         self.gather_async(block_ids, out).wait()
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Copy rows of ``src`` (uint8 ``[n, object_bytes]``) into blocks ``block_ids``."""
-        self.scatter_async(block_ids, src).wait()
+    def scatter(
+        self, block_ids: Sequence[int], src: torch.Tensor, src_rows: Sequence[int] | None = None
+    ) -> None:
+        """Copy rows of ``src`` (uint8 ``[n, object_bytes]``, or lent rows: see
+        :meth:`scatter_async`) into blocks ``block_ids``."""
+        self.scatter_async(block_ids, src, src_rows=src_rows).wait()
 
     def gather_async(
         self, block_ids: Sequence[int], out: torch.Tensor, after: ForwardMark = None
@@ -152,34 +155,43 @@ class BlockCopier:
         return self._enqueue(ids, out, lambda index: self._gather_rows(index, out), after)
 
     def scatter_async(
-        self, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None
+        self, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None,
+        src_rows: Sequence[int] | None = None,
     ) -> CopyHandle:
         """Enqueue a scatter; the KV blocks hold ``src`` once the handle completes.
 
         A forward pass that reads the blocks calls ``handle.make_stream_wait()`` (GPU-side
         wait) or ``handle.wait()``. ``src`` must stay unmodified until then. Duplicate ids
         are rejected: two rows for one block would leave the block undefined.
+        ``src_rows``: block ``block_ids[i]`` comes from row ``src_rows[i]`` of ``src``
+        (host memory, rows at least ``object_bytes`` wide: a store's pages lent in
+        place), instead of row ``i``; host KV only (a device copy needs pinned staging).
         """
-        return self._scatter(block_ids, src, self._parts, after)
+        return self._scatter(block_ids, src, self._parts, after, src_rows)
 
     def scatter_layer_async(
-        self, layer: int, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None
+        self, layer: int, block_ids: Sequence[int], src: torch.Tensor, after: ForwardMark = None,
+        src_rows: Sequence[int] | None = None,
     ) -> CopyHandle:
         """:meth:`scatter_async` of one layer's part of every row (the layer's slice of
         each object): the other layers' blocks are not touched."""
         if not 0 <= layer < len(self._layer_parts):
             raise IndexError(f"layer {layer} out of range for {len(self._layer_parts)} layers")
-        return self._scatter(block_ids, src, self._layer_parts[layer], after)
+        return self._scatter(block_ids, src, self._layer_parts[layer], after, src_rows)
 
     def _scatter(
         self, block_ids: Sequence[int], src: torch.Tensor, parts: Sequence[_Part],
-        after: ForwardMark,
+        after: ForwardMark, src_rows: Sequence[int] | None,
     ) -> CopyHandle:
         ids = self._checked_ids(block_ids)
         _check_unique(ids)
+        if src_rows is not None:
+            rows = self._checked_source_rows(src, src_rows, len(ids))
+            self._scatter_on_host(ids, src, parts, rows)
+            return CopyHandle.completed()
         self._check_rows(src, len(ids), "src")
         if self._stream is None:
-            self._scatter_on_host(ids, src, parts)
+            self._scatter_on_host(ids, src, parts, None)
             return CopyHandle.completed()
         return self._enqueue(ids, src, lambda index: self._scatter_rows(index, src, parts), after)
 
@@ -205,6 +217,26 @@ class BlockCopier:
             raise ValueError(f"{name} must be contiguous")
         if rows.device not in (self._device, torch.device("cpu")):
             raise ValueError(f"{name} is on {rows.device}; the KV is on {self._device}")
+
+    def _checked_source_rows(
+        self, src: torch.Tensor, src_rows: Sequence[int], num_objects: int
+    ) -> list[int]:
+        if self._device.type != "cpu" or src.device.type != "cpu":
+            raise ValueError("src_rows scatters host rows into host KV only; "
+                             f"the KV is on {self._device}, src on {src.device}")
+        if src.dtype != torch.uint8 or src.dim() != 2 or not src.is_contiguous():
+            raise ValueError(f"src must be contiguous uint8 rows, got {src.dtype} of shape "
+                             f"{list(src.shape)}")
+        if int(src.shape[1]) < self._object_bytes:
+            raise ValueError(f"src rows of {int(src.shape[1])} bytes cannot hold objects "
+                             f"of {self._object_bytes}")
+        rows = [as_index(row) for row in src_rows]
+        if len(rows) != num_objects:
+            raise ValueError(f"{len(rows)} src_rows for {num_objects} blocks")
+        for row in rows:
+            if not 0 <= row < int(src.shape[0]):
+                raise IndexError(f"src row {row} out of range for {int(src.shape[0])} rows")
+        return rows
 
     # -- enqueueing -------------------------------------------------------------------
 
@@ -276,7 +308,8 @@ class BlockCopier:
                 )
 
     def _scatter_on_host(
-        self, ids: list[int], src: torch.Tensor, parts: Sequence[_Part]
+        self, ids: list[int], src: torch.Tensor, parts: Sequence[_Part],
+        src_rows: list[int] | None,
     ) -> None:
         # numpy's fancy assignment moves whole rows at ~memcpy speed, 1.6x faster than
         # torch's index_copy_ on CPU (docs/performance.md, micro-measurements); both
@@ -284,11 +317,12 @@ class BlockCopier:
         if not ids:
             return
         index = np.asarray(ids, dtype=np.intp)
+        rows = None if src_rows is None else np.asarray(src_rows, dtype=np.intp)
         row_words = self._rows_by_word(src)
         for part in parts:
             word = min(part.word_bytes, max(row_words))
-            blocks = part.view.words(word).numpy()
-            blocks[index] = part.rows_as_blocks(row_words[word], word).numpy()
+            source = part.rows_as_blocks(row_words[word], word).numpy()
+            part.view.words(word).numpy()[index] = source if rows is None else source[rows]
 
     def _rows_by_word(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
         """``rows`` read as every word size it allows, widest included (one view each).
@@ -296,7 +330,7 @@ class BlockCopier:
         Parts then never build their own views of the whole rows; rows that do not start
         on an 8-byte boundary (an odd slice of a caller's buffer) get narrower words.
         """
-        aligned = widest_word(int(rows.storage_offset()), self._object_bytes)
+        aligned = widest_word(int(rows.storage_offset()), int(rows.stride(0)))
         return {word: rows.view(word_dtype(word)) for word in WORD_SIZES if aligned % word == 0}
 
     def _chunks(self, caller_rows: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
