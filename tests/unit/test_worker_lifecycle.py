@@ -101,10 +101,12 @@ def test_a_corrupt_object_fails_only_its_block_and_vllm_recomputes_from_it(
     assert records[-1].kv_output.invalid_block_ids == {table[2]}
     assert not reported.failed_recving
     assert reported.finished_recving == (["b"] if load_async else [])
-    # The intact blocks reached the KV cache; the corrupt one did not.
-    assert sorted(driver.loads_of(records, "b")) == sorted(
-        (0, b) for b in (table[0], table[1], table[3])
-    )
+    # The intact blocks reached the KV cache, and no block outside the plan was
+    # written. The embedded pool lends its pages and verifies them after the copy, so
+    # the corrupt block was written too: its failure, reported in the step that read
+    # it, is what keeps vLLM from using it (the recompute below overwrites it).
+    loaded = set(driver.loads_of(records, "b"))
+    assert {(0, table[i]) for i in (0, 1, 3)} <= loaded <= {(0, b) for b in table[:4]}
     # vLLM keeps the loaded prefix and recomputes from the failed block on.
     recompute = step_with(driver, "b") if load_async else driver.step()
     assert scheduled_from(recompute, "b") == 2 * BLOCK

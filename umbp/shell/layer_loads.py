@@ -1,8 +1,11 @@
 """A step's synchronous loads, restored layer by layer while the forward pass runs.
 
-The sync-load lane reads every object of the step's plans (the store verifies each
-whole object), decides with core which rows loaded intact, then scatters them one
-layer at a time: a layer is a slice of each staged object. The forward pass waits in
+The sync-load lane reads every object of the step's plans, decides with core which
+rows to scatter, then scatters them one layer at a time: a layer is a slice of each
+object. Objects the embedded pool lends in place (:mod:`umbp.shell.group_io`) are
+not copied first, so layer 0 is ready after one layer's copy, not the whole read; their
+checksums are verified once every layer is scattered, and what fails is reported in
+this step like any failed read. The forward pass waits in
 ``wait_for_layer_load`` for its own layer's copies only (on CUDA on the GPU: its
 stream waits for the lane's event, the host does not block), so the copies of later
 layers overlap the attention of earlier ones. Every event is set even when reading
@@ -16,8 +19,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from umbp.core.loads.outcomes import (
     GroupLoadOutcome,
     LoadStatus,
@@ -27,9 +28,9 @@ from umbp.core.loads.outcomes import (
     plan_load_outcome,
     split_statuses,
 )
-from umbp.core.plans import LoadPlan
+from umbp.core.plans import GroupBlocks, LoadPlan
 from umbp.gpu.handle import CopyHandle
-from umbp.shell.group_io import GroupIO
+from umbp.shell.group_io import GroupIO, GroupRead, ScatterSource
 
 __all__ = ["LayerwiseLoads"]
 
@@ -54,32 +55,47 @@ class LayerwiseLoads:
 
     def run(self) -> None:
         started = time.perf_counter()
+        reads: list[tuple[GroupBlocks, GroupRead]] = []
+        scattered = False
         try:
-            staged: list[tuple[GroupLoadOutcome, torch.Tensor]] = []
-            statuses: dict[int, tuple[LoadStatus, ...] | None] = {}
-            for merged in merged_groups(self._plans):
-                answer, rows = self._io.read(merged)
-                statuses[merged.group_id] = answer
-                group = group_load_outcome(merged.group_id, merged.block_ids, answer)
-                loaded = self._io.loaded_rows(group, rows)
-                if loaded is not None:
-                    staged.append((group, loaded))
-            self._outcomes = tuple(
-                plan_load_outcome(plan, shares, False)
-                for plan, shares in zip(self._plans, split_statuses(self._plans, statuses))
-            )
-            self._scatter_by_layer(staged)
+            reads = [(merged, self._io.read(merged)) for merged in merged_groups(self._plans)]
+            sources: list[tuple[GroupLoadOutcome, ScatterSource]] = []
+            for merged, read in reads:
+                group = group_load_outcome(merged.group_id, merged.block_ids, read.statuses)
+                source = self._io.source(group, read)
+                if source is not None:
+                    sources.append((group, source))
+            self._scatter_by_layer(sources)
+            scattered = True
         finally:
             for event in self._ready.values():
                 event.set()
-            self.seconds = time.perf_counter() - started
-            self._done.set()
+            try:
+                self._outcomes = self._settle(reads, scattered)
+            finally:
+                self.seconds = time.perf_counter() - started
+                self._done.set()
 
-    def _scatter_by_layer(self, staged: Sequence[tuple[GroupLoadOutcome, torch.Tensor]]) -> None:
+    def _settle(
+        self, reads: Sequence[tuple[GroupBlocks, GroupRead]], scattered: bool
+    ) -> tuple[RequestLoadOutcome, ...]:
+        """Every plan's outcome from the reads' final statuses (every read is settled,
+        so a loan's pins go even when the scatter raised; then every block failed)."""
+        statuses: dict[int, tuple[LoadStatus, ...] | None] = {
+            merged.group_id: read.settle() for merged, read in reads
+        }
+        if not scattered:
+            statuses = {}
+        return tuple(
+            plan_load_outcome(plan, shares, False)
+            for plan, shares in zip(self._plans, split_statuses(self._plans, statuses))
+        )
+
+    def _scatter_by_layer(self, sources: Sequence[tuple[GroupLoadOutcome, ScatterSource]]) -> None:
         for (group_id, layer), event in self._ready.items():
             handles = [
-                self._io.scatter_layer(group, layer, rows)
-                for group, rows in staged if group.group_id == group_id
+                self._io.scatter_layer(group, layer, source)
+                for group, source in sources if group.group_id == group_id
             ]
             self._handles[(group_id, layer)] = handles
             event.set()

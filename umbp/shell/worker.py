@@ -50,7 +50,7 @@ from umbp.runtime.backends import WorkerBackend, open_worker_backend
 from umbp.runtime.contract import LabelsNamespaces, RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
-from umbp.shell.group_io import GroupIO
+from umbp.shell.group_io import GroupIO, GroupRead
 from umbp.shell.layer_loads import LayerwiseLoads
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.stats import PoolFigures, WorkerCounters
@@ -300,21 +300,25 @@ class UMBPWorker:
             self._step_meta = None
 
     def _async_load(self, plan: LoadPlan) -> None:
-        """On the async lane: read, decide, scatter, report."""
+        """On the async lane: read, scatter what core says loaded, settle the reads
+        (a lent object is verified after its copy), report."""
         started = time.perf_counter()
         io = self._io[LANES[1]]
-        outcome = None
+        reads: list[GroupRead] = []
+        scattered = False
         try:
             reads = [io.read(group) for group in plan.groups]
-            outcome = plan_load_outcome(plan, [statuses for statuses, _ in reads], True)
-            for group, (_, rows) in zip(outcome.groups, reads):
-                loaded = io.loaded_rows(group, rows)
-                if loaded is not None:
-                    io.scatter(group, loaded).wait()
+            provisional = plan_load_outcome(plan, [read.statuses for read in reads], True)
+            for group, read in zip(provisional.groups, reads):
+                source = io.source(group, read)
+                if source is not None:
+                    io.scatter(group, source).wait()
+            scattered = True
         finally:
-            # Whatever happened, vLLM hears of the request (it waits for it).
-            if outcome is None:
-                outcome = plan_load_outcome(plan, (), True)
+            # Whatever happened, vLLM hears of the request (it waits for it); every
+            # read is settled, so a loan's pins go even when the scatter raised.
+            statuses = [read.settle() for read in reads]
+            outcome = plan_load_outcome(plan, statuses if scattered else (), True)
             self._count_loaded(outcome, time.perf_counter() - started)
             self._report_load(outcome)
 
