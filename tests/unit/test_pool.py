@@ -372,6 +372,8 @@ def test_a_lent_object_is_neither_evicted_nor_overwritten_until_settled() -> Non
         pool.put_batch([f"x{index}"], [content(10 + index, PAGE)])
     assert pool.lookup(["a"]) == (True,)
     assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
+    # Every page but the lent one taken, and nothing left to evict: a put is refused.
+    assert pool.put_batch(["big"], [content(9, 4 * PAGE)]) == (False,)
     pool.clear()  # cleared while lent: the pages come back when the loan settles
     assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
     assert pool.free_page_count() == 3

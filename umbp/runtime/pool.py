@@ -386,7 +386,9 @@ class SlabPool(ClosesOnExit):
                     self._evicted[victim.key] = None
                     self._counters.evictions += 1
             taken = pages.take_pages(pages_needed)
-            assert taken is not None, "eviction left too few free pages"
+            if taken is None:  # what eviction could not free is lent (pinned) right now
+                self._counters.put_rejects += 1
+                return False
             regions = self._regions(taken, source.nbytes)
             checksum = write_regions(self._slab_bytes, regions, source)
             self._admit(_StoredObject(
