@@ -46,8 +46,7 @@ the worker's load outcomes are decided from it, and re-exported here.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
