@@ -40,8 +40,8 @@ __all__ = ["GroupIO", "GroupRead", "ScatterSource"]
 @dataclass(frozen=True, slots=True, eq=False)
 class GroupRead:
     """One group's objects as read for a scatter. ``statuses``: per key, what is known
-    before the copy (a lent object counts as HIT until settled; None: the group could
-    not be read); ``rows``: staging rows (row i is key i) or the lender's memory,
+    before the copy (a lent object counts as HIT and one not lent as MISSING until
+    settled, which says why; None: the group could not be read); ``rows``: staging rows (row i is key i) or the lender's memory,
     where key i is row ``lent_rows[i]``. :meth:`settle` is called once, after the
     scatter: the final statuses, and a loan's pins released."""
 
