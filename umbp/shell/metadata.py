@@ -38,6 +38,8 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     settled_load_failures: frozenset[str] = frozenset()
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()
+    # No tokens scheduled: the engine loop only polls (asynchronous loads, among others).
+    idle_step: bool = False
 
 
 @dataclass

@@ -237,6 +237,7 @@ class UMBPScheduler:
         self._apply({r: after_preemption(self._requests[r].life)
                      for r in preempted if r in self._requests})
         meta.preempted_request_ids = preempted
+        meta.idle_step = not scheduler_output.num_scheduled_tokens
         # The worker stores for these again (core.loads.failures.still_computing_over_failures).
         meta.settled_load_failures = frozenset(self._settled_load_failures).union(
             scheduler_output.finished_req_ids, preempted

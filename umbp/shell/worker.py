@@ -63,6 +63,13 @@ DRAIN_TIMEOUT_S = 60.0
 
 LANES = ("umbp-sync-load", "umbp-async-load", "umbp-store")
 
+IDLE_STEP_WAIT_S = 0.005
+"""How long a step that computes nothing waits for an asynchronous load or a store in
+flight to finish. vLLM's engine loop runs such steps back to back in Python while
+transfers are pending, holding the GIL that the transfer threads need between their
+copies: a 64 MiB restore took ~1 s on an otherwise idle engine. Waiting here releases
+it; a transfer that finishes ends the wait at once."""
+
 
 class UMBPWorker:
     def __init__(
@@ -102,6 +109,9 @@ class UMBPWorker:
         self._step_meta: UMBPConnectorMetadata | None = None
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
+        self._transfer_done = threading.Condition(self._lock)
+        self._transfers_in_flight = 0  # asynchronous loads and store events
+        self._idle_step = False
         self._pool_figures = PoolFigures()
         self.counters = WorkerCounters()
 
@@ -240,6 +250,7 @@ class UMBPWorker:
         is settled here."""
         self._settle_step_loads()
         self._step_meta = meta
+        self._idle_step = meta.idle_step
         # Settled by the scheduler before this step (vLLM cut their computed tokens,
         # or they finished or were preempted): what they compute now is the recompute.
         self._computed_over_failures -= meta.settled_load_failures
@@ -256,7 +267,7 @@ class UMBPWorker:
         sync = [plan for plan in meta.loads if plan.request_id not in meta.async_loads]
         for plan in meta.loads:
             if plan.request_id in meta.async_loads:
-                self._submit(LANES[1], partial(self._async_load, plan))
+                self._submit_counted(LANES[1], partial(self._async_load, plan))
         if sync:
             loads = LayerwiseLoads(sync, self._io[LANES[0]], self._layers)
             self._step_loads = loads
@@ -321,6 +332,7 @@ class UMBPWorker:
             outcome = plan_load_outcome(plan, statuses if scattered else (), True)
             self._count_loaded(outcome, time.perf_counter() - started)
             self._report_load(outcome)
+            self._count_done()
 
     def _count_loaded(self, outcome: RequestLoadOutcome, seconds: float = 0.0) -> None:
         loaded = sum(len(group.loaded_rows) for group in outcome.groups)
@@ -354,6 +366,10 @@ class UMBPWorker:
         """(finished, failed) request ids of asynchronous loads: failed ones are also
         finished, as vLLM requires, and are recomputed."""
         with self._lock:
+            if self._idle_step and self._transfers_in_flight and not (
+                self._report.finished_requests or self._store_results
+            ):
+                self._transfer_done.wait(IDLE_STEP_WAIT_S)
             report, self._report = self._report, self._report.without_requests()
         return set(report.finished_requests), set(report.failed_requests)
 
@@ -388,7 +404,7 @@ class UMBPWorker:
             for plan in stores for group in plan.groups
         )
         self._budget.take(nbytes)
-        self._submit(LANES[2], partial(
+        self._submit_counted(LANES[2], partial(
             self._store_event, meta.store_event, stores, not_stored, mark, nbytes
         ))
 
@@ -409,6 +425,7 @@ class UMBPWorker:
             with self._lock:
                 self.counters.store_seconds += time.perf_counter() - started
                 self._store_results[event] = StoreEventResult(1, failed)
+            self._count_done()
 
     def _store_group(self, group: GroupBlocks, mark: ForwardMark) -> frozenset[ObjectId]:
         identities = tuple(group.identities())
@@ -434,6 +451,22 @@ class UMBPWorker:
 
     def _submit(self, lane: str, job: Any) -> None:
         self._lanes[lane].submit(job)
+
+    def _submit_counted(self, lane: str, job: Any) -> None:
+        """Submit a job that calls :meth:`_count_done` when it ends: idle steps wait for
+        it (:data:`IDLE_STEP_WAIT_S`)."""
+        with self._lock:
+            self._transfers_in_flight += 1
+        try:
+            self._submit(lane, job)
+        except BaseException:
+            self._count_done()
+            raise
+
+    def _count_done(self) -> None:
+        with self._lock:
+            self._transfers_in_flight -= 1
+            self._transfer_done.notify_all()
 
     def _count_wait(self, counter: str, seconds: float) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ to start; each reports whether it started and the error text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -46,6 +47,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -228,6 +230,31 @@ def _guard_llvmlite_dunder_lookup() -> None:
     wrapper._umbp_guarded = True
 
 
+@contextlib.contextmanager
+def _counted_engine_steps(llm: Any) -> Iterator[list[int | None]]:
+    """How many times ``llm``'s engine stepped meanwhile (None: its engine core runs in
+    another process, which steps itself)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    count: list[int | None] = [None]
+    engine = llm.llm_engine
+    if not isinstance(getattr(engine, "engine_core", None), InprocClient):
+        yield count
+        return
+    original = engine.step
+    count[0] = 0
+
+    def counted() -> Any:
+        count[0] = (count[0] or 0) + 1
+        return original()
+
+    engine.step = counted
+    try:
+        yield count
+    finally:
+        del engine.step  # the instance attribute goes; the method shows again
+
+
 def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                 server: _ServerControl) -> list[dict[str, Any]]:
     from umbp.testing.engine import empty_vllm_cache, generate, make_llm
@@ -248,12 +275,15 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
             if step == "generate" or step.startswith("generate_"):
                 # generate: spec["prompts"]; generate_<x>: spec["prompts_<x>"]
                 suffix = step.removeprefix("generate")
-                completions = generate(llm, spec["prompts" + suffix], spec.get("max_tokens", 8),
-                                       spec.get("kv_transfer_params" + suffix))
+                with _counted_engine_steps(llm) as engine_steps:
+                    completions = generate(llm, spec["prompts" + suffix],
+                                           spec.get("max_tokens", 8),
+                                           spec.get("kv_transfer_params" + suffix))
                 results.append({
                     "step": step,
                     "tokens": [list(c.token_ids) for c in completions],
                     "cached": [c.num_cached_tokens for c in completions],
+                    "engine_steps": engine_steps[0],
                 })
             elif step == "reset":
                 empty_vllm_cache(llm)
