@@ -104,10 +104,11 @@ def write_model(shape: ModelShape, root: Path) -> str:
     return str(write_random_model(recipe, root / shape.name))
 
 
-def start_engine(model_dir: str) -> Any:
+def start_engine(model_dir: str, load_async: bool) -> Any:
     from umbp.testing.engine import make_llm
 
-    return make_llm(model_dir, connector={"mode": "embedded", "capacity_bytes": POOL_CAPACITY},
+    return make_llm(model_dir, connector={"mode": "embedded", "capacity_bytes": POOL_CAPACITY,
+                                          "load_async": load_async},
                     block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                     kv_cache_bytes=KV_CACHE_BYTES)
 
@@ -229,6 +230,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
+    parser.add_argument("--load-async", choices=("true", "false"), default="true",
+                        help="umbp's load_async: false restores layer by layer in the step")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
     args = parser.parse_args(argv)
@@ -247,11 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = QUICK_MODEL if args.quick else FULL_MODEL
     model_dir = write_model(shape, args.model_root)
     started = time.perf_counter()
-    bench = Bench(start_engine(model_dir))
+    bench = Bench(start_engine(model_dir, args.load_async == "true"))
     print(f"model {shape.name} (float32, {shape.kv_bytes_per_token()} KV bytes/token), "
           f"engine ready in {time.perf_counter() - started:.1f} s; prefix "
           f"{args.prefix_tokens} tokens + {SUFFIX_TOKENS}-token suffix, block {BLOCK_SIZE}, "
-          f"{args.repeats} repeats per mode")
+          f"{args.repeats} repeats per mode, load_async {args.load_async}")
     rng = random.Random(2026)
     bench.generate(random_tokens(rng, 64), 1, recompute=True)  # first-call costs
     first = random_tokens(rng, args.prefix_tokens + SUFFIX_TOKENS)
@@ -268,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "benchmark": "ttft", "quick": args.quick, "model": asdict(shape),
             "prefix_tokens": args.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS,
             "block_size": BLOCK_SIZE, "repeats": args.repeats,
+            "load_async": args.load_async == "true",
             "sets": [r.as_json() for r in results],
         }, indent=2))
     ok = all(r.identical and r.restored_tokens > 0 for r in results)
