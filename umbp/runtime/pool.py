@@ -29,6 +29,7 @@ checksums outside the lock, then counts and unpins under it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -214,7 +215,7 @@ class SlabPool(ClosesOnExit):
         if nbytes > self._page_bytes:
             return None
         lent: list[_StoredObject | None] = []
-        refused: list[LoadStatus] = []
+        answers: list[LoadStatus] = []  # HIT for a lent object until settled
         with self._lock:
             memory = self._page_rows
             for key in keys:
@@ -222,18 +223,13 @@ class SlabPool(ClosesOnExit):
                 if stored is not None and stored.nbytes == nbytes:
                     self._pages.pin(stored)
                     self._lent += 1
-                    refused.append(LoadStatus.HIT)
+                    lent.append(stored)
+                    answers.append(LoadStatus.HIT)
                 else:
-                    refused.append(self._refusal(stored))
-                lent.append(stored if refused[-1] is LoadStatus.HIT else None)
+                    lent.append(None)
+                    answers.append(self._refusal(stored))
         rows = tuple(None if stored is None else stored.pages[0] for stored in lent)
-        settled: list[tuple[LoadStatus, ...]] = []
-
-        def settle() -> tuple[LoadStatus, ...]:
-            if not settled:
-                settled.append(self._settle_loan(memory, lent, refused))
-            return settled[0]
-
+        settle = functools.cache(functools.partial(self._settle_loan, memory, lent, answers))
         return LentObjects(memory, rows, settle)
 
     def _refusal(self, stored: _StoredObject | None) -> LoadStatus:
@@ -247,7 +243,7 @@ class SlabPool(ClosesOnExit):
 
     def _settle_loan(
         self, memory: npt.NDArray[np.uint8], lent: Sequence[_StoredObject | None],
-        refused: Sequence[LoadStatus],
+        answers: Sequence[LoadStatus],
     ) -> tuple[LoadStatus, ...]:
         # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
         intact = [
@@ -258,7 +254,7 @@ class SlabPool(ClosesOnExit):
         ]
         statuses: list[LoadStatus] = []
         with self._lock:
-            for stored, ok, status in zip(lent, intact, refused):
+            for stored, ok, status in zip(lent, intact, answers):
                 if stored is None:
                     statuses.append(status)
                     continue
