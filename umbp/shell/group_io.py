@@ -19,7 +19,7 @@ the reason a request fails: the group counts as unread (recomputed) or unwritten
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,7 @@ from umbp.runtime.contract import LendsObjects, LentObjects, WorkerStore
 
 logger = logging.getLogger("umbp")
 
-__all__ = ["GroupIO", "GroupRead", "ScatterSource"]
+__all__ = ["GroupIO", "GroupRead", "ScatterSource", "settle_reads"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -56,6 +56,15 @@ class GroupRead:
 
 ScatterSource = tuple[torch.Tensor, tuple[int, ...] | None]
 """Rows to scatter from and, for lent memory, the row of each block."""
+
+
+def settle_reads(
+    reads: Sequence[GroupRead], scattered: bool
+) -> list[tuple[LoadStatus, ...] | None]:
+    """Every read's final statuses, in order. Each is settled even when the scatter
+    raised (a loan's pins go); then none counts: every block of the reads failed."""
+    statuses = [read.settle() for read in reads]
+    return statuses if scattered else [None] * len(reads)
 
 
 def _unread() -> GroupRead:

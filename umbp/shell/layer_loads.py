@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 
 from umbp.core.loads.outcomes import (
     GroupLoadOutcome,
-    LoadStatus,
     RequestLoadOutcome,
     group_load_outcome,
     merged_groups,
@@ -30,7 +29,7 @@ from umbp.core.loads.outcomes import (
 )
 from umbp.core.plans import GroupBlocks, LoadPlan
 from umbp.gpu.handle import CopyHandle
-from umbp.shell.group_io import GroupIO, GroupRead, ScatterSource
+from umbp.shell.group_io import GroupIO, GroupRead, ScatterSource, settle_reads
 
 __all__ = ["LayerwiseLoads"]
 
@@ -79,13 +78,9 @@ class LayerwiseLoads:
     def _settle(
         self, reads: Sequence[tuple[GroupBlocks, GroupRead]], scattered: bool
     ) -> tuple[RequestLoadOutcome, ...]:
-        """Every plan's outcome from the reads' final statuses (every read is settled,
-        so a loan's pins go even when the scatter raised; then every block failed)."""
-        statuses: dict[int, tuple[LoadStatus, ...] | None] = {
-            merged.group_id: read.settle() for merged, read in reads
-        }
-        if not scattered:
-            statuses = {}
+        """Every plan's outcome from the reads' final statuses."""
+        final = settle_reads([read for _, read in reads], scattered)
+        statuses = {merged.group_id: answer for (merged, _), answer in zip(reads, final)}
         return tuple(
             plan_load_outcome(plan, shares, False)
             for plan, shares in zip(self._plans, split_statuses(self._plans, statuses))

@@ -50,7 +50,7 @@ from umbp.runtime.backends import WorkerBackend, open_worker_backend
 from umbp.runtime.contract import LabelsNamespaces, RegistersHostMemory, WorkerStore
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
-from umbp.shell.group_io import GroupIO, GroupRead
+from umbp.shell.group_io import GroupIO, GroupRead, settle_reads
 from umbp.shell.layer_loads import LayerwiseLoads
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.stats import PoolFigures, WorkerCounters
@@ -326,10 +326,8 @@ class UMBPWorker:
                     io.scatter(group, source).wait()
             scattered = True
         finally:
-            # Whatever happened, vLLM hears of the request (it waits for it); every
-            # read is settled, so a loan's pins go even when the scatter raised.
-            statuses = [read.settle() for read in reads]
-            outcome = plan_load_outcome(plan, statuses if scattered else (), True)
+            # Whatever happened, vLLM hears of the request (it waits for it).
+            outcome = plan_load_outcome(plan, settle_reads(reads, scattered), True)
             self._count_loaded(outcome, time.perf_counter() - started)
             self._report_load(outcome)
             self._count_done()
