@@ -325,19 +325,20 @@ class BlockCopier:
         if not ids:
             return
         index = np.asarray(ids, dtype=np.intp)
+        lent = None if src_rows is None else torch.tensor(src_rows, dtype=torch.int64)
         row_words = self._rows_by_word(src)
         for part in parts:
             word = min(part.word_bytes, max(row_words))
             source = part.rows_as_blocks(row_words[word], word)
             blocks = part.view.words(word).numpy()
-            if src_rows is None:
+            if lent is None:
                 blocks[index] = source.numpy()
             else:
-                self._scatter_lent(blocks, index, source, src_rows, part.view.block_bytes)
+                self._scatter_lent(blocks, index, source, lent, part.view.block_bytes)
 
     def _scatter_lent(
         self, blocks: npt.NDArray[Any], index: npt.NDArray[np.intp], source: torch.Tensor,
-        src_rows: list[int], block_bytes: int,
+        src_rows: torch.Tensor, block_bytes: int,
     ) -> None:
         """``blocks[index] = source[src_rows]``, the rows gathered a chunk at a time into
         the copier's scratch (a fresh temporary of a whole layer costs page faults: the
@@ -346,9 +347,8 @@ class BlockCopier:
         scratch = self._scratch
         if scratch is None or scratch.numel() < per_chunk * block_bytes:
             scratch = self._scratch = torch.zeros(per_chunk * block_bytes, dtype=torch.uint8)
-        rows = torch.tensor(src_rows, dtype=torch.int64)
-        for start in range(0, len(src_rows), per_chunk):
-            chunk = rows[start : start + per_chunk]
+        for start in range(0, int(src_rows.shape[0]), per_chunk):
+            chunk = src_rows[start : start + per_chunk]
             count = int(chunk.shape[0])
             out = scratch[: count * block_bytes].view(source.dtype).view(
                 count, *source.shape[1:]
