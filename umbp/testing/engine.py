@@ -103,15 +103,21 @@ def unique_prompts(count: int, tokens: int, vocab: int = 500, seed: int = 11) ->
     return [[rng.randrange(1, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
+def steps_in_process(llm: Any) -> bool:
+    """Whether ``llm``'s engine core runs in this process (stepped only by its caller),
+    not in its own process (which steps itself)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+
+
 def empty_vllm_cache(llm: Any, timeout_s: float = 60.0) -> None:
     """vLLM's ``reset_prefix_cache()``, until it succeeds. umbp's stores run after
     the step that computed their blocks, which stay pinned until the store is
     acknowledged; vLLM refuses to reset while a block is in use. An engine core in
     this process is stepped meanwhile (nothing else steps it between two
     ``generate`` calls), one in its own process steps itself."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    in_process = isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+    in_process = steps_in_process(llm)
     deadline = time.monotonic() + timeout_s
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:

@@ -234,11 +234,11 @@ def _guard_llvmlite_dunder_lookup() -> None:
 def _counted_engine_steps(llm: Any) -> Iterator[list[int | None]]:
     """How many times ``llm``'s engine stepped meanwhile (None: its engine core runs in
     another process, which steps itself)."""
-    from vllm.v1.engine.core_client import InprocClient
+    from umbp.testing.engine import steps_in_process
 
     count: list[int | None] = [None]
     engine = llm.llm_engine
-    if not isinstance(getattr(engine, "engine_core", None), InprocClient):
+    if not steps_in_process(llm):
         yield count
         return
     original = engine.step
