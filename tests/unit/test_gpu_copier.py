@@ -189,6 +189,16 @@ CASES = {
 }
 
 
+def staged_blocks(case: KvCase, seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Random KV, three of its blocks (last, first, third) and their objects staged."""
+    source = random_base(case.base_bytes, seed=seed)
+    block_ids = [case.num_blocks - 1, 0, 2]
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    rows = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
+    copier.gather(block_ids, rows)
+    return source, block_ids, rows
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_round_trip_restores_exactly_the_selected_blocks(name: str) -> None:
     case = CASES[name]
@@ -203,11 +213,7 @@ def test_layer_by_layer_scatters_make_the_whole_scatter_and_touch_only_their_lay
     objects) ends where one whole scatter ends; before the last layer, the layers not
     yet scattered are untouched, byte for byte."""
     case = CASES[name]
-    source = random_base(case.base_bytes, seed=3)
-    block_ids = [case.num_blocks - 1, 0, 2]
-    copier = BlockCopier(case.build(source), case.num_blocks)
-    rows = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
-    copier.gather(block_ids, rows)
+    source, block_ids, rows = staged_blocks(case, seed=3)
     restored = torch.zeros_like(source)
     restorer = BlockCopier(case.build(restored), case.num_blocks)
     assert restorer.num_layers == len(case.build(restored))
@@ -227,16 +233,13 @@ def test_scatter_from_lent_rows_equals_the_scatter_of_staged_rows(name: str) -> 
     place) restore the blocks exactly as the same objects staged row by row, whole or
     one layer at a time."""
     case = CASES[name]
-    source = random_base(case.base_bytes, seed=5)
-    block_ids = [case.num_blocks - 1, 0, 2]
-    copier = BlockCopier(case.build(source), case.num_blocks)
-    staged = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
-    copier.gather(block_ids, staged)
-    page_bytes = -(-copier.object_bytes // 64) * 64 + 64  # wider than an object
+    source, block_ids, staged = staged_blocks(case, seed=5)
+    object_bytes = int(staged.shape[1])
+    page_bytes = -(-object_bytes // 64) * 64 + 64  # wider than an object
     pages = torch.randint(0, 256, (7, page_bytes), dtype=torch.uint8)
     lent_rows = [5, 1, 3]
     for row, page in enumerate(lent_rows):
-        pages[page, : copier.object_bytes] = staged[row]
+        pages[page, :object_bytes] = staged[row]
     whole = torch.zeros_like(source)
     BlockCopier(case.build(whole), case.num_blocks).scatter(block_ids, pages, src_rows=lent_rows)
     by_layer = torch.zeros_like(source)
