@@ -401,3 +401,30 @@ def test_an_answer_that_does_not_fit_the_batch_knows_nothing(
     for wrong in (per_key[missing:], [*per_key, *[True] * missing]):
         if len(wrong) != len(per_key):
             assert fold_residency(layout, wrong, disk_medium="DISK", memory_medium="CPU") is None
+
+
+# ------------------------------------------------------------------ a check older than a store
+
+
+@given(size=st.integers(1, 8), evicted=st.booleans())
+def test_an_answer_drawn_before_a_store_does_not_end_its_sweep(size: int, evicted: bool) -> None:
+    """A residency check drawn before a store can answer resident for an object the
+    store then evicted (the lookup ran first). Applied after the store was tracked, it
+    must leave the object due for a check, so the sweep asks again and the eviction is
+    announced; a check drawn after the store ends the sweep."""
+    published = (0, b"\x01")
+    state = track_stored(new_event_tracker(), [_stored(published, None, (), 16, "CPU")])
+    state, _ = apply_residency(state, residency_batch(state, size, True), [True])
+    stale = residency_batch(state, size, True)
+    drawn_at = state.next_ticket
+    state = track_stored(state, [_stored((0, b"\x02"), None, (), 16, "CPU")])
+    assert sweep_due(state)
+    state, _ = apply_residency(state, stale, [True] * len(stale), drawn_at=drawn_at)
+    assert sweep_due(state), "a check older than the store ended its sweep"
+    fresh = residency_batch(state, 8, True)
+    answer = [not (evicted and identity == published) for identity, _ in fresh]
+    drawn_at = state.next_ticket
+    state, events = apply_residency(state, fresh, answer, drawn_at=drawn_at)
+    assert not sweep_due(state)
+    removed = [e for e in events if isinstance(e, BlockRemovedEvent)]
+    assert [e.block_hashes for e in removed] == ([(published[1],)] if evicted else [])

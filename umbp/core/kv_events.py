@@ -190,7 +190,8 @@ def track_stored(
     object published before it is due for a check (:func:`sweep_due`).
     """
     edit = _Edit(state)
-    edit.sweep_before = state.next_ticket
+    # A ticket of its own: a batch drawn before this store (at a ticket <= it) is stale.
+    edit.sweep_before = edit.take_ticket()
     seen: set[ObjectId] = set()
     for stored in objects:
         identity = stored.identity
@@ -257,6 +258,7 @@ def apply_residency(
     batch: Sequence[ResidencyCandidate],
     resident: Sequence[bool] | None,
     media: Sequence[str] | None = None,
+    drawn_at: int | None = None,
 ) -> tuple[EventTracker, tuple[KvEvent, ...]]:
     """Fold one residency answer (per object, all ranks folded) into the tracker.
 
@@ -269,6 +271,10 @@ def apply_residency(
     counts as failed. A failed check keeps published objects (checked again later)
     and drops unpublished ones, which are never announced. Objects stored again or
     forgotten since the batch was drawn are skipped.
+
+    ``drawn_at``: the tracker's ``next_ticket`` when the batch was drawn. An answer
+    drawn before a store tracked since (which may have evicted what it calls resident)
+    does not end that store's sweep: the objects it rotates stay due for a check.
     """
     if resident is not None and len(resident) != len(batch):
         resident = None
@@ -307,6 +313,8 @@ def apply_residency(
                 )
             )
         edit.rotate(identity, record, medium)
+    if drawn_at is not None and drawn_at <= state.sweep_before:
+        edit.sweep_before = edit.take_ticket()
     return edit.finish(), tuple(events)
 
 

@@ -34,8 +34,9 @@ class KVEventPublisher:
         self._executor = executor
         self._clock = clock
         self._next_recheck = 0.0
+        # The batch, its answer to come, the keys' layout, the tracker's ticket at drawing.
         self._inflight: tuple[tuple[core_events.ResidencyCandidate, ...],
-                              Future[_Answer], KeyLayout] | None = None
+                              Future[_Answer], KeyLayout, int] | None = None
 
     @property
     def suppressed(self) -> int:
@@ -56,11 +57,11 @@ class KVEventPublisher:
         store made due runs check after check, so the engine can go quiet soon."""
         decided: list[Any] = []
         if self._inflight is not None and self._inflight[1].done():
-            batch, answer, layout = self._inflight
+            batch, answer, layout, drawn_at = self._inflight
             self._inflight = None
             resident, media = _fold(answer, layout)
             self._state, events = core_events.apply_residency(
-                self._state, batch, resident, media
+                self._state, batch, resident, media, drawn_at
             )
             decided = [_to_vllm(event) for event in events]
         if self._inflight is None and store is not None and keyspace is not None:
@@ -93,7 +94,8 @@ class KVEventPublisher:
         ask: Callable[[Sequence[str]], _Answer] = (
             store.where if isinstance(store, TierAware) else store.lookup
         )
-        self._inflight = (batch, self._executor.submit(ask, keys), keys.layout)
+        self._inflight = (batch, self._executor.submit(ask, keys), keys.layout,
+                          self._state.next_ticket)
 
 
 def _fold(
