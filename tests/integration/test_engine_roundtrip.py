@@ -84,8 +84,8 @@ def _assert_restored_exactly(report: dict[str, Any], block_size: int, prompts: l
 @pytest.mark.parametrize(
     ("model", "dtype", "block_size", "options", "engine"),
     [
-        ("llama_fp32", "float32", 32, {}, {}),
-        # Synchronous loads, and chunked prefill: stores planned across several steps.
+        ("llama_fp32", "float32", 32, {"load_async": True}, {}),
+        # Synchronous loads (the default here: the pool lends to host KV), and chunked prefill: stores planned across several steps.
         ("llama_bf16", "bfloat16", 64, {"load_async": False}, {"max_num_batched_tokens": 128}),
     ],
     ids=["fp32-block32-async-load", "bf16-block64-sync-load-chunked"],
@@ -336,7 +336,8 @@ def test_an_asynchronous_restore_is_heard_within_a_few_engine_steps(llama_fp32: 
     report = run_scenario({
         "model_dir": llama_fp32, "engine": {"block_size": 32, "dtype": "float32"},
         "prompts": unique_prompts(1, 2000, seed=7), "max_tokens": 2,
-        "engines": [{"connector": EMBEDDED, "steps": ["generate", "reset", "generate"]}],
+        "engines": [{"connector": {**EMBEDDED, "load_async": True},
+                     "steps": ["generate", "reset", "generate"]}],
     })
     ((computed, _, restored),) = report["engines"]
     assert restored["cached"] == [1984]  # every full block came from umbp

@@ -25,7 +25,7 @@ from umbp.core.config import (
 
 DEFAULTS: dict[str, object] = {
     "mode": "embedded",
-    "load_async": True,
+    "load_async": None,
     "enable_lookup": True,
     "lookup_async": False,
     "save_decode_cache": False,
@@ -64,7 +64,6 @@ OTHER_MODE_OPTIONS = (
     "mori_deployment", "mori_address",
 )
 BOOLEAN_OPTIONS = (
-    "load_async",
     "enable_lookup",
     "lookup_async",
     "save_decode_cache",
@@ -104,6 +103,7 @@ def _number(low: float, high: float, *, low_open: bool, high_open: bool) -> st.S
 VALID: dict[str, st.SearchStrategy[Any]] = {
     "mode": st.just("embedded"),
     **{name: st.booleans() for name in BOOLEAN_OPTIONS if name not in OTHER_MODE_OPTIONS},
+    "load_async": st.none() | st.booleans(),
     "lookup_workers": st.integers(1, 64),
     "kv_event_max_objects": st.integers(1, 1 << 40),
     "namespace": st.none() | st.from_regex(NAMESPACE, fullmatch=True),
@@ -128,6 +128,7 @@ WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
         | st.sampled_from(["true", "false", "1", "0", "yes"])
         for name in BOOLEAN_OPTIONS
     },
+    "load_async": st.integers() | st.floats() | st.sampled_from(["true", "null", "auto", "0"]),
     **{
         name: st.booleans() | st.floats() | st.text(max_size=8) | st.none()
         for name in INTEGER_OPTIONS
@@ -225,7 +226,7 @@ def test_every_valid_config_is_accepted_with_its_values_and_defaults_elsewhere(
         if name in FLOAT_OPTIONS:
             assert type(value) is float
         elif value is not None:
-            assert type(value) is type(DEFAULTS[name]) or name in ("namespace", "page_bytes")
+            assert type(value) is type(DEFAULTS[name]) or name in ("namespace", "page_bytes", "load_async")
 
 
 @st.composite

@@ -16,6 +16,7 @@ from umbp.core.config import (
     effective_load_async,
     format_config_errors,
     parse_connector_config,
+    pool_lends_to_kv,
 )
 
 
@@ -29,7 +30,7 @@ def test_an_empty_config_gives_the_documented_defaults() -> None:
     assert parse_connector_config({}) == Success(DEFAULT_CONFIG)
     assert DEFAULT_CONFIG == ConnectorConfig(
         mode="embedded",
-        load_async=True,
+        load_async=None,
         enable_lookup=True,
         lookup_async=False,
         save_decode_cache=False,
@@ -61,7 +62,10 @@ def test_an_empty_config_gives_the_documented_defaults() -> None:
 
 def test_a_string_is_not_a_boolean() -> None:
     assert errors_of({"load_async": "true"}) == {
-        "load_async": "expected a boolean (true/false), got str 'true'"
+        "load_async": "expected a boolean (true/false) or null, got str 'true'"
+    }
+    assert errors_of({"enable_lookup": "true"}) == {
+        "enable_lookup": "expected a boolean (true/false), got str 'true'"
     }
 
 
@@ -200,7 +204,7 @@ def test_format_config_errors_names_every_key_with_a_hint() -> None:
         ConfigError(
             "capacity_byte", "unknown option 'capacity_byte' (did you mean 'capacity_bytes'?)"
         ),
-        ConfigError("load_async", "expected a boolean (true/false), got str 'true'"),
+        ConfigError("load_async", "expected a boolean (true/false) or null, got str 'true'"),
     )
     message = format_config_errors(errors)
     assert "2 problems" in message
@@ -220,12 +224,49 @@ def test_a_non_string_key_is_an_unknown_option_not_a_crash() -> None:
     assert result.failure()[0].key == "3"
 
 
-def test_load_async_is_kept_when_requested() -> None:
-    assert effective_load_async(True, 3, True, True) == (True, None)
+@pytest.mark.parametrize("lends_to_kv", [True, False])
+def test_load_async_is_kept_when_requested(lends_to_kv: bool) -> None:
+    assert effective_load_async(True, lends_to_kv, 3, True, True) == (True, None)
+    assert effective_load_async(True, lends_to_kv, 1, False, False) == (True, None)
 
 
-def test_load_async_false_is_honoured_for_one_plain_group() -> None:
-    assert effective_load_async(False, 1, False, False) == (False, None)
+@pytest.mark.parametrize("lends_to_kv", [True, False])
+def test_load_async_false_is_honoured_for_one_plain_group(lends_to_kv: bool) -> None:
+    assert effective_load_async(False, lends_to_kv, 1, False, False) == (False, None)
+
+
+def test_unset_loads_run_layer_by_layer_only_where_the_pool_lends_to_the_kv_cache() -> None:
+    assert effective_load_async(None, True, 1, False, False) == (False, None)
+    assert effective_load_async(None, False, 1, False, False) == (True, None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "page_bytes", "kv_in_host_memory", "lends"),
+    [
+        ("embedded", None, True, True),
+        ("embedded", None, False, False),  # KV on a GPU: staged through pinned memory
+        ("embedded", 1 << 20, True, False),  # an object may span several pages
+        ("server", None, True, False),
+        ("mooncake", None, True, False),
+        ("mori", None, True, False),
+    ],
+)
+def test_only_the_embedded_pool_lends_its_pages_to_kv_in_host_memory(
+    mode: str, page_bytes: int | None, kv_in_host_memory: bool, lends: bool
+) -> None:
+    assert pool_lends_to_kv(mode, page_bytes, kv_in_host_memory) is lends
+
+
+@pytest.mark.parametrize(
+    ("num_groups", "has_mamba", "has_sparse_indexer"),
+    [(2, False, False), (1, True, False), (1, False, True)],
+)
+def test_unset_loads_are_asynchronous_without_a_warning_where_layer_by_layer_is_unsafe(
+    num_groups: int, has_mamba: bool, has_sparse_indexer: bool
+) -> None:
+    assert effective_load_async(None, True, num_groups, has_mamba, has_sparse_indexer) == (
+        True, None
+    )
 
 
 @pytest.mark.parametrize(
@@ -239,7 +280,9 @@ def test_load_async_false_is_honoured_for_one_plain_group() -> None:
 def test_load_async_false_is_overridden_with_a_warning_that_says_why(
     num_groups: int, has_mamba: bool, has_sparse_indexer: bool, reason: str
 ) -> None:
-    load_async, warning = effective_load_async(False, num_groups, has_mamba, has_sparse_indexer)
+    load_async, warning = effective_load_async(
+        False, True, num_groups, has_mamba, has_sparse_indexer
+    )
     assert load_async is True
     assert warning is not None and "load_async=false is ignored" in warning and reason in warning
 

@@ -39,9 +39,19 @@ def test_runs_on_the_vllm_version_asked_for() -> None:
         assert vllm.__version__ == expected
 
 
-@pytest.mark.parametrize("load_async", [True, False])
-def test_external_hit_loads_exact_bytes(make_driver: Any, load_async: bool) -> None:
-    driver = make_driver(extra={"load_async": load_async})
+@pytest.mark.parametrize(
+    ("options", "load_async"),
+    [({"load_async": True}, True), ({"load_async": False}, False),
+     # Unset: the embedded pool lends its pages to this host KV cache, so layer by layer.
+     ({}, False),
+     # Unset with page_bytes given: an object may span pages, which are not lent.
+     ({"page_bytes": 64 << 10}, True)],
+    ids=["async", "sync", "default-embedded-host-kv", "default-page-bytes-given"],
+)
+def test_external_hit_loads_exact_bytes(
+    make_driver: Any, options: dict[str, object], load_async: bool
+) -> None:
+    driver = make_driver(extra=options)
     tokens = prompt(4)
     driver.fill_pool("a", tokens)
 

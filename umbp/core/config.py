@@ -23,6 +23,7 @@ from umbp.core.identity import check_namespace_override
 from umbp.core.value_checks import (
     ValueCheck,
     check_boolean,
+    check_boolean_or_null,
     check_choice,
     check_integer,
     check_number,
@@ -46,6 +47,7 @@ __all__ = [
     "effective_load_async",
     "format_config_errors",
     "parse_connector_config",
+    "pool_lends_to_kv",
 ]
 
 MODES: Final = ("embedded", "server", "mooncake", "mori")
@@ -61,7 +63,7 @@ class ConnectorConfig:
     """The connector's options, validated. Field defaults are the documented defaults."""
 
     mode: str = "embedded"
-    load_async: bool = True
+    load_async: bool | None = None
     enable_lookup: bool = True
     lookup_async: bool = False
     save_decode_cache: bool = False
@@ -100,8 +102,11 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "mode": "where the pool lives: 'embedded' (in each worker process), 'server' (a "
         "node-local `umbp serve` shared by engines, DRAM then SSD), 'mooncake' (Mooncake "
         "Store across nodes), 'mori' (AMD MORI UMBP)",
-        "load_async": "restore KV from the pool while the request waits, off the model step "
-        "(forced on for several KV cache groups, Mamba-style or sparse-indexer layers)",
+        "load_async": "true: restore KV from the pool while the request waits, off the model "
+        "step; false: in the step that computes the rest of the prompt, layer by layer; "
+        "null (default): false where the embedded pool lends its pages to KV in host "
+        "memory, true elsewhere (forced true for several KV cache groups, Mamba-style or "
+        "sparse-indexer layers)",
         "enable_lookup": "look up prompt prefixes in the pool and restore the hits",
         "lookup_async": "run pool lookups in background threads; the request waits a step",
         "save_decode_cache": "also store blocks produced while decoding, not only the prompt's",
@@ -189,7 +194,7 @@ def _page_bytes(value: object) -> str | None:
 _CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
     {
         "mode": check_choice(MODES),
-        "load_async": check_boolean,
+        "load_async": check_boolean_or_null,
         "enable_lookup": check_boolean,
         "lookup_async": check_boolean,
         "save_decode_cache": check_boolean,
@@ -358,17 +363,33 @@ def format_config_errors(errors: Sequence[ConfigError]) -> str:
     return "\n".join(lines)
 
 
+def pool_lends_to_kv(mode: str, page_bytes: int | None, kv_in_host_memory: bool) -> bool:
+    """Whether the pool lends its pages for copying straight into the KV cache.
+
+    The embedded pool lends an object that fits one page (with ``page_bytes`` null,
+    every object of a one-group model does) to a copier on the host; a layer of it is
+    then ready after one layer's copy. Every other store is read into staging first,
+    so a synchronous restore would hold the forward pass for the whole read.
+    """
+    return mode == "embedded" and page_bytes is None and kv_in_host_memory
+
+
 def effective_load_async(
-    requested: bool, num_groups: int, has_mamba: bool, has_sparse_indexer: bool
+    requested: bool | None, lends_to_kv: bool,
+    num_groups: int, has_mamba: bool, has_sparse_indexer: bool,
 ) -> tuple[bool, str | None]:
     """Whether loads are asynchronous, and the warning when the user's ``False`` is overridden.
 
-    vLLM accepts only request-level load failures when a model has several KV cache
-    groups, and acts on them only while the request waits for an asynchronous load.
-    Mamba-style and sparse-attention indexer layers read restored state before any
-    ``wait_for_layer_load``. Either way a synchronous, layer-by-layer load is unsafe.
+    Unset (None), loads are synchronous exactly where the pool lends its pages to the
+    KV cache (:func:`pool_lends_to_kv`): restored layer by layer in the step, the
+    request gets its first token steps sooner, and running requests wait only for
+    the first layer's copy. vLLM accepts only request-level load failures when a
+    model has several KV cache groups, and acts on them only while the request waits
+    for an asynchronous load. Mamba-style and sparse-attention indexer layers read
+    restored state before any ``wait_for_layer_load``. Either way a synchronous,
+    layer-by-layer load is unsafe.
     """
-    if requested:
+    if requested is True:
         return True, None
     reasons = tuple(
         reason
@@ -379,6 +400,8 @@ def effective_load_async(
         )
         if applies
     )
+    if requested is None:
+        return bool(reasons) or not lends_to_kv, None
     if not reasons:
         return False, None
     return True, (

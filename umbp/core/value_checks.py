@@ -14,6 +14,7 @@ from collections.abc import Callable
 __all__ = [
     "ValueCheck",
     "check_boolean",
+    "check_boolean_or_null",
     "check_choice",
     "check_integer",
     "check_number",
@@ -54,6 +55,12 @@ def check_boolean(value: object) -> str | None:
     if isinstance(value, bool):
         return None
     return f"expected a boolean (true/false), got {describe_value(value)}"
+
+
+def check_boolean_or_null(value: object) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None
+    return f"expected a boolean (true/false) or null, got {describe_value(value)}"
 
 
 def check_integer(low: int, high: int | None) -> ValueCheck:

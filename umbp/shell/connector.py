@@ -97,9 +97,10 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Synchronous loads (``load_async: false``) are waited for layer by layer in
         ``wait_for_layer_load``, which a full CUDA graph's replay never calls: vLLM
         then captures piecewise graphs, whose attention runs eagerly. Asynchronous
-        loads (the default) need no layer hook."""
+        loads need no layer hook; unset, loads are asynchronous wherever KV is on a
+        GPU (``pool_lends_to_kv``)."""
         parsed = parse_connector_config(dict(extra_config or {}))
-        return isinstance(parsed, Success) and not parsed.unwrap().load_async
+        return isinstance(parsed, Success) and parsed.unwrap().load_async is False
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

