@@ -101,7 +101,8 @@ def core_names(package: str) -> tuple[Any, Any]:
     """The lookup and load-plan functions of ``package``'s core, under today's names,
     whichever layout that core has: one ``core.lookup`` module (with ``core.plans``,
     later ``core.load_plans``) before the core was grouped into packages, the
-    ``core.lookup``, ``core.geometry`` and ``core.loads`` packages after."""
+    ``core.lookup``, ``core.geometry`` and ``core.loads`` packages after (whose
+    ``loads.plans`` became ``loads.allocation``)."""
     if importlib.util.find_spec(f"{package}.core.geometry") is None:
         lookup: Any = importlib.import_module(f"{package}.core.lookup")
         old = "load_plans" if importlib.util.find_spec(f"{package}.core.load_plans") else "plans"
@@ -113,9 +114,11 @@ def core_names(package: str) -> tuple[Any, Any]:
     names: dict[str, Any] = {}
     for module in ("geometry", "lookup.query", "lookup.windows"):
         names.update(vars(importlib.import_module(f"{package}.core.{module}")))
+    allocation = ("allocation" if importlib.util.find_spec(f"{package}.core.loads.allocation")
+                  else "plans")
     return (
         types.SimpleNamespace(**names),
-        importlib.import_module(f"{package}.core.loads.plans"),
+        importlib.import_module(f"{package}.core.loads.{allocation}"),
     )
 
 

@@ -1,19 +1,22 @@
-"""BlockCopier bandwidth next to a plain contiguous copy of the same bytes, in one run.
+"""umbp's block copies next to a plain contiguous copy of the same bytes, in one run.
 
     python benchmarks/gpu_copy.py [--device cuda|cpu] [--json FILE] [--quick]
 
 For each block size (bytes of one block of one layer) it builds a paged KV cache of
 ``--layers`` layers as views into one shared allocation (the layout vLLM uses on that
 device: K/V-leading FlashAttention on CUDA, ``[blocks, heads, block_size, 2*head]`` on
-CPU), then times
+CPU), and host rows the way the embedded pool holds objects (a prefaulted mapping,
+registered with CUDA on a GPU), then times
 
-* gather:  BlockCopier.gather of scattered block ids into pinned host rows (device->host)
-* scatter: BlockCopier.scatter of those rows back (host->device)
+* gather:  scattered blocks into the host rows (a store: device->host)
+* scatter: the rows back into the blocks (a restore: host->device)
 
-against a plain contiguous copy of the same number of bytes between the same device
-memory and pinned host memory (on CPU: a plain tensor copy). The ratio copier/plain says
-how close block gathering gets to the bus (or memcpy) limit. Timings are best-of-N loops
-with ``torch.cuda.synchronize`` around each loop on CUDA.
+each as one :class:`~umbp.gpu.copier.BlockCopy` carried out by umbp's device (on CUDA
+one batched DMA submission on a side stream, on CPU numpy), against a plain contiguous
+copy of the same number of bytes between the same device memory and page-locked host
+memory (on CPU: a plain tensor copy). The ratio umbp/plain says how close block copies
+get to the bus (or memcpy) limit. Timings are best-of-N loops, each ended by a
+synchronization.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 try:
-    from umbp.gpu import BlockCopier, allocate_staging
+    from umbp.gpu import BlockCopier, Device, device_for
 except ImportError:  # run from a checkout without `pip install -e .`: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from umbp.gpu import BlockCopier, allocate_staging
+    from umbp.gpu import BlockCopier, Device, device_for
+from umbp.runtime.host_memory import allocate_prefaulted_slab
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -112,21 +118,29 @@ def measure_block_size(block_bytes: int, settings: Settings) -> Row:
     layers, base = build_kv(block_bytes, num_blocks, settings)
     copier = BlockCopier(layers, num_blocks)
     block_ids = torch.randperm(num_blocks)[:objects].tolist()
-    rows = allocate_staging(objects, copier.object_bytes, settings.device)
-    check_round_trip(copier, layers, block_ids, rows)
+    device = device_for(settings.device)
+    rows = host_rows(objects, copier.object_bytes)
+    registered = device.register_host(rows.ctypes.data, rows.nbytes)
+    stream = device.new_stream("umbp-bench")
+    run = runner(device, stream)
+    check_round_trip(copier, layers, block_ids, rows, run)
 
     nbytes = objects * copier.object_bytes
-    plain_host = allocate_staging(objects, copier.object_bytes, settings.device).view(-1)
+    plain_host = torch.empty(nbytes, dtype=torch.uint8,
+                             pin_memory=settings.device.type == "cuda")
     plain_device = base[:nbytes]
     sync = synchronizer(settings.device)
-    gather = best_seconds(lambda: copier.gather(block_ids, rows), sync, settings)
+    gather = best_seconds(lambda: run(copier.copy(block_ids, rows, to_kv=False)), sync, settings)
     gather_ref = best_seconds(
         lambda: plain_host.copy_(plain_device, non_blocking=True), sync, settings
     )
-    scatter = best_seconds(lambda: copier.scatter(block_ids, rows), sync, settings)
+    scatter = best_seconds(lambda: run(copier.copy(block_ids, rows, to_kv=True)), sync, settings)
     scatter_ref = best_seconds(
         lambda: plain_device.copy_(plain_host, non_blocking=True), sync, settings
     )
+    if registered:
+        device.unregister_host(rows.ctypes.data)
+    device.close()
     return Row(
         block_bytes=block_bytes,
         objects=objects,
@@ -138,6 +152,32 @@ def measure_block_size(block_bytes: int, settings: Settings) -> Row:
         scatter_ref_gbps=nbytes / scatter_ref / 1e9,
         scatter_ratio=scatter_ref / scatter,
     )
+
+
+def host_rows(count: int, object_bytes: int) -> npt.NDArray[np.uint8]:
+    """Rows the way the embedded pool keeps objects: a prefaulted private mapping."""
+    mapping = allocate_prefaulted_slab(count * object_bytes)
+    return np.frombuffer(mapping, np.uint8).reshape(count, object_bytes)
+
+
+def runner(device: Device, stream: object) -> Callable[[object], None]:
+    """Carry one copy out to the end: on the host at once, on a GPU enqueued on the
+    side stream and waited for (what a store's completion does)."""
+    from umbp.gpu import BlockCopy, HostDevice
+
+    if isinstance(device, HostDevice):
+        def on_host(copy: object) -> None:
+            assert isinstance(copy, BlockCopy)
+            copy.run_on_host()
+        return on_host
+
+    def on_device(copy: object) -> None:
+        assert isinstance(copy, BlockCopy)
+        device.copy(stream, copy)  # type: ignore[arg-type]
+        done = device.new_event()
+        done.record(stream)  # type: ignore[arg-type]
+        done.synchronize()
+    return on_device
 
 
 def build_kv(
@@ -166,18 +206,20 @@ def kv_layer(memory: torch.Tensor, num_blocks: int, heads: int, block_size: int)
 
 
 def check_round_trip(
-    copier: BlockCopier, layers: Sequence[torch.Tensor], block_ids: list[int], rows: torch.Tensor
+    copier: BlockCopier, layers: Sequence[torch.Tensor], block_ids: list[int],
+    rows: npt.NDArray[np.uint8], run: Callable[[object], None],
 ) -> None:
-    """Figures from a broken copier are worthless: check the first object against a slow
+    """Figures from broken copies are worthless: check the first object against a slow
     reference, then that scattering the rows back and gathering again is the identity."""
-    copier.gather(block_ids, rows)
-    if not torch.equal(rows[0].to(copier.device), reference_object(copier, layers, block_ids[0])):
-        raise SystemExit("BlockCopier gathered the wrong bytes: figures would be meaningless")
-    first = rows.clone()
-    copier.scatter(block_ids, rows)
-    copier.gather(block_ids, rows)
-    if not torch.equal(first, rows):
-        raise SystemExit("BlockCopier round trip failed: figures would be meaningless")
+    run(copier.copy(block_ids, rows, to_kv=False))
+    first_object = torch.from_numpy(rows[0].copy()).to(copier.device)
+    if not torch.equal(first_object, reference_object(copier, layers, block_ids[0])):
+        raise SystemExit("umbp gathered the wrong bytes: figures would be meaningless")
+    first = rows.copy()
+    run(copier.copy(block_ids, rows, to_kv=True))
+    run(copier.copy(block_ids, rows, to_kv=False))
+    if not np.array_equal(first, rows):
+        raise SystemExit("umbp's round trip failed: figures would be meaningless")
 
 
 def reference_object(
@@ -236,7 +278,7 @@ HEADER = (
 def print_table(rows: Sequence[Row], settings: Settings) -> None:
     direction = "device<->pinned host" if settings.device.type == "cuda" else "cpu tensor copy"
     print(
-        f"BlockCopier vs plain contiguous copy ({direction}); device={settings.device} "
+        f"umbp block copies vs plain contiguous copy ({direction}); device={settings.device} "
         f"layers={settings.layers} dtype={DTYPE} threads={torch.get_num_threads()} "
         f"torch={torch.__version__}"
     )

@@ -45,7 +45,7 @@ from measure import interleaved_cpu_median_ns  # benchmarks/, this script's fold
 
 from umbp.core.geometry import CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.loads.plans import load_plan, plan_allocated_load
+from umbp.core.loads.allocation import load_plan, plan_allocated_load
 from umbp.core.lookup.query import (
     EMPTY_LOOKUP_MEMO,
     LookupMemo,

@@ -19,7 +19,7 @@ from tests.property.strategies import request_hashes, single_group_geometries
 from tests.property.test_lookup_properties import scan_like_the_reference
 from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
 from umbp.core.identity import KeySpace, RankTopology
-from umbp.core.loads.plans import load_plan
+from umbp.core.loads.allocation import load_plan
 from umbp.core.lookup.query import build_lookup_query
 from umbp.core.lookup.windows import LoadSpec, single_group_hit_tokens
 from umbp.core.plans import GroupBlocks, LoadPlan

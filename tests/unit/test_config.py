@@ -13,10 +13,11 @@ from umbp.core.config import (
     OPTION_NAMES,
     ConfigError,
     ConnectorConfig,
+    copies_in_place,
     effective_load_async,
     format_config_errors,
     parse_connector_config,
-    pool_lends_to_kv,
+    restores_layer_by_layer,
 )
 
 
@@ -224,37 +225,47 @@ def test_a_non_string_key_is_an_unknown_option_not_a_crash() -> None:
     assert result.failure()[0].key == "3"
 
 
-@pytest.mark.parametrize("lends_to_kv", [True, False])
-def test_load_async_is_kept_when_requested(lends_to_kv: bool) -> None:
-    assert effective_load_async(True, lends_to_kv, 3, True, True) == (True, None)
-    assert effective_load_async(True, lends_to_kv, 1, False, False) == (True, None)
+@pytest.mark.parametrize("layer_by_layer", [True, False])
+def test_load_async_is_kept_when_requested(layer_by_layer: bool) -> None:
+    assert effective_load_async(True, layer_by_layer, 3, True, True) == (True, None)
+    assert effective_load_async(True, layer_by_layer, 1, False, False) == (True, None)
 
 
-@pytest.mark.parametrize("lends_to_kv", [True, False])
-def test_load_async_false_is_honoured_for_one_plain_group(lends_to_kv: bool) -> None:
-    assert effective_load_async(False, lends_to_kv, 1, False, False) == (False, None)
+@pytest.mark.parametrize("layer_by_layer", [True, False])
+def test_load_async_false_is_honoured_for_one_plain_group(layer_by_layer: bool) -> None:
+    assert effective_load_async(False, layer_by_layer, 1, False, False) == (False, None)
 
 
-def test_unset_loads_run_layer_by_layer_only_where_the_pool_lends_to_the_kv_cache() -> None:
+def test_unset_loads_run_layer_by_layer_where_the_worker_says_it_can() -> None:
     assert effective_load_async(None, True, 1, False, False) == (False, None)
     assert effective_load_async(None, False, 1, False, False) == (True, None)
 
 
 @pytest.mark.parametrize(
-    ("mode", "page_bytes", "kv_in_host_memory", "lends"),
+    ("mode", "page_bytes", "object_bytes", "in_place"),
     [
-        ("embedded", None, True, True),
-        ("embedded", None, False, False),  # KV on a GPU: staged through pinned memory
-        ("embedded", 1 << 20, True, False),  # an object may span several pages
-        ("server", None, True, False),
-        ("mooncake", None, True, False),
-        ("mori", None, True, False),
+        ("embedded", 32768, 32768, True),  # page_bytes unset: a page is one object
+        ("embedded", 4096, 32768, False),  # an object spans several pages: staged
+        ("server", 1 << 20, 4096, False),
+        ("mooncake", 1 << 20, 4096, False),
+        ("mori", 1 << 20, 4096, False),
     ],
 )
-def test_only_the_embedded_pool_lends_its_pages_to_kv_in_host_memory(
-    mode: str, page_bytes: int | None, kv_in_host_memory: bool, lends: bool
+def test_only_the_embedded_pool_copies_objects_of_a_page_in_place(
+    mode: str, page_bytes: int, object_bytes: int, in_place: bool
 ) -> None:
-    assert pool_lends_to_kv(mode, page_bytes, kv_in_host_memory) is lends
+    assert copies_in_place(mode, page_bytes, object_bytes) is in_place
+
+
+@pytest.mark.parametrize(
+    ("in_place", "kv_in_host_memory", "layer_by_layer"),
+    [(True, True, True), (True, False, False), (False, True, False), (False, False, False)],
+)
+def test_unset_loads_run_layer_by_layer_only_in_place_into_host_memory(
+    in_place: bool, kv_in_host_memory: bool, layer_by_layer: bool
+) -> None:
+    """On a GPU, layer by layer would cost every decode step its full CUDA graph."""
+    assert restores_layer_by_layer(in_place, kv_in_host_memory) is layer_by_layer
 
 
 @pytest.mark.parametrize(

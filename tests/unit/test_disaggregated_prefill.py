@@ -67,7 +67,7 @@ def hold_stores(driver: Any) -> threading.Event:
     """Keep the engine's store thread busy until the event is set: its stores stay in
     flight as long as the test needs (a slow store, for real)."""
     gate = threading.Event()
-    driver.worker.worker._lanes["umbp-store"].submit(gate.wait)
+    driver.worker.worker._store_io.submit(gate.wait)
     return gate
 
 

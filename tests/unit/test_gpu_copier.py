@@ -1,28 +1,27 @@
-"""BlockCopier on CPU: bit-exact round trips over every KV layout vLLM hands out.
+"""BlockCopier: bit-exact copies over every KV layout vLLM hands out, carried out on the
+host by numpy and as byte ranges (what a GPU's copy engines move), checked against each
+other byte for byte.
 
 Each case builds its KV tensors as views into one base allocation (as vLLM does), so a
 "zeroed copy" is the same views over a zeroed base, and "touches no other block" is
-checked byte for byte over the whole base, padding included.
+checked byte for byte over the whole base, padding included. Byte ranges are carried
+out with ``ctypes.memmove``: every address, offset and length a device would be handed.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umbp.gpu import (
-    BlockCopier,
-    LayerTensors,
-    StagingRows,
-    allocate_staging,
-    describe_layer,
-    describe_layer_parts,
-)
+from umbp.gpu import BlockCopier, BlockCopy, LayerTensors, describe_layer, describe_layer_parts
 
 Build = Callable[[torch.Tensor], list[LayerTensors]]
 """Turns a uint8 base allocation into the layers of one cache group (views into it)."""
@@ -52,14 +51,17 @@ def flat_parts(layers: Sequence[LayerTensors]) -> list[torch.Tensor]:
     return parts
 
 
-def expected_row(parts: Sequence[torch.Tensor], dims: Sequence[int], block_id: int) -> torch.Tensor:
+def manager_block(part: torch.Tensor, num_blocks: int, block_id: int) -> torch.Tensor:
+    """Block ``block_id`` of a part as vLLM's manager counts blocks (its kernel blocks
+    together, when vLLM split it)."""
+    layout = describe_layer(part, num_blocks)
+    k = layout.kernel_blocks
+    return as_bytes(part).narrow(layout.block_dim, block_id * k, k)
+
+
+def expected_row(parts: Sequence[torch.Tensor], num_blocks: int, block_id: int) -> torch.Tensor:
     """The documented object format: each part's block in row-major order, concatenated."""
-    return torch.cat(
-        [
-            as_bytes(part.select(dim, block_id)).reshape(-1)
-            for part, dim in zip(parts, dims, strict=True)
-        ]
-    )
+    return torch.cat([manager_block(part, num_blocks, block_id).reshape(-1) for part in parts])
 
 
 def expected_restore(case: KvCase, source: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
@@ -68,45 +70,48 @@ def expected_restore(case: KvCase, source: torch.Tensor, block_ids: Sequence[int
     src_parts = flat_parts(case.build(source))
     dst_parts = flat_parts(case.build(expected))
     for src, dst in zip(src_parts, dst_parts, strict=True):
-        dim = describe_layer(src, case.num_blocks).block_dim
         for block_id in block_ids:
-            as_bytes(dst).select(dim, block_id).copy_(as_bytes(src).select(dim, block_id))
+            manager_block(dst, case.num_blocks, block_id).copy_(
+                manager_block(src, case.num_blocks, block_id))
     return expected
 
 
-def round_trip(
-    case: KvCase,
-    block_ids: Sequence[int],
-    seed: int = 0,
-    device: str = "cpu",
-    device_staging_bytes: int | None = None,
-) -> None:
-    """gather, then scatter into a zeroed copy: exactly the selected blocks come back.
+def rows_for(copier: BlockCopier, count: int, width: int | None = None) -> npt.NDArray[np.uint8]:
+    return np.zeros((count, width or copier.object_bytes), dtype=np.uint8)
 
-    The KV lives on ``device``; references are computed from a CPU copy, slowly.
-    """
+
+def by_ranges(copy: BlockCopy) -> int:
+    """Carry a copy out from its byte ranges alone (as a device would); bytes moved."""
+    ranges = copy.ranges()
+    for source, destination, size in zip(
+        ranges.sources.tolist(), ranges.destinations.tolist(), ranges.sizes.tolist()
+    ):
+        ctypes.memmove(destination, source, size)
+    return ranges.nbytes
+
+
+Mover = Callable[[BlockCopy], object]
+MOVERS: dict[str, Mover] = {"numpy": BlockCopy.run_on_host, "ranges": by_ranges}
+
+
+def round_trip(case: KvCase, block_ids: Sequence[int], seed: int = 0,
+               move: Mover = BlockCopy.run_on_host) -> None:
+    """gather, then scatter into a zeroed copy: exactly the selected blocks come back."""
     source = random_base(case.base_bytes, seed)
-    kv = source.to(device)
-    staging_cap = (
-        {} if device_staging_bytes is None else {"device_staging_bytes": device_staging_bytes}
-    )
-    copier = BlockCopier(case.build(kv), case.num_blocks, **staging_cap)
-    out = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
-    copier.gather(block_ids, out)
-
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    out = rows_for(copier, len(block_ids))
+    move(copier.copy(block_ids, out, to_kv=False))
     parts = flat_parts(case.build(source))
-    dims = [layout.block_dim for layout in copier.layouts]
     for row, block_id in zip(out, block_ids, strict=True):
-        assert torch.equal(row, expected_row(parts, dims, block_id))
-    assert torch.equal(kv.cpu(), source), "gather must not write the KV"
+        assert np.array_equal(row, expected_row(parts, case.num_blocks, block_id).numpy())
+    assert torch.equal(source, random_base(case.base_bytes, seed)), "gather wrote the KV"
 
-    restored = torch.zeros_like(kv)
+    restored = torch.zeros_like(source)
     unique_ids = list(dict.fromkeys(block_ids))
-    rows = allocate_staging(len(unique_ids), copier.object_bytes, copier.device)
-    rows.copy_(out[[block_ids.index(block_id) for block_id in unique_ids]])
-    restorer = BlockCopier(case.build(restored), case.num_blocks, **staging_cap)
-    restorer.scatter(unique_ids, rows)
-    assert torch.equal(restored.cpu(), expected_restore(case, source, unique_ids))
+    rows = out[[list(block_ids).index(block_id) for block_id in unique_ids]]
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    move(restorer.copy(unique_ids, np.ascontiguousarray(rows), to_kv=True))
+    assert torch.equal(restored, expected_restore(case, source, unique_ids))
 
 
 # -- the layouts --------------------------------------------------------------------
@@ -179,6 +184,21 @@ def mamba_list_case() -> KvCase:
     return KvCase(num_blocks * page, num_blocks, build)
 
 
+def kernel_split_case() -> KvCase:
+    """vLLM 0.33 splitting each 16-token block into 4 kernel blocks of 4 tokens (a
+    back-end's ``kernel_block_sizes``): ``[2, num_blocks * 4, 4, heads, head]``; the
+    issue's crash was ``[2, 40, 16, 2, 8]`` with num_blocks=10."""
+    num_blocks, kernels, tokens, heads, head = 5, 4, 4, 2, 8
+    shape = (2, num_blocks * kernels, tokens, heads, head)
+    layer_bytes = 2 * num_blocks * kernels * tokens * heads * head * 2
+
+    def build(base: torch.Tensor) -> list[LayerTensors]:
+        return [base[i * layer_bytes : (i + 1) * layer_bytes].view(torch.bfloat16).view(shape)
+                for i in (0, 1)]
+
+    return KvCase(2 * layer_bytes, num_blocks, build)
+
+
 CASES = {
     "float32": cpu_attention_case(torch.float32),
     "bfloat16": cpu_attention_case(torch.bfloat16),
@@ -186,93 +206,116 @@ CASES = {
     "mamba_int8_pages": mamba_case(),
     "mamba_list_layer": mamba_list_case(),
     "kv_leading": kv_leading_case(),
+    "kernel_blocks": kernel_split_case(),
 }
 
 
-def staged_blocks(case: KvCase, seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def staged_blocks(case: KvCase, seed: int) -> tuple[torch.Tensor, list[int], npt.NDArray[np.uint8]]:
     """Random KV, three of its blocks (last, first, third) and their objects staged."""
     source = random_base(case.base_bytes, seed=seed)
     block_ids = [case.num_blocks - 1, 0, 2]
     copier = BlockCopier(case.build(source), case.num_blocks)
-    rows = allocate_staging(len(block_ids), copier.object_bytes, copier.device)
+    rows = rows_for(copier, len(block_ids))
     copier.gather(block_ids, rows)
     return source, block_ids, rows
 
 
+@pytest.mark.parametrize("mover", sorted(MOVERS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_round_trip_restores_exactly_the_selected_blocks(name: str) -> None:
+def test_round_trip_restores_exactly_the_selected_blocks(name: str, mover: str) -> None:
     case = CASES[name]
-    round_trip(case, [3, 0, case.num_blocks - 1])
+    round_trip(case, [3, 0, case.num_blocks - 1], move=MOVERS[mover])
 
 
+@pytest.mark.parametrize("mover", sorted(MOVERS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_layer_by_layer_scatters_make_the_whole_scatter_and_touch_only_their_layer(
-    name: str,
+def test_layer_by_layer_loads_make_the_whole_load_and_touch_only_their_layer(
+    name: str, mover: str
 ) -> None:
-    """A layer-wise restore (one scatter per layer, each a slice of the staged
-    objects) ends where one whole scatter ends; before the last layer, the layers not
-    yet scattered are untouched, byte for byte."""
+    """A layer-wise restore (one copy per layer, each a slice of the staged objects)
+    ends where one whole copy ends; before the last layer, the layers not yet copied
+    are untouched, byte for byte; the bytes moved per layer add up to the objects."""
     case = CASES[name]
     source, block_ids, rows = staged_blocks(case, seed=3)
     restored = torch.zeros_like(source)
     restorer = BlockCopier(case.build(restored), case.num_blocks)
     assert restorer.num_layers == len(case.build(restored))
     layers = case.build(restored)
+    moved = 0
     for layer in range(restorer.num_layers):
-        assert restorer.scatter_layer_async(layer, block_ids, rows).done()
+        copy = restorer.copy(block_ids, rows, to_kv=True, layer=layer)
+        MOVERS[mover](copy)
+        moved += copy.nbytes
         later = flat_parts(layers[layer + 1:])
         assert all(not as_bytes(part).any() for part in later), "a later layer was written"
+    assert moved == len(block_ids) * restorer.object_bytes
     assert torch.equal(restored, expected_restore(case, source, block_ids))
     with pytest.raises(IndexError, match="layer"):
-        restorer.scatter_layer_async(restorer.num_layers, block_ids, rows)
+        restorer.copy(block_ids, rows, to_kv=True, layer=restorer.num_layers)
 
 
+@pytest.mark.parametrize("mover", sorted(MOVERS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_scatter_from_lent_rows_equals_the_scatter_of_staged_rows(name: str) -> None:
-    """``src_rows``: objects lying in wider rows in any order (a pool's pages lent in
+def test_rows_in_any_order_of_wider_memory_copy_like_staged_rows(name: str, mover: str) -> None:
+    """Objects lying in wider rows in any order (a pool's pages lent or reserved in
     place) restore the blocks exactly as the same objects staged row by row, whole or
-    one layer at a time."""
+    one layer at a time, and gather into exactly those rows."""
     case = CASES[name]
     source, block_ids, staged = staged_blocks(case, seed=5)
     object_bytes = int(staged.shape[1])
     page_bytes = -(-object_bytes // 64) * 64 + 64  # wider than an object
-    pages = torch.randint(0, 256, (7, page_bytes), dtype=torch.uint8)
+    pages = np.random.default_rng(1).integers(0, 256, (7, page_bytes), dtype=np.uint8)
+    pages_before = pages.copy()
     lent_rows = [5, 1, 3]
     for row, page in enumerate(lent_rows):
         pages[page, :object_bytes] = staged[row]
     whole = torch.zeros_like(source)
-    BlockCopier(case.build(whole), case.num_blocks).scatter(block_ids, pages, src_rows=lent_rows)
+    MOVERS[mover](BlockCopier(case.build(whole), case.num_blocks).copy(
+        block_ids, pages, lent_rows, to_kv=True))
     by_layer = torch.zeros_like(source)
     restorer = BlockCopier(case.build(by_layer), case.num_blocks)
     for layer in range(restorer.num_layers):
-        assert restorer.scatter_layer_async(layer, block_ids, pages, src_rows=lent_rows).done()
+        MOVERS[mover](restorer.copy(block_ids, pages, lent_rows, to_kv=True, layer=layer))
     expected = expected_restore(case, source, block_ids)
     assert torch.equal(whole, expected)
     assert torch.equal(by_layer, expected)
+    # Back into pages in place: exactly the objects' bytes of those rows change.
+    into = pages_before.copy()
+    MOVERS[mover](BlockCopier(case.build(source), case.num_blocks).copy(
+        block_ids, into, lent_rows, to_kv=False))
+    expected_pages = pages_before.copy()
+    for row, page in enumerate(lent_rows):
+        expected_pages[page, :object_bytes] = staged[row]
+    assert np.array_equal(into, expected_pages)
 
 
 @pytest.mark.parametrize(
-    ("rows", "src_rows", "error", "message"),
+    ("memory", "rows", "error", "message"),
     [
-        (torch.zeros(4, 1152, dtype=torch.uint8), [0], ValueError, "1 src_rows for 2 blocks"),
-        (torch.zeros(4, 1152, dtype=torch.uint8), [0, 4], IndexError, "src row 4 out of range"),
-        (torch.zeros(4, 1088, dtype=torch.uint8), [0, 1], ValueError, "cannot hold objects"),
-        (torch.zeros(4, 1152, dtype=torch.int8), [0, 1], ValueError, "uint8 rows"),
+        (np.zeros((4, 1152), np.uint8), [0], ValueError, "2 blocks need 2 rows, got 1"),
+        (np.zeros((4, 1152), np.uint8), [0, 4], IndexError, "row 4 out of range"),
+        (np.zeros((4, 1088), np.uint8), [0, 1], ValueError, "at least 1152 bytes wide"),
+        (np.zeros((4, 1152), np.int8), [0, 1], ValueError, "uint8 numpy array"),
+        (np.zeros((1, 1152), np.uint8), None, ValueError, "2 blocks need 2 rows"),
+        (np.zeros((1152, 4), np.uint8).T, None, ValueError, "contiguous"),
     ],
 )
-def test_wrong_lent_rows_are_rejected(
-    rows: torch.Tensor, src_rows: list[int], error: type[Exception], message: str
+def test_wrong_rows_are_rejected(
+    memory: npt.NDArray[np.uint8], rows: list[int] | None, error: type[Exception], message: str
 ) -> None:
     case = cpu_attention_case(torch.float32)
     copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
-    with pytest.raises(error, match=message):
-        copier.scatter([0, 1], rows, src_rows=src_rows)
+    assert copier.object_bytes == 1152
+    for to_kv in (True, False):
+        with pytest.raises(error, match=message):
+            copier.copy([0, 1], memory, rows, to_kv=to_kv)
 
 
+@pytest.mark.parametrize("mover", sorted(MOVERS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_round_trip_of_every_block(name: str) -> None:
+def test_round_trip_of_every_block(name: str, mover: str) -> None:
     case = CASES[name]
-    round_trip(case, list(reversed(range(case.num_blocks))))
+    round_trip(case, list(reversed(range(case.num_blocks))), move=MOVERS[mover])
 
 
 def test_object_is_one_block_of_every_layer_in_order() -> None:
@@ -280,6 +323,20 @@ def test_object_is_one_block_of_every_layer_in_order() -> None:
     copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
     assert copier.object_bytes == 3 * 2 * 4 * 12 * 4
     assert [layout.block_bytes for layout in copier.layouts] == [384, 384, 384]
+
+
+def test_kernel_blocks_fold_into_their_block() -> None:
+    """The tensor of the crash: 40 kernel blocks of 10 manager blocks, block b being
+    kernel blocks 4b..4b+3 (4 KiB of K and 4 KiB of V per block)."""
+    kv = torch.randn(2, 40, 16, 2, 8)
+    layout = describe_layer(kv, 10)
+    assert (layout.block_dim, layout.kernel_blocks, layout.block_bytes) == (1, 4, 2 * 4 * 1024)
+    copier = BlockCopier([kv], 10)
+    rows = rows_for(copier, 1)
+    copier.gather([9], rows)
+    assert np.array_equal(rows[0], as_bytes(kv[:, 36:40]).reshape(-1).numpy())
+    ranges = copier.copy([9], rows, to_kv=False).ranges()
+    assert ranges.sizes.tolist() == [4096, 4096]  # K, then V: two runs of a block
 
 
 def test_mamba_page_counts_state_bytes_not_padding() -> None:
@@ -290,12 +347,13 @@ def test_mamba_page_counts_state_bytes_not_padding() -> None:
     assert BlockCopier(layers, case.num_blocks).object_bytes == 2 * 40
 
 
-def test_padding_between_mamba_states_is_never_written() -> None:
+@pytest.mark.parametrize("mover", sorted(MOVERS))
+def test_padding_between_mamba_states_is_never_written(mover: str) -> None:
     case = mamba_case()
     sentinel = torch.full((case.base_bytes,), 0xAB, dtype=torch.uint8)
     copier = BlockCopier(case.build(sentinel), case.num_blocks)
     ids = list(range(case.num_blocks))
-    copier.scatter(ids, torch.zeros(len(ids), copier.object_bytes, dtype=torch.uint8))
+    MOVERS[mover](copier.copy(ids, rows_for(copier, len(ids)), to_kv=True))
     pages = sentinel.view(2 * case.num_blocks, 128)
     assert int(pages[:, :40].count_nonzero()) == 0
     assert bool((pages[:, 40:] == 0xAB).all())
@@ -306,35 +364,35 @@ def test_empty_block_list_is_a_no_op() -> None:
     source = random_base(case.base_bytes)
     before = source.clone()
     copier = BlockCopier(case.build(source), case.num_blocks)
-    empty = torch.empty(0, copier.object_bytes, dtype=torch.uint8)
+    empty = rows_for(copier, 0)
     copier.gather([], empty)
     copier.scatter([], empty)
-    assert copier.gather_async([], empty).done()
+    assert copier.copy([], empty, to_kv=True).ranges().nbytes == 0
     assert torch.equal(source, before)
 
 
 def test_gather_copies_a_duplicated_id_into_each_row() -> None:
     case = cpu_attention_case(torch.bfloat16)
     copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
-    out = torch.empty(3, copier.object_bytes, dtype=torch.uint8)
+    out = rows_for(copier, 3)
     copier.gather([2, 5, 2], out)
-    assert torch.equal(out[0], out[2])
-    assert not torch.equal(out[0], out[1])
+    assert np.array_equal(out[0], out[2])
+    assert not np.array_equal(out[0], out[1])
     round_trip(case, [2, 5, 2])
 
 
-def test_scatter_rejects_duplicate_ids() -> None:
+def test_a_load_naming_a_block_twice_is_rejected() -> None:
     case = cpu_attention_case(torch.float32)
     copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
     with pytest.raises(ValueError, match="block id 1 more than once"):
-        copier.scatter([1, 1], torch.zeros(2, copier.object_bytes, dtype=torch.uint8))
+        copier.copy([1, 1], rows_for(copier, 2), to_kv=True)
 
 
 @pytest.mark.parametrize("bad_id", [7, 100, -1])
 def test_out_of_range_id_names_the_id_and_num_blocks(bad_id: int) -> None:
     case = cpu_attention_case(torch.float32)  # num_blocks = 7
     copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
-    rows = torch.zeros(2, copier.object_bytes, dtype=torch.uint8)
+    rows = rows_for(copier, 2)
     message = f"block id {bad_id} out of range for num_blocks=7"
     with pytest.raises(IndexError, match=message):
         copier.gather([0, bad_id], rows)
@@ -342,81 +400,14 @@ def test_out_of_range_id_names_the_id_and_num_blocks(bad_id: int) -> None:
         copier.scatter([bad_id, 0], rows)
 
 
-@pytest.mark.parametrize(
-    "rows",
-    [
-        torch.zeros(2, 1152, dtype=torch.float32),  # wrong dtype
-        torch.zeros(3, 1152, dtype=torch.uint8),  # wrong number of rows
-        torch.zeros(2, 1151, dtype=torch.uint8),  # wrong object size
-        torch.zeros(1152, 2, dtype=torch.uint8).t(),  # right shape, not contiguous
-    ],
-)
-def test_wrong_rows_are_rejected(rows: torch.Tensor) -> None:
-    case = cpu_attention_case(torch.float32)
-    copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
-    assert copier.object_bytes == 1152
-    with pytest.raises(ValueError):
-        copier.gather([0, 1], rows)
-    with pytest.raises(ValueError):
-        copier.scatter([0, 1], rows)
-
-
-def test_rows_on_another_device_are_rejected() -> None:
-    case = cpu_attention_case(torch.float32)
-    copier = BlockCopier(case.build(random_base(case.base_bytes)), case.num_blocks)
-    rows = torch.empty(1, copier.object_bytes, dtype=torch.uint8, device="meta")
-    with pytest.raises(ValueError, match="out is on meta; the KV is on cpu"):
-        copier.gather([0], rows)
-
-
-def test_async_variants_complete_at_once_on_cpu() -> None:
-    case = cpu_attention_case(torch.float16)
-    source = random_base(case.base_bytes)
-    copier = BlockCopier(case.build(source), case.num_blocks)
-    out = torch.empty(2, copier.object_bytes, dtype=torch.uint8)
-    handle = copier.gather_async([4, 1], out)
-    assert handle.done()
-    handle.wait()
-    handle.make_stream_wait()  # no stream on CPU: a no-op
-    assert torch.equal(out[1], expected_row(flat_parts(case.build(source)), [0, 0, 0], 1))
-
-
 def test_rows_may_be_a_slice_of_a_larger_staging_buffer() -> None:
     case = cpu_attention_case(torch.float32)
     source = random_base(case.base_bytes)
     copier = BlockCopier(case.build(source), case.num_blocks)
-    staging = allocate_staging(5, copier.object_bytes, torch.device("cpu"))
-    copier.gather([6, 2], staging[3:5])
-    assert torch.equal(staging[4], expected_row(flat_parts(case.build(source)), [0, 0, 0], 2))
-
-
-def test_allocate_staging_on_cpu_is_plain_uint8() -> None:
-    staging = allocate_staging(3, 10, torch.device("cpu"))
-    assert staging.shape == (3, 10)
-    assert staging.dtype == torch.uint8
-    assert not staging.is_pinned()
-
-
-def test_staging_rows_reuse_one_buffer_per_group_and_grow_by_doubling() -> None:
-    allocated: list[int] = []
-    released: list[int] = []
-    staging = StagingRows(lambda b: allocated.append(b.data_ptr()),
-                          lambda b: released.append(b.data_ptr()))
-    cpu = torch.device("cpu")
-    first = staging.rows(0, 3, 64, cpu)
-    assert first.shape == (3, 64) and len(allocated) == 1
-    # Fewer rows, or as many: the same memory, nothing allocated.
-    assert staging.rows(0, 2, 64, cpu).data_ptr() == first.data_ptr()
-    assert staging.rows(0, 3, 64, cpu).data_ptr() == first.data_ptr()
-    # Another group has its own buffer.
-    other = staging.rows(1, 1, 32, cpu)
-    assert other.data_ptr() != first.data_ptr() and len(allocated) == 2
-    # More rows: the old buffer is released before a twice as large one replaces it.
-    grown = staging.rows(0, 4, 64, cpu)
-    assert released == [first.data_ptr()] and allocated[-1] == grown.data_ptr()
-    assert staging.rows(0, 6, 64, cpu).data_ptr() == grown.data_ptr()  # capacity 6
-    staging.release()
-    assert sorted(released) == sorted([first.data_ptr(), grown.data_ptr(), other.data_ptr()])
+    staging = rows_for(copier, 5)
+    copier.gather([6, 2], staging, [3, 4])
+    assert np.array_equal(staging[4], expected_row(flat_parts(case.build(source)), 7, 2).numpy())
+    assert not staging[:3].any()
 
 
 def test_layers_on_different_devices_are_rejected() -> None:
@@ -424,6 +415,13 @@ def test_layers_on_different_devices_are_rejected() -> None:
     meta = torch.zeros(4, 2, device="meta")
     with pytest.raises(ValueError, match="one device"):
         BlockCopier([cpu, meta], 4)
+
+
+def test_device_kv_is_copied_by_a_device_not_on_the_host() -> None:
+    kv = torch.zeros(4, 2, 8, device="meta")
+    copier = BlockCopier([kv], 4)
+    with pytest.raises(ValueError, match="a device carries this copy out"):
+        copier.copy([0], np.zeros((1, copier.object_bytes), np.uint8), to_kv=True).run_on_host()
 
 
 # -- describe_layer -----------------------------------------------------------------
@@ -451,6 +449,12 @@ def test_no_dim_of_num_blocks_names_shape_and_num_blocks() -> None:
         describe_layer(torch.zeros(4, 2, 3), 5)
 
 
+def test_a_dim_holding_kernel_blocks_is_the_block_dim() -> None:
+    layout = describe_layer(torch.zeros(2, 40, 16, 2, 8), 10)
+    assert (layout.block_dim, layout.kernel_blocks) == (1, 4)
+    assert describe_layer(torch.zeros(16, 2, 4, 8), 16).kernel_blocks == 1
+
+
 def test_tie_goes_to_the_largest_stride() -> None:
     # CPU layout with heads == num_blocks: the outer (page) dim is the block dim.
     assert describe_layer(torch.zeros(4, 4, 3, 8), 4).block_dim == 0
@@ -467,8 +471,8 @@ def test_kv_leading_with_two_blocks_needs_the_explicit_block_dim() -> None:
     kv = torch.zeros(2, 2, 4, 2, 8)
     assert describe_layer(kv, 2).block_dim == 0
     assert describe_layer(kv, 2, block_dim=1).block_dim == 1
-    with pytest.raises(ValueError, match="not num_blocks=2"):
-        describe_layer(kv, 2, block_dim=2)
+    with pytest.raises(ValueError, match="not num_blocks=3"):
+        describe_layer(kv, 3, block_dim=2)
     copier = BlockCopier([kv], 2, block_dim=1)
     assert copier.layouts[0].block_dim == 1
 
@@ -545,12 +549,14 @@ def layer_spec(draw: st.DrawFn, num_blocks: int) -> LayerSpec:
 
 
 @settings(max_examples=200, deadline=None)
-@given(random_layouts(), st.integers(0, 2**31 - 1))
+@given(random_layouts(), st.integers(0, 2**31 - 1), st.sampled_from(sorted(MOVERS)))
 def test_scatter_of_gather_restores_exactly_the_selected_blocks(
-    case_and_ids: tuple[KvCase, list[int]], seed: int
+    case_and_ids: tuple[KvCase, list[int]], seed: int, mover: str
 ) -> None:
+    """On every strided layout, numpy on the host and the byte ranges a device moves
+    both restore exactly the selected blocks."""
     case, block_ids = case_and_ids
-    round_trip(case, block_ids, seed)
+    round_trip(case, block_ids, seed, MOVERS[mover])
 
 
 # -- CUDA (skipped on CPU-only machines) --------------------------------------------
@@ -560,110 +566,70 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_round_trip_through_pinned_staging(name: str) -> None:
+def test_cuda_round_trip_by_dma_from_registered_host_memory(name: str) -> None:
+    """The chosen batched copy moves a load and a store of every layout bit-exactly
+    between device KV and host rows registered with CUDA."""
+    from umbp.gpu.cuda import CudaDevice
+
     case = CASES[name]
-    round_trip(case, [3, 0, case.num_blocks - 1, 3], device="cuda")
-
-
-@needs_cuda
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_round_trip_in_chunks_of_one_object(name: str) -> None:
-    case = CASES[name]
-    # A bounce buffer of one object forces one device<->host copy per object.
-    round_trip(case, list(reversed(range(case.num_blocks))), device="cuda", device_staging_bytes=1)
-
-
-@needs_cuda
-def test_cuda_staging_is_pinned() -> None:
-    assert allocate_staging(2, 64, torch.device("cuda")).is_pinned()
-
-
-@needs_cuda
-def test_cuda_gather_reads_what_the_current_stream_wrote_last() -> None:
-    case = cpu_attention_case(torch.float32)
-    kv = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
-    layers = case.build(kv)
-    copier = BlockCopier(layers, case.num_blocks)
-    out = allocate_staging(1, copier.object_bytes, copier.device)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # keep the current stream busy, then write block 2
-    for layer in flat_parts(layers):
-        layer[2].fill_(1.5)
-    handle = copier.gather_async([2], out)
-    handle.wait()
-    assert bool((out.view(torch.float32) == 1.5).all())
-
-
-@needs_cuda
-def test_cuda_scatter_is_visible_to_a_stream_made_to_wait() -> None:
-    case = cpu_attention_case(torch.float32)
-    kv = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
-    layers = case.build(kv)
-    copier = BlockCopier(layers, case.num_blocks)
-    src = allocate_staging(1, copier.object_bytes, copier.device)
-    src.view(torch.float32).fill_(2.5)
-    handle = copier.scatter_async([4], src)
-    handle.make_stream_wait()
-    total = torch.stack([layer[4].sum() for layer in flat_parts(layers)]).sum()
-    assert float(total) == 2.5 * copier.object_bytes / 4
-    handle.wait()
-    assert handle.done()
-
-
-@needs_cuda
-def test_cuda_rows_on_the_device_need_no_bounce() -> None:
-    case = kv_leading_case()
-    source = random_base(case.base_bytes)
+    device = CudaDevice(torch.device("cuda"))
+    source = random_base(case.base_bytes, seed=9)
     kv = source.cuda()
     copier = BlockCopier(case.build(kv), case.num_blocks)
-    rows = torch.empty(2, copier.object_bytes, dtype=torch.uint8, device="cuda")
-    copier.gather([1, 3], rows)
-    dims = [layout.block_dim for layout in copier.layouts]
-    assert torch.equal(rows[1].cpu(), expected_row(flat_parts(case.build(source)), dims, 3))
+    ids = [case.num_blocks - 1, 0, 2]
+    rows = rows_for(copier, len(ids))
+    registered = device.register_host(rows.ctypes.data, rows.nbytes)
+    stream = device.new_stream("test")
+    device.copy(stream, copier.copy(ids, rows, to_kv=False))
+    done = device.new_event()
+    done.record(stream)
+    done.synchronize()
+    parts = flat_parts(case.build(source))
+    for row, block_id in zip(rows, ids, strict=True):
+        assert np.array_equal(row, expected_row(parts, case.num_blocks, block_id).numpy())
+    restored = torch.zeros_like(kv)
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    for layer in range(restorer.num_layers):
+        device.copy(stream, restorer.copy(ids, rows, to_kv=True, layer=layer))
+    done.record(stream)
+    device.current_stream().wait_event(done)
+    assert torch.equal(restored.cpu(), expected_restore(case, source, ids))
+    if registered:
+        device.unregister_host(rows.ctypes.data)
+    device.close()
 
 
 @needs_cuda
-def test_cuda_gather_from_another_thread_reads_what_the_forward_marked() -> None:
-    """The store thread enqueues its gather after the event the forward thread
-    recorded (its own current stream knows nothing of the forward pass)."""
+def test_cuda_store_copy_waits_for_the_forward_mark() -> None:
+    """A store's copy enqueued from another thread after the mark the forward thread
+    recorded reads what the forward pass wrote, even while the forward stream is busy."""
     import threading
 
-    from umbp.gpu.copier import mark_forward_end
+    from umbp.gpu.cuda import CudaDevice
 
     case = cpu_attention_case(torch.float32)
+    device = CudaDevice(torch.device("cuda"))
     kv = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
     layers = case.build(kv)
     copier = BlockCopier(layers, case.num_blocks)
-    out = allocate_staging(1, copier.object_bytes, copier.device)
+    out = rows_for(copier, 1)
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)  # the "forward pass" is still running on its stream
     for layer in flat_parts(layers):
         layer[2].fill_(3.5)
-    mark = mark_forward_end(copier.device)
-    gathered: list[bool] = []
+    mark = device.new_event()
+    mark.record(device.current_stream())
+    stream = device.new_stream("store")
 
     def store_thread() -> None:
-        copier.gather_async([2], out, mark).wait()
-        gathered.append(bool((out.view(torch.float32) == 3.5).all()))
+        stream.wait_event(mark)
+        device.copy(stream, copier.copy([2], out, to_kv=False))
+        end = device.new_event()
+        end.record(stream)
+        end.synchronize()
 
     thread = threading.Thread(target=store_thread)
     thread.start()
     thread.join()
-    assert gathered == [True]
-
-
-@needs_cuda
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_layer_by_layer_scatter_restores_every_layer(name: str) -> None:
-    case = CASES[name]
-    source = random_base(case.base_bytes, seed=5)
-    copier = BlockCopier(case.build(source), case.num_blocks)
-    rows = allocate_staging(2, copier.object_bytes, torch.device("cuda"))
-    copier.gather([1, 0], rows)
-    restored = torch.zeros(case.base_bytes, dtype=torch.uint8, device="cuda")
-    restorer = BlockCopier(case.build(restored), case.num_blocks)
-    handles = [restorer.scatter_layer_async(layer, [1, 0], rows)
-               for layer in range(restorer.num_layers)]
-    for handle in handles:
-        handle.make_stream_wait()
-    assert torch.equal(restored.cpu(), expected_restore(case, source, [1, 0]))
+    assert bool((out.view(np.float32) == 3.5).all())
+    device.close()

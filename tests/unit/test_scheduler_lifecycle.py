@@ -42,11 +42,13 @@ def test_runs_on_the_vllm_version_asked_for() -> None:
 @pytest.mark.parametrize(
     ("options", "load_async"),
     [({"load_async": True}, True), ({"load_async": False}, False),
-     # Unset: the embedded pool lends its pages to this host KV cache, so layer by layer.
-     ({}, False),
-     # Unset with page_bytes given: an object may span pages, which are not lent.
-     ({"page_bytes": 64 << 10}, True)],
-    ids=["async", "sync", "default-embedded-host-kv", "default-page-bytes-given"],
+     # Unset: each object (32 KiB) fits a page of the embedded pool, which lends it to
+     # this host KV cache, so layer by layer; also with a page given that holds one.
+     ({}, False), ({"page_bytes": 64 << 10}, False),
+     # Unset with pages smaller than an object: it spans pages, read through staging.
+     ({"page_bytes": 4096}, True)],
+    ids=["async", "sync", "default-embedded-host-kv", "default-object-fits-a-page",
+         "default-object-spans-pages"],
 )
 def test_external_hit_loads_exact_bytes(
     make_driver: Any, options: dict[str, object], load_async: bool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from umbp.core.loads.outcomes import LoadStatus
 from umbp.runtime.pool import SlabPool
@@ -53,9 +54,39 @@ def test_pool_figures_are_read_from_the_store_at_most_once_per_interval() -> Non
     counters = WorkerCounters()
     figures = PoolFigures()
     assert pool.put_batch(["k"], [memoryview(bytes(5000))]) == (True,)
-    figures.refresh(pool, counters)
+    assert figures.due()
+    figures.read(pool, counters)
     assert (counters.pool_objects, counters.pool_used_bytes) == (1, 2 * 4096)
     assert pool.put_batch(["j"], [memoryview(bytes(10))]) == (True,)
-    figures.refresh(pool, counters)  # within the interval: the last figures stay
+    assert not figures.due()  # within the interval: the last figures stay
     assert counters.pool_objects == 1
     pool.close()
+
+
+def test_the_store_is_asked_for_its_figures_off_the_model_thread(make_driver: Any) -> None:
+    """vLLM asks for stats on the model thread every step; a store's ``stats`` may wait
+    for a lock a long put holds (Mooncake, MORI) or for a stalled server: it is asked on
+    the store I/O lane, and the step reads counters only."""
+    import threading
+
+    driver = make_driver()
+    worker = driver.worker.worker
+    pool = worker.pool
+    asked_on: list[str] = []
+    gate = threading.Event()
+    original = pool.stats
+
+    def slow_stats() -> Any:
+        asked_on.append(threading.current_thread().name)
+        gate.wait(10.0)
+        return original()
+
+    pool.stats = slow_stats  # type: ignore[method-assign]
+    try:
+        driver.worker.get_kv_connector_stats()  # returns while stats() is blocked
+        assert worker._store_io.drain(0.05) is False  # the read still waits on the lane
+    finally:
+        gate.set()
+    assert worker._store_io.drain(10.0)
+    assert asked_on == ["umbp-store-io"]
+    assert worker.counters.pool_objects == 0

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from umbp.shell.transfers import Lane, lane_cpus
+from umbp.gpu.lanes import Lane, lane_cpus
 
 
 def test_lane_cpus_leave_the_bound_cores_to_the_model() -> None:

@@ -199,8 +199,7 @@ class Driver:
         self.scheduler.kv_event_publisher = self.publisher
         self.connector: Any = self.scheduler.connector
         assert isinstance(self.connector, umbp.UMBPStoreConnector)
-        self.worker = umbp.UMBPStoreConnector(self.vllm_config, KVConnectorRole.WORKER,
-                                              worker_config)
+        self.worker = self.worker_connector(KVConnectorRole.WORKER, worker_config)
         self.num_blocks = int(worker_config.num_blocks)
         self.group_of_layer = {
             name: g for g, group in enumerate(scheduler_config.kv_cache_groups)
@@ -218,6 +217,13 @@ class Driver:
         self.steps: list[StepRecord] = []
 
     # -- set-up -------------------------------------------------------------
+
+    def worker_connector(self, role: Any, worker_config: Any) -> Any:
+        """The worker-role connector, as vLLM's worker builds it (a subclass may hand
+        it a device)."""
+        import umbp
+
+        return umbp.UMBPStoreConnector(self.vllm_config, role, worker_config)
 
     def layer_spec(self, layer: int) -> Any:
         """vLLM's KV cache spec of one of ``LAYERS`` (a subclass may change it)."""

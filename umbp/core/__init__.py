@@ -8,7 +8,7 @@ two calls (asking the store) and carries out the answers.
 
 The names below are the public API (docs/design.md, "The core's public API", says
 what each is for); everything else is reachable in its module
-(``umbp.core.stores.plans``...) for tests and benchmarks, and may change.
+(``umbp.core.stores.request_store``...) for tests and benchmarks, and may change.
 
 * identity and keys: who an object is, on which rank, under which namespace;
 * geometry and plans: the cache's shape, and the grouped values a scheduler

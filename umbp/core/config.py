@@ -44,10 +44,11 @@ __all__ = [
     "OPTION_NAMES",
     "ConfigError",
     "ConnectorConfig",
+    "copies_in_place",
     "effective_load_async",
     "format_config_errors",
     "parse_connector_config",
-    "pool_lends_to_kv",
+    "restores_layer_by_layer",
 ]
 
 MODES: Final = ("embedded", "server", "mooncake", "mori")
@@ -68,6 +69,7 @@ class ConnectorConfig:
     lookup_async: bool = False
     save_decode_cache: bool = False
     store_inflight_bytes: int = 1 << 30
+    staging_bytes: int = 128 << 20
     enable_partial_hash_hits: bool = False
     lookup_workers: int = 2
     kv_event_max_objects: int = 65536
@@ -104,15 +106,19 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "Store across nodes), 'mori' (AMD MORI UMBP)",
         "load_async": "true: restore KV from the pool while the request waits, off the model "
         "step; false: in the step that computes the rest of the prompt, layer by layer; "
-        "null (default): false where the embedded pool lends its pages to KV in host "
-        "memory, true elsewhere (forced true for several KV cache groups, Mamba-style or "
-        "sparse-indexer layers)",
+        "null (default): false where every object copies straight from the embedded "
+        "pool's pages into KV in host memory, true elsewhere, GPUs included (forced true "
+        "for several KV cache groups, Mamba-style or sparse-indexer layers)",
         "enable_lookup": "look up prompt prefixes in the pool and restore the hits",
         "lookup_async": "run pool lookups in background threads; the request waits a step",
         "save_decode_cache": "also store blocks produced while decoding, not only the prompt's",
-        "store_inflight_bytes": "bytes of stores a worker may have handed to its store thread "
-        "and not finished (their blocks stay pinned in vLLM meanwhile); a step whose stores "
-        "would pass it waits for earlier ones (>= 1 MiB)",
+        "store_inflight_bytes": "bytes of stores a worker may have submitted and not finished "
+        "(their blocks stay pinned in vLLM meanwhile); stores that would pass it wait in the "
+        "worker's queue for a later step, the step itself never waits (>= 1 MiB)",
+        "staging_bytes": "host memory each worker allocates at start (page-locked on a GPU "
+        "host) for objects on their way to or from a store that does not lend its own "
+        "memory (server, mooncake, mori; embedded objects larger than a page); larger "
+        "transfers go in pieces (>= 1 MiB and one stored object)",
         "enable_partial_hash_hits": "match at the hash block size when it is finer than "
         "the KV block size",
         "lookup_workers": f"threads for asynchronous lookups and residency checks (1-{MAX_LOOKUP_WORKERS})",
@@ -199,6 +205,7 @@ _CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
         "lookup_async": check_boolean,
         "save_decode_cache": check_boolean,
         "store_inflight_bytes": check_integer(1 << 20, None),
+        "staging_bytes": check_integer(1 << 20, None),
         "enable_partial_hash_hits": check_boolean,
         "lookup_workers": check_integer(1, MAX_LOOKUP_WORKERS),
         "kv_event_max_objects": check_integer(1, None),
@@ -363,27 +370,40 @@ def format_config_errors(errors: Sequence[ConfigError]) -> str:
     return "\n".join(lines)
 
 
-def pool_lends_to_kv(mode: str, page_bytes: int | None, kv_in_host_memory: bool) -> bool:
-    """Whether the pool lends its pages for copying straight into the KV cache.
+def copies_in_place(mode: str, page_bytes: int, object_bytes: int) -> bool:
+    """Whether objects of ``object_bytes`` move straight between the KV cache and the
+    store's own memory, one copy per byte: the embedded pool lends (loads) and reserves
+    (stores) an object that fits one of its pages (``page_bytes``: the pool's page
+    size, resolved). Every other store is read and written through staging rows. The
+    worker decides it per cache group from its real object sizes, and tells the
+    scheduler (:func:`restores_layer_by_layer`)."""
+    return mode == "embedded" and object_bytes <= page_bytes
 
-    The embedded pool lends an object that fits one page (with ``page_bytes`` null,
-    every object of a one-group model does) to a copier on the host; a layer of it is
-    then ready after one layer's copy. Every other store is read into staging first,
-    so a synchronous restore would hold the forward pass for the whole read.
-    """
-    return mode == "embedded" and page_bytes is None and kv_in_host_memory
+
+def restores_layer_by_layer(in_place: bool, kv_in_host_memory: bool) -> bool:
+    """Whether loads run layer by layer in the step when ``load_async`` is unset.
+
+    Where every object copies in place (:func:`copies_in_place`) and the KV cache is in
+    host memory, a layer of an object is ready after one layer's copy: running requests
+    wait for the first layer only, and the restored request gets its first token steps
+    sooner than an asynchronous load allows. Where objects are staged first, a
+    layer-by-layer restore holds the forward pass for the whole read. On a GPU the
+    default stays asynchronous even in place: vLLM runs a connector that waits layer by
+    layer with piecewise CUDA graphs only, so every decode step would lose its full
+    graph."""
+    return in_place and kv_in_host_memory
 
 
 def effective_load_async(
-    requested: bool | None, lends_to_kv: bool,
+    requested: bool | None, layer_by_layer: bool,
     num_groups: int, has_mamba: bool, has_sparse_indexer: bool,
 ) -> tuple[bool, str | None]:
     """Whether loads are asynchronous, and the warning when the user's ``False`` is overridden.
 
-    Unset (None), loads are synchronous exactly where the pool lends its pages to the
-    KV cache (:func:`pool_lends_to_kv`): restored layer by layer in the step, the
-    request gets its first token steps sooner, and running requests wait only for
-    the first layer's copy. vLLM accepts only request-level load failures when a
+    Unset (None), loads are synchronous exactly where :func:`restores_layer_by_layer`
+    says (``layer_by_layer``): restored layer by layer in the step, the request gets
+    its first token steps sooner, and running requests wait only for the first
+    layer's copy. vLLM accepts only request-level load failures when a
     model has several KV cache groups, and acts on them only while the request waits
     for an asynchronous load. Mamba-style and sparse-attention indexer layers read
     restored state before any ``wait_for_layer_load``. Either way a synchronous,
@@ -401,7 +421,7 @@ def effective_load_async(
         if applies
     )
     if requested is None:
-        return bool(reasons) or not lends_to_kv, None
+        return bool(reasons) or not layer_by_layer, None
     if not reasons:
         return False, None
     return True, (

@@ -14,7 +14,7 @@ from typing import Protocol
 from returns.result import Failure, Result, Success
 
 from umbp.core.geometry import BlockTable, CacheGeometry
-from umbp.core.loads.plans import UnplannedLoad, plan_allocated_load
+from umbp.core.loads.allocation import UnplannedLoad, plan_allocated_load
 from umbp.core.lookup.windows import LoadSpec
 from umbp.core.plans import LoadPlan
 from umbp.core.stores.tracking import StoreTracker

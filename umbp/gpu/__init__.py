@@ -1,20 +1,26 @@
-"""Block movement between vLLM's paged KV tensors and flat byte rows.
+"""Block movement between vLLM's paged KV tensors and host memory.
 
-Knows tensors and layouts; nothing of keys or of vLLM's scheduler.
+Knows tensors, layouts and devices; nothing of keys or of vLLM's scheduler.
 """
 
-from umbp.gpu.copier import BlockCopier
-from umbp.gpu.handle import CopyHandle
+from umbp.gpu.copier import BlockCopier, BlockCopy, CopyRanges
+from umbp.gpu.device import Device, Event, HostDevice, Stream, device_for
 from umbp.gpu.layout import LayerLayout, LayerTensors, describe_layer, describe_layer_parts
-from umbp.gpu.staging import StagingRows, allocate_staging
+from umbp.gpu.staging import StagingRing, StagingSlot
 
 __all__ = [
     "BlockCopier",
-    "CopyHandle",
+    "BlockCopy",
+    "CopyRanges",
+    "Device",
+    "Event",
+    "HostDevice",
     "LayerLayout",
     "LayerTensors",
-    "StagingRows",
-    "allocate_staging",
+    "StagingRing",
+    "StagingSlot",
+    "Stream",
     "describe_layer",
     "describe_layer_parts",
+    "device_for",
 ]

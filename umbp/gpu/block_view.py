@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 WORD_SIZES = (8, 4, 2, 1)
@@ -37,6 +39,15 @@ class BlockView:
     word_bytes: int
     block_shape_bytes: tuple[int, ...]
     word_views: Mapping[int, torch.Tensor]
+    address: int
+    """Where block 0 starts (a device address for device KV)."""
+    block_stride: int
+    """Bytes from one block to the next."""
+    segment_offsets: npt.NDArray[np.uint64]
+    """Where each contiguous run of one block starts, relative to the block, in the
+    block's row-major order: run ``s`` is bytes ``[s * segment_bytes, (s + 1) *
+    segment_bytes)`` of the block as an object holds it."""
+    segment_bytes: int
 
     def words(self, word_bytes: int) -> torch.Tensor:
         """The view read as ``word_bytes``-wide integers (``word_bytes`` divides the widest)."""
@@ -70,7 +81,22 @@ def block_view(tensor: torch.Tensor, block_dim: int) -> BlockView:
         word_bytes=word,
         block_shape_bytes=block_shape_bytes,
         word_views={w: bytes_view.view(word_dtype(w)) for w in WORD_SIZES if word % w == 0},
+        address=int(bytes_view.data_ptr()),
+        block_stride=int(bytes_view.stride(0)),
+        segment_offsets=_segment_offsets(block_shape_bytes[:-1], bytes_view.stride()[1:-1]),
+        segment_bytes=block_shape_bytes[-1],
     )
+
+
+def _segment_offsets(
+    outer_shape: tuple[int, ...], outer_strides: tuple[int, ...]
+) -> npt.NDArray[np.uint64]:
+    """Byte offset of every innermost run of a block, in row-major order of the outer dims."""
+    offsets: npt.NDArray[np.uint64] = np.zeros(1, dtype=np.uint64)
+    for size, stride in zip(outer_shape, outer_strides, strict=True):
+        steps = np.arange(size, dtype=np.uint64) * np.uint64(stride)
+        offsets = (offsets[:, None] + steps[None, :]).reshape(-1)
+    return offsets
 
 
 def word_dtype(word_bytes: int) -> torch.dtype:

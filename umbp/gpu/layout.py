@@ -8,6 +8,12 @@ depends on the attention back-end, so it is derived from the tensor, never assum
 * Mamba state:         ``[num_blocks, 1, 1, state_bytes]`` int8, a non-contiguous view whose
   block stride is the padded page size (only ``state_bytes`` of each page are state).
 
+vLLM may also split each block into ``k`` smaller *kernel blocks* for an attention
+back-end that needs them (``kernel_block_sizes``): the tensor then holds
+``num_blocks * k`` kernel blocks along its block dimension, block ``b`` being kernel blocks
+``b * k .. b * k + k - 1`` (vLLM splits only dense pages, so they are adjacent).
+:func:`block_major` folds them back into one block of ``num_blocks``.
+
 Some layers (several Mamba variants) arrive as a list of tensors; each is one *part* and
 is described on its own.
 """
@@ -34,6 +40,8 @@ class LayerLayout:
     """Bytes of one block of this tensor (padding outside the view is not counted)."""
     dtype: torch.dtype
     shape: tuple[int, ...]
+    kernel_blocks: int = 1
+    """Kernel blocks per block along ``block_dim`` (1: vLLM did not split blocks)."""
 
 
 def describe_layer(
@@ -45,6 +53,8 @@ def describe_layer(
     size the one with the largest stride wins: a paged allocator hands out whole pages,
     so the block dim is the outermost in memory of every block-major layout (CPU, Mamba,
     FlashInfer ``[N, 2, ...]``) and still beats the inner dims of the K/V-leading layout.
+    When no dim has that size, the dim holding kernel blocks is the outermost whose size
+    is a multiple of ``num_blocks`` (see the module docstring).
     The one case this cannot decide is K/V-leading with ``num_blocks == 2``, where the
     K/V dim and the block dim are indistinguishable by shape and stride; a caller that
     knows its back-end passes ``block_dim`` explicitly.
@@ -52,17 +62,27 @@ def describe_layer(
     _check_num_blocks(num_blocks)
     shape = tuple(int(size) for size in tensor.shape)
     strides = tuple(int(stride) for stride in tensor.stride())
+    dim = (
+        _infer_block_dim(shape, strides, num_blocks)
+        if block_dim is None
+        else _checked_block_dim(shape, num_blocks, block_dim)
+    )
     return LayerLayout(
-        block_dim=(
-            _infer_block_dim(shape, strides, num_blocks)
-            if block_dim is None
-            else _checked_block_dim(shape, num_blocks, block_dim)
-        ),
+        block_dim=dim,
         num_blocks=num_blocks,
         block_bytes=_block_bytes(shape, num_blocks, int(tensor.element_size())),
         dtype=tensor.dtype,
         shape=shape,
+        kernel_blocks=shape[dim] // num_blocks,
     )
+
+
+def block_major(tensor: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """``tensor`` with exactly ``num_blocks`` entries along ``layout.block_dim``: kernel
+    blocks folded into their block (a free view: one dim split in two)."""
+    if layout.kernel_blocks == 1:
+        return tensor
+    return tensor.unflatten(layout.block_dim, (layout.num_blocks, layout.kernel_blocks))
 
 
 def layer_parts(layer: LayerTensors) -> tuple[torch.Tensor, ...]:
@@ -90,10 +110,13 @@ def _check_num_blocks(num_blocks: int) -> None:
 
 
 def _infer_block_dim(shape: tuple[int, ...], strides: tuple[int, ...], num_blocks: int) -> int:
-    matching = [dim for dim, size in enumerate(shape) if size == num_blocks]
+    matching = [dim for dim, size in enumerate(shape) if size == num_blocks] or [
+        dim for dim, size in enumerate(shape) if size % num_blocks == 0
+    ]
     if not matching:
         raise ValueError(
-            f"no dimension of KV tensor shape {list(shape)} has size num_blocks={num_blocks}"
+            f"no dimension of KV tensor shape {list(shape)} has size num_blocks={num_blocks} "
+            "(or a multiple of it: kernel blocks)"
         )
     # max() keeps the first of equal strides, i.e. the outermost matching dim.
     return max(matching, key=lambda dim: strides[dim])
@@ -103,10 +126,10 @@ def _checked_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int) 
     if not -len(shape) <= block_dim < len(shape):
         raise ValueError(f"block_dim {block_dim} out of range for KV tensor shape {list(shape)}")
     dim = block_dim % len(shape)
-    if shape[dim] != num_blocks:
+    if shape[dim] % num_blocks:
         raise ValueError(
             f"dim {dim} of KV tensor shape {list(shape)} has size {shape[dim]}, "
-            f"not num_blocks={num_blocks}"
+            f"not num_blocks={num_blocks} (or a multiple of it: kernel blocks)"
         )
     return dim
 

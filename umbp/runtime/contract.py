@@ -30,10 +30,11 @@ would one after another (`umbp.runtime.batches`). The back-ends' limits:
   through `umbp.runtime.lookup_service`): none.
 
 The contract is deliberately synchronous. Asynchronous scheduling (tickets, poll, wait,
-cancel) is not part of it: the worker calls a `WorkerStore` from its transfer threads
-(`umbp.shell.transfers`: synchronous loads, asynchronous loads and stores, each its own
-thread), which keeps every back-end simple and lets the overlap policy live in one place.
-So a `WorkerStore` is called from several threads at once and must be thread-safe (every
+cancel) is not part of it: the worker calls a `WorkerStore` from its host lanes (store
+reads and writes through staging, checksums) and, for the in-process embedded pool's
+`lend` and `reserve`, from vLLM's model thread (`umbp.shell.loads`, `umbp.shell.stores`),
+which keeps every back-end simple and lets the overlap policy live in one place. So a
+`WorkerStore` is called from several threads at once and must be thread-safe (every
 back-end here serialises what it must with a lock of its own).
 
 Expected failures are values, not exceptions: a rejected put is `False`, a failed load is a
@@ -66,6 +67,8 @@ __all__ = [
     "PoolStats",
     "RegistersHostMemory",
     "ReportsTiers",
+    "ReservedObjects",
+    "ReservesObjects",
     "Retains",
     "Retention",
     "SchedulerStore",
@@ -224,28 +227,71 @@ class LentObjects:
     ``memory`` is uint8 ``[rows, row_bytes]``; a lent object is the first ``nbytes``
     of its row. ``rows`` gives, per key in order, the row of the lent object, or None
     when it was not lent (missing, another size, the store closed). Lent objects stay
-    where they are (pinned: neither evicted nor overwritten) until ``settle``, which
-    the borrower calls exactly once, after its copies: it verifies each lent object's
-    checksum over the memory it was copied from and answers one `LoadStatus` per key
-    (HIT, CORRUPT, or why a key was not lent). Bytes copied before ``settle`` are
-    unverified: the borrower must treat every key ``settle`` does not answer HIT as
-    failed."""
+    where they are (pinned: neither evicted nor overwritten) until ``release``.
+
+    ``verify`` checks each lent object's checksum over the memory the caller copies
+    from and answers one `LoadStatus` per key (HIT, CORRUPT, or why a key was not lent);
+    it may run before, during or after the caller's copies (the bytes cannot change
+    while lent), at most once, and before ``release``. Bytes copied are unverified until
+    then: the caller must treat every key ``verify`` does not answer HIT as failed.
+    ``release`` is called exactly once, when the caller's copies have finished reading
+    (on a GPU: when the copy's event completed), verified or not."""
 
     memory: npt.NDArray[np.uint8]
     rows: tuple[int | None, ...]
-    settle: Callable[[], tuple[LoadStatus, ...]]
+    verify: Callable[[], tuple[LoadStatus, ...]]
+    release: Callable[[], None]
 
 
 @runtime_checkable
 class LendsObjects(Protocol):
-    """Optional: a store whose objects lie in this process's memory (the embedded pool)
-    lends them in place (`LentObjects`) instead of copying them into the caller's
-    buffers."""
+    """Optional: a store whose objects lie in memory this process can read (the
+    embedded pool's slab) lends them in place (`LentObjects`) instead of copying them
+    into the caller's buffers."""
 
     def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects | None:
         """Lend the objects under `keys` of `nbytes` each; None when objects of that
         size are not stored whole in one row (the caller reads them with
         `get_batch_into`)."""
+        ...
+
+    def lent_memory(self) -> npt.NDArray[np.uint8]:
+        """All the memory loans (and reservations, `ReservesObjects`) lie in, one
+        region for the store's lifetime: what a GPU host registers once, at start, so
+        that its copy engines read and write it directly."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReservedObjects:
+    """Room a store reserves where objects will lie, for a caller to copy straight
+    into: no staging copy between the KV cache and the store.
+
+    ``memory`` is uint8 ``[rows, row_bytes]``; ``rows`` gives, per key in order, the
+    row the caller writes the object's ``nbytes`` into, or None when nothing is to be
+    written (already stored, or no room: ``commit`` says which). Reserved rows are
+    neither visible to lookups nor reused until ``commit``, which the caller calls
+    exactly once, when its copies have finished writing (on a GPU: when the copy's
+    event completed), saying per key whether its row was written. ``commit`` checksums
+    and publishes the written objects and answers per key, as `put_batch` does, whether
+    the object is stored (a row not written, or written while the store was cleared or
+    closed, is not)."""
+
+    memory: npt.NDArray[np.uint8]
+    rows: tuple[int | None, ...]
+    commit: Callable[[Sequence[bool]], tuple[bool, ...]]
+
+
+@runtime_checkable
+class ReservesObjects(Protocol):
+    """Optional: a store whose memory this process can write (the embedded pool's slab)
+    reserves room for objects (`ReservedObjects`) instead of copying them out of the
+    caller's buffers."""
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects | None:
+        """Reserve a row for each key's object of `nbytes`; None when objects of that
+        size are not stored whole in one row (the caller writes them with
+        `put_batch`)."""
         ...
 
 

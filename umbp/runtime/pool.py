@@ -23,13 +23,15 @@ Concurrency: one `threading.Lock` guards the index, the free list, the counters 
 copies of `put_batch` / `get_batch_into`, taken once per object (not per batch) so that a
 `lookup` from another thread waits for at most one object copy. `lend` copies nothing
 under the lock: it pins the objects (`PagedLru.pin`: not evicted, their pages not reused
-even if cleared meanwhile), the borrower copies from the pages, and `settle` verifies the
-checksums outside the lock, then counts and unpins under it.
+even if cleared meanwhile), the borrower copies from the pages, `verify` checks the
+checksums outside the lock and counts under it, and `release` unpins. `reserve` is the
+other direction: it takes pages (evicting as a put does) that no lookup sees, the caller
+copies into them, and `commit` checksums them outside the lock and makes them resident
+under it; a `clear` or `close` in between returns them instead.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -42,9 +44,12 @@ from umbp.core.rank_keys import HashRuns
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     HashLookup,
+    LendsObjects,
     LentObjects,
     LoadStatus,
     PoolStats,
+    ReservedObjects,
+    ReservesObjects,
     SchedulerStore,
     StoreUnavailable,
     WorkerStore,
@@ -145,7 +150,9 @@ class SlabPool(ClosesOnExit):
         self._page_rows: npt.NDArray[np.uint8] = np.frombuffer(self._slab, np.uint8).reshape(
             self._total_pages, page_bytes
         )
-        self._lent = 0  # objects pinned by loans not settled yet
+        self._outstanding = 0  # objects lent and pages reserved, not yet given back
+        self._reserved_keys: set[str] = set()
+        self._generation = 0  # clear and close: reservations made before are not stored
         self._evicted: dict[str, None] = {}  # insertion-ordered set
         # Per key prefix, the raw hashes of its resident keys (see _hash_identity): what
         # lookup_hashes reads. Kept exact by _admit and _forget, the only two places a key
@@ -210,27 +217,121 @@ class SlabPool(ClosesOnExit):
         """Pin the objects under `keys` and lend their pages for copying in place
         (`LendsObjects`); None when objects of `nbytes` span several pages. A key not
         resident answers MISSING, one of another size SIZE_MISMATCH, all of them
-        UNAVAILABLE once the pool is closed; `settle` verifies, refreshes LRU order
-        and counts like `get_batch_into`, and drops a corrupt object the same way."""
+        UNAVAILABLE once the pool is closed; `verify` refreshes LRU order and counts
+        like `get_batch_into`, and drops a corrupt object the same way."""
         if nbytes > self._page_bytes:
             return None
         lent: list[_StoredObject | None] = []
-        answers: list[LoadStatus] = []  # HIT for a lent object until settled
+        answers: list[LoadStatus] = []  # HIT for a lent object until verified
         with self._lock:
             memory = self._page_rows
             for key in keys:
                 stored = None if self._closed else self._pages.get(key)
                 if stored is not None and stored.nbytes == nbytes:
                     self._pages.pin(stored)
-                    self._lent += 1
+                    self._outstanding += 1
                     lent.append(stored)
                     answers.append(LoadStatus.HIT)
                 else:
                     lent.append(None)
                     answers.append(self._refusal(stored))
         rows = tuple(None if stored is None else stored.pages[0] for stored in lent)
-        settle = functools.cache(functools.partial(self._settle_loan, memory, lent, answers))
-        return LentObjects(memory, rows, settle)
+        loan = _Loan(self, memory, tuple(lent), tuple(answers))
+        return LentObjects(memory, rows, loan.verify, loan.release)
+
+    def lent_memory(self) -> npt.NDArray[np.uint8]:
+        """The slab as page rows: every loan and reservation lies in it."""
+        return self._page_rows
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects | None:
+        """Reserve a page for each key's object of `nbytes` (`ReservesObjects`), evicting
+        as a put does; None when such objects span several pages. A resident key gets
+        no row and is stored (LRU refreshed); a key another reservation is writing, or
+        one the pool has no room for, gets no row and is not."""
+        if nbytes > self._page_bytes:
+            return None
+        reserved: list[tuple[int, ...] | None] = []
+        stored_already: list[bool] = []
+        with self._lock:
+            memory, generation = self._page_rows, self._generation
+            for key in keys:
+                pages, resident = self._reserve_one(key, nbytes)
+                reserved.append(pages)
+                stored_already.append(resident)
+        reservation = _Reservation(
+            self, tuple(keys), nbytes, memory, generation, tuple(reserved), tuple(stored_already)
+        )
+        rows = tuple(None if pages is None else pages[0] for pages in reserved)
+        return ReservedObjects(memory, rows, reservation.commit)
+
+    def _reserve_one(self, key: str, nbytes: int) -> tuple[tuple[int, ...] | None, bool]:
+        """(the pages reserved for `key` or None, whether it is stored already); under
+        the lock."""
+        pages = self._pages
+        resident = None if self._closed else pages.get(key)
+        if resident is not None:
+            pages.touch(resident)
+            return None, True
+        if self._closed or key in self._reserved_keys:
+            self._counters.put_rejects += 1
+            return None, False
+        if pages.needs_room(1):
+            self._evict_for(1)
+        taken = pages.take_pages(1)
+        if taken is None:  # what eviction could not free is pinned right now
+            self._counters.put_rejects += 1
+            return None, False
+        self._reserved_keys.add(key)
+        self._outstanding += 1
+        return taken, False
+
+    def _count_loan(
+        self, lent: Sequence[_StoredObject | None], intact: Sequence[bool],
+        answers: Sequence[LoadStatus],
+    ) -> tuple[LoadStatus, ...]:
+        """A loan's statuses, counted (under the lock)."""
+        return tuple(
+            status if stored is None else self._verdict(stored, ok)
+            for stored, ok, status in zip(lent, intact, answers)
+        )
+
+    def _end_loan(self, lent: Sequence[_StoredObject | None]) -> None:
+        with self._lock:
+            for stored in lent:
+                if stored is not None:
+                    self._pages.unpin(stored)
+                    self._outstanding -= 1
+
+    def _commit_reservation(
+        self, reservation: _Reservation, checksums: Sequence[int | None]
+    ) -> tuple[bool, ...]:
+        """Publish the reserved objects whose checksum is given (under the lock); give
+        back the pages of the others, and of every one when the pool was cleared or
+        closed since the reservation."""
+        results: list[bool] = []
+        with self._lock:
+            current = reservation.generation == self._generation and not self._closed
+            for key, pages, checksum, stored in zip(
+                reservation.keys, reservation.pages, checksums, reservation.stored_already
+            ):
+                if pages is None:  # stored already, unless the pool was cleared since
+                    results.append(stored and current)
+                    continue
+                self._reserved_keys.discard(key)
+                self._outstanding -= 1
+                if checksum is None or not current or key in self._pages:
+                    self._pages.return_pages(pages)
+                    results.append(checksum is not None and current)
+                    continue
+                regions = self._regions(pages, reservation.nbytes)
+                self._admit(_StoredObject(
+                    key, pages, regions, reservation.nbytes, checksum, _hash_identity(key)
+                ))
+                self._evicted.pop(key, None)
+                self._counters.puts += 1
+                self._counters.bytes_written += reservation.nbytes
+                results.append(True)
+        return tuple(results)
 
     def _refusal(self, stored: _StoredObject | None) -> LoadStatus:
         """Why an object is not lent (under the lock; counts a miss like a get)."""
@@ -240,28 +341,6 @@ class SlabPool(ClosesOnExit):
             self._counters.misses += 1
             return LoadStatus.MISSING
         return LoadStatus.SIZE_MISMATCH
-
-    def _settle_loan(
-        self, memory: npt.NDArray[np.uint8], lent: Sequence[_StoredObject | None],
-        answers: Sequence[LoadStatus],
-    ) -> tuple[LoadStatus, ...]:
-        # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
-        intact = [
-            stored is not None
-            and xxhash.xxh3_64_intdigest(memory[stored.pages[0], : stored.nbytes])
-            == stored.checksum
-            for stored in lent
-        ]
-        statuses: list[LoadStatus] = []
-        with self._lock:
-            for stored, ok, status in zip(lent, intact, answers):
-                if stored is None:
-                    statuses.append(status)
-                    continue
-                statuses.append(self._verdict(stored, ok))
-                self._pages.unpin(stored)
-                self._lent -= 1
-        return tuple(statuses)
 
     def _verdict(self, stored: _StoredObject, intact: bool) -> LoadStatus:
         """A read object's status, counted (under the lock): a corrupt one is dropped
@@ -377,10 +456,7 @@ class SlabPool(ClosesOnExit):
                 self._counters.put_rejects += 1
                 return False
             if pages.needs_room(pages_needed):
-                for victim in pages.evict(pages_needed):
-                    self._forget(victim)
-                    self._evicted[victim.key] = None
-                    self._counters.evictions += 1
+                self._evict_for(pages_needed)
             taken = pages.take_pages(pages_needed)
             if taken is None:  # what eviction could not free is lent (pinned) right now
                 self._counters.put_rejects += 1
@@ -394,6 +470,13 @@ class SlabPool(ClosesOnExit):
             self._counters.puts += 1
             self._counters.bytes_written += source.nbytes
             return True
+
+    def _evict_for(self, pages_needed: int) -> None:
+        """LRU victims out, reported as evicted (under the lock)."""
+        for victim in self._pages.evict(pages_needed):
+            self._forget(victim)
+            self._evicted[victim.key] = None
+            self._counters.evictions += 1
 
     def _get_one(self, key: str, destination: memoryview) -> LoadStatus:
         with self._lock:
@@ -440,7 +523,8 @@ class SlabPool(ClosesOnExit):
                 del self._hashes_by_prefix[prefix]
 
     def _forget_everything(self) -> None:
-        if self._lent:  # lent pages come back when their loans settle
+        self._generation += 1
+        if self._outstanding:  # lent and reserved pages come back when given back
             self._pages.clear()
         else:
             self._pages.reset()
@@ -450,6 +534,70 @@ class SlabPool(ClosesOnExit):
     def _require_open(self) -> None:
         if self._closed:
             raise StoreUnavailable("SlabPool is closed")
+
+
+class _Loan:
+    """One `lend`'s pinned objects: verified at most once, released exactly once."""
+
+    __slots__ = ("_answers", "_lent", "_memory", "_pool", "_released", "_verified")
+
+    def __init__(
+        self, pool: SlabPool, memory: npt.NDArray[np.uint8],
+        lent: tuple[_StoredObject | None, ...], answers: tuple[LoadStatus, ...],
+    ) -> None:
+        self._pool, self._memory, self._lent, self._answers = pool, memory, lent, answers
+        self._verified = self._released = False
+
+    def verify(self) -> tuple[LoadStatus, ...]:
+        if self._verified or self._released:
+            raise RuntimeError("a loan is verified at most once, before its release")
+        self._verified = True
+        # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
+        intact = [
+            stored is not None
+            and xxhash.xxh3_64_intdigest(self._memory[stored.pages[0], : stored.nbytes])
+            == stored.checksum
+            for stored in self._lent
+        ]
+        with self._pool._lock:
+            return self._pool._count_loan(self._lent, intact, self._answers)
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("a loan is released exactly once")
+        self._released = True
+        self._pool._end_loan(self._lent)
+
+
+class _Reservation:
+    """One `reserve`'s pages: committed exactly once."""
+
+    __slots__ = ("_committed", "generation", "keys", "memory", "nbytes", "pages", "pool",
+                 "stored_already")
+
+    def __init__(
+        self, pool: SlabPool, keys: tuple[str, ...], nbytes: int,
+        memory: npt.NDArray[np.uint8], generation: int,
+        pages: tuple[tuple[int, ...] | None, ...], stored_already: tuple[bool, ...],
+    ) -> None:
+        self.pool, self.keys, self.nbytes, self.memory = pool, keys, nbytes, memory
+        self.generation, self.pages, self.stored_already = generation, pages, stored_already
+        self._committed = False
+
+    def commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+        if self._committed:
+            raise RuntimeError("a reservation is committed exactly once")
+        if len(written) != len(self.keys):
+            raise ValueError(f"commit needs one answer per key: {len(self.keys)}, got "
+                             f"{len(written)}")
+        self._committed = True
+        # Hashed outside the lock: reserved pages are neither reused nor freed.
+        checksums = [
+            None if pages is None or not wrote
+            else int(xxhash.xxh3_64_intdigest(self.memory[pages[0], : self.nbytes]))
+            for pages, wrote in zip(self.pages, written)
+        ]
+        return self.pool._commit_reservation(self, checksums)
 
 
 # ------------------------------------------------------------------ validation
@@ -488,6 +636,6 @@ if TYPE_CHECKING:
 
     def _slab_pool_honours_the_contract(
         pool: SlabPool,
-    ) -> tuple[SchedulerStore, WorkerStore, HashLookup]:
+    ) -> tuple[SchedulerStore, WorkerStore, HashLookup, LendsObjects, ReservesObjects]:
         """Never called: makes mypy prove that SlabPool satisfies the protocols."""
-        return pool, pool, pool
+        return pool, pool, pool, pool, pool

@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 
 from returns.result import Failure, Success
 
-from umbp.core.config import ConnectorConfig, effective_load_async, pool_lends_to_kv
+from umbp.core.config import ConnectorConfig, effective_load_async
 from umbp.core.geometry import CacheGeometry, block_table_of
 from umbp.core.identity import KeySpace
 from umbp.core.lookup import (
@@ -70,21 +70,11 @@ class Admission:
         self, config: ConnectorConfig, kv_cache_config: Any, geometry: CacheGeometry,
         hybrid: HybridLookup | None, executor: Executor, counters: AdmissionCounters,
     ) -> None:
-        lends_to_kv = pool_lends_to_kv(
-            config.mode, config.page_bytes, vllm_compat.kv_in_host_memory()
-        )
-        load_async, warning = effective_load_async(
-            config.load_async, lends_to_kv, *vllm_compat.layer_kinds(kv_cache_config)
-        )
-        if warning is not None:
-            logger.warning("umbp: %s", warning)
-        if config.load_async is None:
-            logger.info("umbp restores %s (load_async unset; set it to choose)", (
-                "while the request waits, off the model step" if load_async else
-                "layer by layer in the step that computes the rest of the prompt, copying "
-                "from the embedded pool's pages into the KV cache in host memory"
-            ))
-        self._rules = LookupRules(geometry, config.enable_lookup, config.lookup_async, load_async)
+        self._requested_load_async = config.load_async
+        self._layer_kinds = vllm_compat.layer_kinds(kv_cache_config)
+        # Until the workers say how they copy (bind_load_mode), loads would be
+        # asynchronous; nothing is looked up before then.
+        self._rules = LookupRules(geometry, config.enable_lookup, config.lookup_async, True)
         self._announced_wait_s = config.announced_wait_s
         self._hybrid = hybrid
         self._executor = executor
@@ -97,6 +87,23 @@ class Admission:
 
     def bind_gpu_block_pool(self, pool: BlockPoolLike) -> None:
         self._gpu_block_pool = pool
+
+    def bind_load_mode(self, layer_by_layer: bool) -> None:
+        """The workers' answer to :func:`umbp.core.config.restores_layer_by_layer`
+        (they know their object sizes and where the KV lives) settles whether loads
+        run asynchronously."""
+        load_async, warning = effective_load_async(
+            self._requested_load_async, layer_by_layer, *self._layer_kinds
+        )
+        if warning is not None:
+            logger.warning("umbp: %s", warning)
+        if self._requested_load_async is None:
+            logger.info("umbp restores %s (load_async unset; set it to choose)", (
+                "while the request waits, off the model step" if load_async else
+                "layer by layer in the step that computes the rest of the prompt, copying "
+                "from the embedded pool's pages into the KV cache in host memory"
+            ))
+        self._rules = replace(self._rules, load_async=load_async)
 
     def matched_tokens(
         self, store: SchedulerStore, keyspace: KeySpace, request: RequestLike,

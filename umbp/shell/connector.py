@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from umbp.core.config import ConnectorConfig, format_config_errors, parse_connector_config
 from umbp.core.support import Support, check_support
+from umbp.gpu.device import Device
 from umbp.shell import vllm_compat
 from umbp.shell.logs import route_to_vllm_logging
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake
@@ -59,7 +60,13 @@ def _recompute_failed_loads(vllm_config: Any) -> None:
 
 
 class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None, *,
+        device: Device | None = None,
+    ) -> None:
+        """``device``: what the worker's copies run on; vLLM never passes it (the KV
+        tensors decide: :func:`umbp.gpu.device.device_for`). The conformance harness
+        passes its recording fake of a GPU."""
         super().__init__(vllm_config, role, kv_cache_config)
         config = connector_config(vllm_config)
         support = engine_support(vllm_config, kv_cache_config)
@@ -75,7 +82,8 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, kv_cache_config, config, active=support.active
             )
         else:
-            self._worker = UMBPWorker(vllm_config, kv_cache_config, config, active=support.active)
+            self._worker = UMBPWorker(vllm_config, kv_cache_config, config,
+                                      active=support.active, device=device)
 
     @property
     def scheduler(self) -> UMBPScheduler:
@@ -98,7 +106,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         ``wait_for_layer_load``, which a full CUDA graph's replay never calls: vLLM
         then captures piecewise graphs, whose attention runs eagerly. Asynchronous
         loads need no layer hook; unset, loads are asynchronous wherever KV is on a
-        GPU (``pool_lends_to_kv``)."""
+        GPU (``restores_layer_by_layer``)."""
         parsed = parse_connector_config(dict(extra_config or {}))
         return isinstance(parsed, Success) and parsed.unwrap().load_async is False
 

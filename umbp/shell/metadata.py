@@ -35,7 +35,7 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     stores_over_loads: dict[str, frozenset[str]] = field(default_factory=dict)
     # Requests whose failed load the scheduler has acted on (or finished, or
     # preempted) before this step: the worker may store for them again.
-    settled_load_failures: frozenset[str] = frozenset()
+    resolved_load_failures: frozenset[str] = frozenset()
     store_event: int | None = None
     preempted_request_ids: frozenset[str] = frozenset()
     # No tokens scheduled: the engine loop only polls (asynchronous loads, among others).
@@ -61,8 +61,11 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class UMBPHandshake(KVConnectorHandshakeMetadata):
     """What only a worker knows, for the scheduler: the namespace it stores
-    under, its rank, and (embedded mode) how to reach its pool for lookups."""
+    under, its rank, (embedded mode) how to reach its pool for lookups, and whether
+    its restores run layer by layer when ``load_async`` is unset
+    (:func:`umbp.core.config.restores_layer_by_layer`)."""
 
     namespace: str
     rank: RankCoord
     pool: PoolAddress | None
+    restores_layer_by_layer: bool = False

@@ -139,7 +139,7 @@ class UMBPScheduler:
         self._loads_to_send: dict[str, None] = {}
         self._pinned = PinnedStores()
         # Requests whose failed load was acted on since the last step's metadata.
-        self._settled_load_failures: set[str] = set()
+        self._resolved_load_failures: set[str] = set()
         # The last step's synchronous loads (its failures may not be known yet).
         self._previous_sync_loads = NO_SYNC_LOADS
         self._events_enabled = vllm_compat.kv_events_enabled(vllm_config)
@@ -176,6 +176,9 @@ class UMBPScheduler:
         if isinstance(bound, Failure):  # a start-up error: these workers cannot serve
             raise RuntimeError(bound.failure())  # noqa: TRY004 - a Result
         keyspace: KeySpace = bound.unwrap()
+        self._admission.bind_load_mode(
+            all(meta.restores_layer_by_layer for meta in by_rank.values())
+        )
         self._store = open_scheduler_store(self._config, {
             tag: address  # each rank's store named as core's keys name that rank
             for tag, rank in zip(rank_tags(keyspace), self._topology.coords(), strict=True)
@@ -239,10 +242,10 @@ class UMBPScheduler:
         meta.preempted_request_ids = preempted
         meta.idle_step = not scheduler_output.num_scheduled_tokens
         # The worker stores for these again (core.loads.failures.still_computing_over_failures).
-        meta.settled_load_failures = frozenset(self._settled_load_failures).union(
+        meta.resolved_load_failures = frozenset(self._resolved_load_failures).union(
             scheduler_output.finished_req_ids, preempted
         )
-        self._settled_load_failures.clear()
+        self._resolved_load_failures.clear()
         # The finished requests' tails join the step's stores in its one event.
         meta.stores, meta.store_event = self._pinned.open_event(stores)
         return meta
@@ -292,7 +295,7 @@ class UMBPScheduler:
                 state.life, failed_blocks, failed, request.num_computed_tokens, hash_block_size,
             ))
             rewound.add(request_id)
-        self._settled_load_failures |= rewound
+        self._resolved_load_failures |= rewound
         self._store_step.may_store_again(rewound)
         self._pinned.unreserve(rewound)
 

@@ -36,11 +36,11 @@ class WorkerCounters:
     store_failures: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
-    # What the forward thread waited for: its layers' synchronous loads, and room
-    # for a step's stores in the in-flight budget (how often, and how long).
+    # What the model thread waited for: its synchronous loads (on the host device, the
+    # layers' copies; on a GPU, their checksums); and how often stores were left for a
+    # later step because the in-flight budget or the staging area was full.
     load_wait_seconds: float = 0.0
-    store_waits: int = 0
-    store_wait_seconds: float = 0.0
+    store_deferrals: int = 0
     # The pool's own figures, refreshed when stats are reported.
     pool_evictions: int = 0
     pool_used_bytes: int = 0
@@ -72,18 +72,24 @@ class UMBPConnectorStats(KVConnectorStats):
 
 class PoolFigures:
     """The store's own figures in the worker's counters (in the shared modes, the
-    whole store's, which other engines fill too), asked at most once per
-    `POOL_STATS_EVERY_S`: vLLM asks every step, and asking a stalled server costs up
-    to `io_timeout_s`. A store that cannot answer keeps the last figures."""
+    whole store's, which other engines fill too), read at most once per
+    `POOL_STATS_EVERY_S` and never on the model thread: vLLM asks every step, and
+    asking a store can wait for a lock a long put holds (Mooncake, MORI) or for a
+    stalled server's `io_timeout_s`. :meth:`due` says when to read again (on the
+    model thread, a clock read); :meth:`read` runs on a lane. A store that cannot
+    answer keeps the last figures."""
 
     def __init__(self) -> None:
         self._next = 0.0
 
-    def refresh(self, store: WorkerStore, counters: WorkerCounters) -> None:
+    def due(self) -> bool:
         now = time.monotonic()
         if now < self._next:
-            return
+            return False
         self._next = now + POOL_STATS_EVERY_S
+        return True
+
+    def read(self, store: WorkerStore, counters: WorkerCounters) -> None:
         try:
             stats = store.stats()
         except Exception as error:  # noqa: BLE001 - stats must never fail an engine step
@@ -157,14 +163,13 @@ COUNTER_DOCS: dict[str, str] = {
     "worker_stored_blocks": "KV blocks copied from vLLM's KV cache into the umbp pool",
     "worker_stored_bytes": "bytes copied from vLLM's KV cache into the umbp pool",
     "worker_store_failures": "KV blocks the umbp pool did not accept",
-    "worker_load_seconds": "seconds umbp's load threads spent restoring from the pool",
-    "worker_store_seconds": "seconds umbp's store thread spent storing to the pool",
-    "worker_load_wait_seconds": "seconds the model step waited for umbp's synchronous "
-    "loads (layer by layer)",
-    "worker_store_waits": "steps that waited for room in umbp's in-flight store budget "
-    "(store_inflight_bytes)",
-    "worker_store_wait_seconds": "seconds steps waited for room in umbp's in-flight "
-    "store budget",
+    "worker_load_seconds": "seconds umbp's loads took, from start to verified (summed)",
+    "worker_store_seconds": "seconds umbp's stores took, from submitted to stored (summed)",
+    "worker_load_wait_seconds": "seconds the model thread waited for umbp's synchronous "
+    "loads (on CPU their layers' copies, on a GPU their checksums)",
+    "worker_store_deferrals": "steps whose queued stores waited for a later step: umbp's "
+    "in-flight store budget (store_inflight_bytes) or staging area (staging_bytes) was "
+    "full",
     "scheduler_lookups": "requests looked up in the umbp pool",
     "scheduler_lookup_failures": "umbp lookups that failed and counted as a miss",
     "scheduler_hit_tokens": "prompt tokens umbp offered to restore",

@@ -1,21 +1,27 @@
-"""The worker role: moves blocks between vLLM's paged KV tensors and the pool, on
-background lanes (:mod:`umbp.shell.transfers`), never inside the forward pass.
+"""The worker role: moves blocks between vLLM's paged KV tensors and the store, as
+copies enqueued on a device (:mod:`umbp.gpu.device`), never inside the forward pass.
 
-* ``start_load_kv`` hands the step's loads to the lanes and returns. An
-  asynchronous load (its request waits outside the batch) completes on the async
-  lane and is reported through ``get_transfer_results``; vLLM schedules the request
-  only then. The step's synchronous loads are read and scattered layer by layer on
-  the sync lane (:mod:`umbp.shell.layer_loads`); ``wait_for_layer_load`` waits for
-  its own layer's copies only.
-* ``wait_for_save`` hands the step's stores to the store lane and returns; their
-  results reach the scheduler as worker metadata once stored, and the scheduler
-  keeps the source blocks pinned until then. :class:`~umbp.shell.transfers.InFlightBudget`
-  bounds what is handed over and not yet stored.
+On the model thread, in each step:
 
-A load that fails for any reason is reported, so vLLM recomputes those tokens: a
-failed load is never served. Each transfer is read -> core -> apply: the store's
-per-object answers go to :mod:`umbp.core.loads.outcomes`, which decides which rows
-reach the KV cache, which blocks failed and how vLLM hears of it.
+* ``start_load_kv`` records the step's forward mark on vLLM's stream, submits the
+  stores handed over in earlier steps (:mod:`umbp.shell.stores`) and the step's loads
+  (:mod:`umbp.shell.loads`), all ordered after the mark, and returns. An asynchronous
+  load (its request waits outside the batch) finishes beside the steps and is reported
+  through ``get_transfer_results``; vLLM schedules the request only then. The step's
+  synchronous loads are copied layer by layer, and ``wait_for_layer_load`` orders each
+  layer's attention after its own layer's copies (on a GPU the GPU waits, not the host).
+* ``wait_for_save`` hands the step's stores over; they are submitted with the next
+  step's mark. Their results reach the scheduler as worker metadata once stored, and the
+  scheduler keeps the source blocks pinned until then.
+* Nothing a step calls waits for the device on the host: completions are polled
+  (events queried) or waited for on host lanes. What the model thread may wait for is a
+  synchronous load's checksums, verified on a host thread beside its copies, at the end
+  of the step (vLLM must hear of a failed block in the step that loaded it).
+
+A load that fails for any reason is reported, so vLLM recomputes those tokens: a failed
+load is never served. Each transfer is read -> core -> apply: the store's per-object
+answers go to :mod:`umbp.core.loads.outcomes`, which decides which rows reach the KV
+cache, which blocks failed and how vLLM hears of it.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
 
-from umbp.core.config import ConnectorConfig
-from umbp.core.identity import KeySpace, ObjectId, RankCoord
+from umbp.core.config import ConnectorConfig, copies_in_place, restores_layer_by_layer
+from umbp.core.identity import KeySpace, RankCoord
 from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
 from umbp.core.loads.outcomes import (
     LoadReport,
@@ -41,27 +46,33 @@ from umbp.core.loads.outcomes import (
     report_load,
     unplanned_load_outcome,
 )
-from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
 from umbp.core.pool_pages import pool_page_bytes
 from umbp.core.stores.acks import StoreEventResult
-from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
-from umbp.gpu.copier import BlockCopier, ForwardMark, mark_forward_end
+from umbp.core.stores.results import stores_past_failed_loads
+from umbp.gpu.copier import BlockCopier
+from umbp.gpu.device import Device, HostDevice, device_for
+from umbp.gpu.lanes import Lane
+from umbp.gpu.staging import StagingRing
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
-from umbp.runtime.contract import LabelsNamespaces, RegistersHostMemory, WorkerStore
+from umbp.runtime.contract import (
+    LabelsNamespaces,
+    LendsObjects,
+    RegistersHostMemory,
+    WorkerStore,
+)
 from umbp.runtime.pool import SlabPool
 from umbp.shell import vllm_compat
-from umbp.shell.group_io import GroupIO, GroupRead, settle_reads
-from umbp.shell.layer_loads import LayerwiseLoads
+from umbp.shell.loads import AsyncLoad, LayerwiseLoad
 from umbp.shell.metadata import UMBPConnectorMetadata, UMBPHandshake, UMBPWorkerMetadata
 from umbp.shell.stats import PoolFigures, WorkerCounters
-from umbp.shell.transfers import InFlightBudget, Lane
+from umbp.shell.store_io import StoreAccess
+from umbp.shell.stores import StoreQueue
+from umbp.shell.transfer_context import TransferContext
 
 logger = logging.getLogger("umbp")
 
 DRAIN_TIMEOUT_S = 60.0
 """How long sleep mode and shutdown wait for transfers in flight."""
-
-LANES = ("umbp-sync-load", "umbp-async-load", "umbp-store")
 
 IDLE_STEP_WAIT_S = 0.005
 """How long a step that computes nothing waits for an asynchronous load or a store in
@@ -70,11 +81,15 @@ transfers are pending, holding the GIL that the transfer threads need between th
 copies: a 64 MiB restore took ~1 s on an otherwise idle engine. Waiting here releases
 it; a transfer that finishes ends the wait at once."""
 
+REGISTER_CHUNK_BYTES = 32 << 30
+"""Host memory is registered with the device in pieces of at most this (drivers limit
+one registration's size)."""
+
 
 class UMBPWorker:
     def __init__(
         self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, *,
-        active: bool = True,
+        active: bool = True, device: Device | None = None,
     ) -> None:
         self._active = active  # inactive: no pool, no handshake; the scheduler sends nothing
         self._vllm_config = vllm_config
@@ -90,22 +105,24 @@ class UMBPWorker:
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
         # vLLM's one way to hear of failed loads for this model, decided once.
         self._reporting = failure_reporting(len(kv_cache_config.kv_cache_groups))
+        self._device_given = device
         # The tensors vLLM registered, kept for sleep mode's restore (vLLM 0.33).
         self._kv_caches: dict[str, Any] | None = None
         self._object_bytes: dict[int, int] = {}
         self._layers: dict[int, int] = {}
         self._layer_of: dict[str, tuple[int, int]] = {}
-        self._device = torch.device("cpu")
         self._asleep = False
         self._backend: WorkerBackend | None = None
-        self._lanes: dict[str, Lane] = {}
-        self._io: dict[str, GroupIO] = {}
-        self._budget = InFlightBudget(config.store_inflight_bytes)
+        self._ctx: TransferContext | None = None
+        self._stores: StoreQueue | None = None
+        self._lanes: tuple[Lane, ...] = ()  # store I/O: the load lane's, the store lane's
+        self._registered: list[int] = []  # host ranges registered with the device
         self._report = LoadReport()
         # Requests computing over a failed synchronous load (this step's or one the
-        # scheduler has not settled yet): save() stores none of theirs.
+        # scheduler has not resolved yet): save() stores none of theirs.
         self._computed_over_failures: frozenset[str] = frozenset()
-        self._step_loads: LayerwiseLoads | None = None
+        self._step_loads: LayerwiseLoad | None = None
+        self._releasing: list[LayerwiseLoad] = []  # reported, rows not let go yet
         self._step_meta: UMBPConnectorMetadata | None = None
         self._store_results: dict[int, StoreEventResult] = {}
         self._lock = threading.Lock()
@@ -130,6 +147,13 @@ class UMBPWorker:
             return None
         return self._backend.embedded.pool
 
+    @property
+    def device(self) -> Device | None:
+        """What the copies run on (None before the KV caches are registered)."""
+        return None if self._ctx is None else self._ctx.device
+
+    # -- start-up -----------------------------------------------------------------
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self._active:
             return
@@ -138,7 +162,8 @@ class UMBPWorker:
         self._object_bytes = {g: copier.object_bytes for g, copier in copiers.items()}
         self._layers = {g: copier.num_layers for g, copier in copiers.items()}
         self._layer_of = self._layer_positions(kv_caches)
-        self._device = next(iter(copiers.values())).device if copiers else torch.device("cpu")
+        kv_device = next(iter(copiers.values())).device if copiers else torch.device("cpu")
+        device = self._device_given or device_for(kv_device)
         object_sizes = list(self._object_bytes.values())
         page_bytes = pool_page_bytes(self._config.page_bytes, object_sizes)
         self._backend = open_worker_backend(
@@ -148,13 +173,29 @@ class UMBPWorker:
         )
         if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
             self._backend.store.register_namespace(self.namespace, self._label)
-        on_staging = (self._register, self._unregister)
-        for name in LANES:
-            lane_copiers = copiers if name == LANES[0] else self._copiers_for(kv_caches)
-            self._io[name] = GroupIO(
-                lane_copiers, lambda: self._store, self._keyspace, self._rank, on_staging
-            )
-            self._lanes[name] = Lane(name)
+        in_place = {
+            g: copies_in_place(self._config.mode, page_bytes, size)
+            for g, size in self._object_bytes.items()
+        }
+        ring = self._staging_for(device, in_place)
+        self._register_lent_memory(device, in_place)
+        load_io = Lane("umbp-load-io", on_start=device.bind_thread)
+        self._store_io = store_io = Lane("umbp-store-io", on_start=device.bind_thread)
+        self._lanes = (load_io, store_io)
+        self._ctx = TransferContext(
+            device=device,
+            access=StoreAccess(lambda: self._store, self._keyspace, self._rank),
+            ring=ring,
+            layer_load_stream=device.new_stream("umbp-layer-load"),
+            async_load_stream=device.new_stream("umbp-async-load"),
+            store_stream=device.new_stream("umbp-store"),
+            io_lane=load_io,
+            on_done=self._count_done,
+            copiers=copiers,
+            in_place=in_place,
+        )
+        self._stores = StoreQueue(self._ctx, self._config.store_inflight_bytes, store_io,
+                                  self._store_finished)
         # A server this worker did not start has its own capacity (`umbp stats`).
         capacity = (
             "capacity the server's"
@@ -163,9 +204,12 @@ class UMBPWorker:
         )
         logger.info(
             "umbp worker rank %s: namespace %s, %d cache group(s), object bytes %s, "
-            "mode %s, %s",
+            "mode %s, %s, KV on %s, %s",
             self._rank, self.namespace, len(copiers), object_sizes, self._config.mode,
-            capacity,
+            capacity, device.name,
+            "copies straight between the KV cache and the pool's pages"
+            if all(in_place.values()) else
+            f"staging {self._config.staging_bytes >> 20} MiB",
         )
 
     def _copiers_for(self, kv_caches: dict[str, Any]) -> dict[int, BlockCopier]:
@@ -188,96 +232,149 @@ class UMBPWorker:
                 positions[name] = (group_id, index)
         return positions
 
+    def _staging_for(self, device: Device, in_place: dict[int, bool]) -> StagingRing | None:
+        """The staging area, where some group does not copy in place: registered with
+        the device and with a transport that moves only registered memory."""
+        if all(in_place.values()):
+            return None
+        largest = max(self._object_bytes.values())
+        if self._config.staging_bytes < largest:
+            raise ValueError(
+                f"umbp: staging_bytes ({self._config.staging_bytes}) must hold at least one "
+                f"stored object ({largest} bytes); raise it in kv_connector_extra_config"
+            )
+        ring = StagingRing(self._config.staging_bytes)
+        self._register_with_device(device, ring.address, ring.nbytes)
+        store = self._store
+        if isinstance(store, RegistersHostMemory):
+            try:
+                store.register_host_memory(ring.address, ring.nbytes)
+            except OSError as error:  # a bounce copy per transfer, not a failure
+                logger.warning("umbp: the store's transport refused the staging area: %s",
+                               error)
+        return ring
+
+    def _register_lent_memory(self, device: Device, in_place: dict[int, bool]) -> None:
+        """The pool's memory, which copies read and write in place, registered with the
+        device once: its copy engines then move those bytes directly."""
+        store = self._store
+        if any(in_place.values()) and isinstance(store, LendsObjects):
+            memory = store.lent_memory()
+            self._register_with_device(device, int(memory.ctypes.data), int(memory.nbytes))
+
+    def _register_with_device(self, device: Device, address: int, nbytes: int) -> None:
+        for start in range(0, nbytes, REGISTER_CHUNK_BYTES):
+            if not device.register_host(address + start, min(REGISTER_CHUNK_BYTES,
+                                                             nbytes - start)):
+                return  # host device: nothing to do; refused: said once, copies still work
+            self._registered.append(address + start)
+
+    def handshake(self) -> UMBPHandshake | None:
+        if self._backend is None or self._ctx is None:
+            return None
+        embedded = self._backend.embedded
+        return UMBPHandshake(
+            self.namespace, self._rank, None if embedded is None else embedded.address,
+            restores_layer_by_layer(
+                all(self._ctx.in_place.values()), isinstance(self._ctx.device, HostDevice)
+            ),
+        )
+
+    # -- sleep mode (vLLM 0.33) ---------------------------------------------------------
+
     @property
     def asleep(self) -> bool:
         """Between ``unregister_kv_caches`` and ``restore_kv_caches``."""
         return self._asleep
 
     def unregister_kv_caches(self) -> None:
-        """Sleep mode (vLLM 0.33): the KV tensors' device memory is about to be
-        released. Transfers in flight finish first (they read or write that memory);
-        then every copier (views into it, device bounce buffers, streams) is
-        dropped, so no load or store can touch it until restore: a load asked for
-        meanwhile reports its blocks failed (vLLM recomputes) and a store stores
-        nothing. The pool and the host staging buffers stay: sleep loses no stored
-        block. Idempotent."""
-        if not self._active or self._kv_caches is None:
+        """Sleep mode: the KV tensors' device memory is about to be released. Stores
+        queued are submitted and every transfer in flight finishes first (they read or
+        write that memory); then the copiers (views into it) go, so no load or store
+        can touch it until restore: a load asked for meanwhile reports its blocks failed
+        (vLLM recomputes) and a store stores nothing. The pool and the staging area
+        stay: sleep loses no stored block. Idempotent."""
+        if not self._active or self._kv_caches is None or self._ctx is None:
             return
         self._drain("sleep mode")
-        for io in self._io.values():
-            io.drop_copiers()
+        self._ctx.copiers = {}
         self._asleep = True
 
     def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
         """After wake-up: copiers are rebuilt from the KV tensors as they are now
         (the ones vLLM registered, or ``kv_caches`` if given), so no pointer
         derived before the sleep is used. Idempotent."""
-        if not self._active or self._kv_caches is None or not (
+        if not self._active or self._kv_caches is None or self._ctx is None or not (
             self._asleep or kv_caches is not None
         ):
             return
         caches = self._kv_caches if kv_caches is None else kv_caches
-        lane_copiers = {name: self._copiers_for(caches) for name in self._io}
-        sizes = {g: c.object_bytes for g, c in next(iter(lane_copiers.values()), {}).items()}
+        copiers = self._copiers_for(caches)
+        sizes = {g: c.object_bytes for g, c in copiers.items()}
         if sizes != self._object_bytes:
             raise RuntimeError(
                 f"umbp: the KV caches restored after sleep have other object sizes "
                 f"{sizes} than those registered {self._object_bytes}"
             )
         self._drain("restoring the KV caches")
-        for name, io in self._io.items():
-            io.use_copiers(lane_copiers[name])
+        self._ctx.copiers = copiers
         self._kv_caches, self._asleep = caches, False
 
+    # -- counters -------------------------------------------------------------------------
+
     def refresh_pool_counters(self) -> None:
-        if self._store is not None:
-            self._pool_figures.refresh(self._store, self.counters)
-        waits = self._budget.waits
-        self.counters.store_waits, self.counters.store_wait_seconds = waits.count, waits.seconds
+        """Counters as the transfers left them; the store's own figures are read on
+        the store I/O lane now and then (:class:`~umbp.shell.stats.PoolFigures`), never
+        here: this runs on the model thread every step."""
+        store, stores = self._store, self._stores
+        if stores is None:
+            return
+        if store is not None and self._pool_figures.due():
+            self._store_io.submit(lambda: self._pool_figures.read(store, self.counters))
+        tally = stores.tally
+        counters = self.counters
+        counters.stored_blocks, counters.stored_bytes = tally.stored_blocks, tally.stored_bytes
+        counters.store_failures, counters.store_seconds = tally.failures, tally.seconds
+        counters.store_deferrals = tally.deferrals
 
-    def handshake(self) -> UMBPHandshake | None:
-        if self._backend is None:
-            return None
-        embedded = self._backend.embedded
-        return UMBPHandshake(self.namespace, self._rank,
-                             None if embedded is None else embedded.address)
-
-    # -- loads -------------------------------------------------------------------
+    # -- loads ---------------------------------------------------------------------------
 
     def start_loads(self, meta: UMBPConnectorMetadata) -> None:
-        """Hand the step's loads to the lanes and return. vLLM calls this on every
-        step, even without a forward pass; a step whose forward pass never saved
-        is settled here."""
-        self._settle_step_loads()
+        """The step's forward mark, the stores handed over before, the step's loads;
+        returns at once. vLLM calls this on every step, even without a forward pass; a
+        step whose forward pass never saved is reported here."""
+        self._report_step_loads()
+        self._let_go_of_finished_loads()
         self._step_meta = meta
         self._idle_step = meta.idle_step
-        # Settled by the scheduler before this step (vLLM cut their computed tokens,
+        # Resolved by the scheduler before this step (vLLM cut their computed tokens,
         # or they finished or were preempted): what they compute now is the recompute.
-        self._computed_over_failures -= meta.settled_load_failures
+        self._computed_over_failures -= meta.resolved_load_failures
         for request_id, block_ids in meta.unplanned_loads.items():
             self._report_load(
                 unplanned_load_outcome(request_id, block_ids, request_id in meta.async_loads)
             )
-        if not self._lanes:  # no KV memory registered: nothing can be read, all recomputed
+        ctx, stores = self._ctx, self._stores
+        if ctx is None or stores is None:  # no KV memory registered: all recomputed
             for plan in meta.loads:
                 self._report_load(plan_load_outcome(
                     plan, (), plan.request_id in meta.async_loads
                 ))
             return
+        mark = ctx.forward_mark()
+        stores.submit(mark)
         sync = [plan for plan in meta.loads if plan.request_id not in meta.async_loads]
         for plan in meta.loads:
             if plan.request_id in meta.async_loads:
-                self._submit_counted(LANES[1], partial(self._async_load, plan))
+                self._count_started()
+                AsyncLoad(plan, ctx, mark, self._async_loaded).start()
         if sync:
-            loads = LayerwiseLoads(sync, self._io[LANES[0]], self._layers)
+            loads = LayerwiseLoad(sync, ctx, mark, self._layers,
+                                  any(plan.ends_mid_block for plan in sync))
             self._step_loads = loads
-            self._submit(LANES[0], loads.run)
-            if any(plan.ends_mid_block for plan in sync):
-                # vLLM writes the step's new tokens into that block before the
-                # layer's attention (and its wait) runs: the whole load lands first.
-                started = time.perf_counter()
-                loads.outcomes()
-                self._count_wait("load_wait_seconds", time.perf_counter() - started)
+            started = time.perf_counter()
+            loads.start()
+            self._count_wait(time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Only this layer's copies of this step's synchronous loads."""
@@ -286,10 +383,10 @@ class UMBPWorker:
             return
         started = time.perf_counter()
         loads.wait_layer(*position)
-        self._count_wait("load_wait_seconds", time.perf_counter() - started)
+        self._count_wait(time.perf_counter() - started)
 
-    def _settle_step_loads(self) -> None:
-        """The step's synchronous loads have run: report them, and leave out the
+    def _report_step_loads(self) -> None:
+        """The step's synchronous loads are copied: report them, and leave out the
         stores of the requests that computed over a failure (vLLM plans a step
         before the last one's failures are known, so such a step may still compute
         over stale blocks: :func:`still_computing_over_failures`)."""
@@ -299,10 +396,11 @@ class UMBPWorker:
         if loads is not None:
             started = time.perf_counter()
             outcomes = loads.outcomes()
-            self._count_wait("load_wait_seconds", time.perf_counter() - started)
+            self._count_wait(time.perf_counter() - started)
             for index, outcome in enumerate(outcomes):
                 self._count_loaded(outcome, loads.seconds if index == 0 else 0.0)
                 self._report_load(outcome)
+            self._releasing.append(loads)
         if meta is not None:
             self._computed_over_failures = still_computing_over_failures(
                 self._computed_over_failures, frozenset(),
@@ -310,29 +408,19 @@ class UMBPWorker:
             )
             self._step_meta = None
 
-    def _async_load(self, plan: LoadPlan) -> None:
-        """On the async lane: read, scatter what core says loaded, settle the reads
-        (a lent object is verified after its copy), report."""
-        started = time.perf_counter()
-        io = self._io[LANES[1]]
-        reads: list[GroupRead] = []
-        scattered = False
+    def _let_go_of_finished_loads(self, wait: bool = False) -> None:
+        """The store's rows of synchronous loads whose copies completed go back."""
+        self._releasing = [loads for loads in self._releasing if not loads.poll(wait)]
+
+    def _async_loaded(self, outcome: RequestLoadOutcome, seconds: float) -> None:
+        """An asynchronous load finished (on a host thread)."""
         try:
-            reads = [io.read(group) for group in plan.groups]
-            provisional = plan_load_outcome(plan, [read.statuses for read in reads], True)
-            for group, read in zip(provisional.groups, reads):
-                source = io.source(group, read)
-                if source is not None:
-                    io.scatter(group, source).wait()
-            scattered = True
-        finally:
-            # Whatever happened, vLLM hears of the request (it waits for it).
-            outcome = plan_load_outcome(plan, settle_reads(reads, scattered), True)
-            self._count_loaded(outcome, time.perf_counter() - started)
+            self._count_loaded(outcome, seconds)
             self._report_load(outcome)
+        finally:
             self._count_done()
 
-    def _count_loaded(self, outcome: RequestLoadOutcome, seconds: float = 0.0) -> None:
+    def _count_loaded(self, outcome: RequestLoadOutcome, seconds: float) -> None:
         loaded = sum(len(group.loaded_rows) for group in outcome.groups)
         nbytes = sum(
             len(group.loaded_rows) * self._object_bytes.get(group.group_id, 0)
@@ -363,6 +451,7 @@ class UMBPWorker:
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids of asynchronous loads: failed ones are also
         finished, as vLLM requires, and are recomputed."""
+        self._let_go_of_finished_loads()
         with self._lock:
             if self._idle_step and self._transfers_in_flight and not (
                 self._report.finished_requests or self._store_results
@@ -373,17 +462,17 @@ class UMBPWorker:
 
     def take_load_error_blocks(self) -> set[int]:
         """Block-level failures (only where vLLM takes them: one cache group)."""
-        self._settle_step_loads()
+        self._report_step_loads()
         with self._lock:
             report, self._report = self._report, self._report.without_blocks()
         return set(report.failed_block_ids)
 
-    # -- stores ---------------------------------------------------------------------
+    # -- stores ---------------------------------------------------------------------------
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
-        """Hand the step's stores to the store lane (after the step's synchronous
-        loads are known: nothing computed over a failed one is stored)."""
-        self._settle_step_loads()
+        """Hand the step's stores over (once the step's synchronous loads are known:
+        nothing computed over a failed one is stored); the next step submits them."""
+        self._report_step_loads()
         if meta.store_event is None:
             return
         stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
@@ -391,129 +480,92 @@ class UMBPWorker:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; what vLLM recomputes is stored when computed",
                            len(not_stored))
-        if not self._lanes:  # no KV memory registered: nothing can be stored
+        if self._stores is None:  # no KV memory registered: nothing can be stored
             failed = not_stored.union(*(plan.identities() for plan in stores))
             with self._lock:
                 self._store_results[meta.store_event] = StoreEventResult(1, failed)
             return
-        mark = mark_forward_end(self._device)
-        nbytes = sum(
-            len(group) * self._object_bytes.get(group.group_id, 0)
-            for plan in stores for group in plan.groups
-        )
-        self._budget.take(nbytes)
-        self._submit_counted(LANES[2], partial(
-            self._store_event, meta.store_event, stores, not_stored, mark, nbytes
-        ))
+        self._count_started()
+        self._stores.add(meta.store_event, stores, not_stored)
 
-    def _store_event(
-        self, event: int, stores: Sequence[StorePlan], not_stored: frozenset[ObjectId],
-        mark: ForwardMark, nbytes: int,
-    ) -> None:
-        """On the store lane: every plan's groups gathered and put; the event's result
-        (with what failed) goes to the scheduler with the next worker metadata."""
-        started = time.perf_counter()
-        failed: frozenset[ObjectId] = not_stored
-        try:
-            for plan in stores:
-                for group in plan.groups:
-                    failed |= self._store_group(group, mark)
-        finally:
-            self._budget.release(nbytes)
-            with self._lock:
-                self.counters.store_seconds += time.perf_counter() - started
-                self._store_results[event] = StoreEventResult(1, failed)
-            self._count_done()
-
-    def _store_group(self, group: GroupBlocks, mark: ForwardMark) -> frozenset[ObjectId]:
-        identities = tuple(group.identities())
-        try:
-            stored = self._io[LANES[2]].write(group, mark)
-        except Exception as error:  # noqa: BLE001 - a copy that raised stores nothing
-            logger.warning("umbp store of cache group %d failed: %s", group.group_id, error)
-            stored = None
-        group_failed = failed_store_identities(identities, stored)
-        written = len(group) - len(group_failed)
+    def _store_finished(self, event: int, result: StoreEventResult) -> None:
         with self._lock:
-            self.counters.stored_blocks += written
-            self.counters.stored_bytes += written * self._object_bytes.get(group.group_id, 0)
-            self.counters.store_failures += len(group_failed)
-        return group_failed
+            self._store_results[event] = result
+        self._count_done()
 
     def take_worker_metadata(self) -> UMBPWorkerMetadata | None:
         with self._lock:
             results, self._store_results = self._store_results, {}
         return UMBPWorkerMetadata(results) if results else None
 
-    # -- the lanes ------------------------------------------------------------------
+    # -- in flight --------------------------------------------------------------------------
 
-    def _submit(self, lane: str, job: Any) -> None:
-        self._lanes[lane].submit(job)
-
-    def _submit_counted(self, lane: str, job: Any) -> None:
-        """Submit a job that calls :meth:`_count_done` when it ends: idle steps wait for
-        it (:data:`IDLE_STEP_WAIT_S`)."""
+    def _count_started(self) -> None:
         with self._lock:
             self._transfers_in_flight += 1
-        try:
-            self._submit(lane, job)
-        except BaseException:
-            self._count_done()
-            raise
 
     def _count_done(self) -> None:
         with self._lock:
             self._transfers_in_flight -= 1
             self._transfer_done.notify_all()
 
-    def _count_wait(self, counter: str, seconds: float) -> None:
+    def _count_wait(self, seconds: float) -> None:
         with self._lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + seconds)
+            self.counters.load_wait_seconds += seconds
 
     def wait_idle(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
-        """Until every transfer handed to the lanes so far has finished (their
-        results wait for vLLM's next calls, as always); False on timeout. Not a vLLM
-        hook: sleep mode and shutdown drain this way, and tests that check the pool
-        between two engine steps."""
-        return all(lane.drain(timeout_s) for lane in self._lanes.values())
+        """Until every transfer handed over so far has finished, stores still queued
+        submitted first (their results wait for vLLM's next calls, as always); False on
+        timeout. Not a vLLM hook and never called in a step: sleep mode and shutdown
+        drain this way, and tests that check the pool between two engine steps."""
+        self._report_step_loads()
+        ctx, stores = self._ctx, self._stores
+        if ctx is None or stores is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        if not stores.submit_all(ctx.forward_mark(), timeout_s):
+            return False
+        with self._lock:
+            if not self._transfer_done.wait_for(
+                lambda: self._transfers_in_flight == 0, max(0.0, deadline - time.monotonic())
+            ):
+                return False
+        self._let_go_of_finished_loads(wait=True)
+        left = max(0.0, deadline - time.monotonic())
+        return all(lane.drain(left) for lane in self._lanes) and (
+            not isinstance(ctx.device, HostDevice) or ctx.device.drain(left)
+        )
 
     def _drain(self, why: str) -> None:
         """Wait for every transfer in flight (they touch the KV memory)."""
-        self._settle_step_loads()
-        for lane in self._lanes.values():
-            if not lane.drain(DRAIN_TIMEOUT_S):
-                logger.error("umbp: %s did not finish its transfers within %.0f s before %s",
-                             lane.name, DRAIN_TIMEOUT_S, why)
+        if not self.wait_idle(DRAIN_TIMEOUT_S):
+            logger.error("umbp: transfers did not finish within %.0f s before %s",
+                         DRAIN_TIMEOUT_S, why)
 
     def shutdown(self) -> None:
-        """Run what is queued (stores land, loads are reported), then stop."""
+        """Submit what is queued, let every transfer finish (stores land, loads are
+        reported), then stop."""
         if self._backend is None:
             return
-        self._settle_step_loads()
-        for lane in self._lanes.values():
+        self._drain("shutdown")
+        for lane in self._lanes:
             if not lane.close(DRAIN_TIMEOUT_S):
                 logger.error("umbp: %s did not stop within %.0f s at shutdown",
                              lane.name, DRAIN_TIMEOUT_S)
-        for io in self._io.values():
-            io.release()
+        ctx = self._ctx
+        if ctx is not None:
+            ctx.device.close()
+            for address in self._registered:
+                ctx.device.unregister_host(address)
+            self._registered = []
+            if ctx.ring is not None:
+                store = self._store
+                if isinstance(store, RegistersHostMemory):
+                    try:
+                        store.unregister_host_memory(ctx.ring.address)
+                    except OSError as error:
+                        logger.debug("umbp: unregistering the staging area: %s", error)
+                ctx.ring.close()
         self._backend.close()
         self._backend = None
 
-    def _register(self, staging: torch.Tensor) -> None:
-        """Let a transport that moves bytes only from registered memory (Mooncake,
-        MORI) use the staging buffer directly. A refusal costs a bounce copy, not
-        correctness."""
-        if isinstance(self._store, RegistersHostMemory):
-            try:
-                self._store.register_host_memory(
-                    staging.data_ptr(), staging.numel() * staging.element_size()
-                )
-            except OSError as error:
-                logger.warning("umbp: could not register the staging buffer: %s", error)
-
-    def _unregister(self, staging: torch.Tensor) -> None:
-        if isinstance(self._store, RegistersHostMemory):
-            try:
-                self._store.unregister_host_memory(staging.data_ptr())
-            except OSError as error:
-                logger.debug("umbp: unregistering the staging buffer: %s", error)

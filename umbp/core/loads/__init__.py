@@ -1,6 +1,6 @@
 """The load rules, from vLLM's allocation to what its forward pass may read.
 
-1. **Plan what vLLM allocated** (``plans.plan_allocated_load``): vLLM may allocate
+1. **Plan what vLLM allocated** (``allocation.plan_allocated_load``): vLLM may allocate
    fewer tokens than umbp matched (bounded replay); the plan covers what it
    allocated, as whole blocks the lookup found. A count above the match, a lowered
    window ending inside a block, a lowered multi-group hit, or a null or repeated
@@ -16,6 +16,6 @@
    the scheduler settles them; their watermarks rewind to where vLLM recomputes.
 """
 
-from umbp.core.loads.plans import UnplannedLoad, plan_allocated_load
+from umbp.core.loads.allocation import UnplannedLoad, plan_allocated_load
 
 __all__ = ["UnplannedLoad", "plan_allocated_load"]

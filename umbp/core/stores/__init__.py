@@ -17,7 +17,7 @@ then the pool's answer to its check, then :func:`finish_store_step`. In order:
 3. **Where cache semantics allow.** vLLM's reachability masks keep only blocks a
    later request can reuse (sliding windows, Mamba); the watermark passed the
    masked-out blocks, so they are never retried; a malformed mask stores nothing
-   that step (``plans.apply_store_masks``). Mamba "align" groups are stored only
+   that step (``request_store.apply_store_masks``). Mamba "align" groups are stored only
    from the boundary states vLLM hands off (``handoffs``); EAGLE's groups drop
    their last block through their masks.
 4. **Not twice.** Blocks the request did not compute (vLLM's prefix-cache hits,
@@ -25,7 +25,7 @@ then the pool's answer to its check, then :func:`finish_store_step`. In order:
    whole step, and skipped when every rank holds them (``residency``); an
    identity an in-flight store event writes is skipped (``reservations``); an
    identity is planned once per step, by the first request that selects it; null
-   blocks and blocks past the hashes never are (``plans.store_plan``).
+   blocks and blocks past the hashes never are (``request_store.store_plan``).
 5. **Pinned until acknowledged.** The step's plans, with finished requests' partial
    tails (``handoffs.finished_partial_tail_plans``), become one store event whose
    source blocks stay pinned in vLLM's block pool until every worker reported it

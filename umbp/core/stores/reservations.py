@@ -1,7 +1,7 @@
 """Reservations: the identities in-flight store events write, as a set that a
 step's store plan checks a run of hashes against without a tuple per block
 (built by :func:`umbp.core.stores.acks.reserved_identities`, read by
-:func:`umbp.core.stores.plans.store_plan`).
+:func:`umbp.core.stores.request_store.store_plan`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from umbp.core.geometry import CacheGeometry, block_table_of
 from umbp.core.identity import KeySpace, ObjectId
 from umbp.core.plans import StorePlan
 from umbp.core.stores.handoffs import DroppedOffloads, boundary_state_plans, transfer_store_plans
-from umbp.core.stores.plans import store_plan, whole_run_plan
+from umbp.core.stores.request_store import store_plan, whole_run_plan
 from umbp.core.stores.residency import (
     NO_RESIDENCY_CHECK,
     ResidencyCheck,
@@ -164,7 +164,7 @@ def plan_stores(
 
     An identity is planned once, by the first request that selects it, unless it
     is reserved or every rank holds it; null blocks and blocks past the hashes are
-    never planned (see :func:`umbp.core.stores.plans.store_plan`).
+    never planned (see :func:`umbp.core.stores.request_store.store_plan`).
     """
     resident = resident_blocks_from_hits(check, answers)
     planned: dict[int, set[bytes]] = {}

@@ -1,7 +1,7 @@
 """Store tracking: what the scheduler remembers of each request for storing
 (:class:`StoreTracker`), its hash-aligned save watermark, and the blocks that
 became full since it (:func:`store_candidate_ranges`, the start of a step's
-store plan in :mod:`umbp.core.stores.plans`); plus the small rules of which
+store plan in :mod:`umbp.core.stores.request_store`); plus the small rules of which
 requests and groups store at all.
 """
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from returns.result import Result
 
 from umbp.core.geometry import BlockTable, CacheGeometry
-from umbp.core.stores.plans import StoreSelection, apply_store_masks
+from umbp.core.stores.request_store import StoreSelection, apply_store_masks
 from umbp.core.stores.tracking import (
     StoreTracker,
     save_watermark,

