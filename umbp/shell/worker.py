@@ -43,6 +43,7 @@ from umbp.core.loads.outcomes import (
 )
 from umbp.core.plans import GroupBlocks, LoadPlan, StorePlan
 from umbp.core.pool_pages import pool_page_bytes
+from umbp.core.replicas import stores_rank_writes
 from umbp.core.stores.acks import StoreEventResult
 from umbp.core.stores.results import failed_store_identities, stores_past_failed_loads
 from umbp.gpu.copier import BlockCopier, ForwardMark, mark_forward_end
@@ -85,7 +86,9 @@ class UMBPWorker:
         namespace, self._label = vllm_compat.namespace_and_label(
             vllm_config, kv_cache_config, config.namespace
         ) if active else ("", "")
-        self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config))
+        self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config),
+                                  vllm_compat.replicated_group_runs(
+                                      vllm_config, kv_cache_config, config) if active else ())
         self._rank: RankCoord = vllm_compat.this_worker_rank(vllm_config)
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
         # vLLM's one way to hear of failed loads for this model, decided once.
@@ -240,7 +243,8 @@ class UMBPWorker:
             return None
         embedded = self._backend.embedded
         return UMBPHandshake(self.namespace, self._rank,
-                             None if embedded is None else embedded.address)
+                             None if embedded is None else embedded.address,
+                             self._keyspace.replicated)
 
     # -- loads -------------------------------------------------------------------
 
@@ -386,7 +390,10 @@ class UMBPWorker:
         self._settle_step_loads()
         if meta.store_event is None:
             return
-        stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
+        stores, not_stored = stores_past_failed_loads(
+            stores_rank_writes(meta.stores, self._keyspace, self._rank),
+            self._computed_over_failures,
+        )
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; what vLLM recomputes is stored when computed",
