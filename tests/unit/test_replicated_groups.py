@@ -24,12 +24,14 @@ import torch
 
 from tests.unit.vllm_driver import LAYERS, NULL_BLOCK, Driver, kv_value
 from umbp.core.identity import KeySpace, RankCoord, RankTopology
+from umbp.core.loads.outcomes import LoadStatus
 
 pytestmark = pytest.mark.vllm_versions
 
 BLOCK = 32
 LATENT = 64  # one MLA "head": latent and rope parts in one row per token
 BLOCKS = 4
+OBJECT_BYTES = len(LAYERS) * BLOCK * LATENT * 4  # a block of every layer, float32
 
 
 class MlaDriver(Driver):
@@ -113,21 +115,32 @@ def server_store(server: Any) -> Any:
     store.close()
 
 
+def filled_tp2_mla_driver(make_driver: Any, server: Any, tokens: list[int]) -> Driver:
+    """An MLA model at TP 2 on the fixture's ``umbp serve``, with ``tokens`` stored."""
+    driver: Driver = make_driver(driver_class=MlaDriver, tensor_parallel_size=2, extra={
+        "mode": "server", "endpoint": server.socket_path, "load_async": False,
+    })
+    driver.fill_pool("a", tokens)
+    return driver
+
+
+def own_rank_keys(driver: Driver, rank: int) -> list[str]:
+    """Each of request a's blocks under TP rank ``rank``'s own coordinates."""
+    space = KeySpace(driver.worker.worker.namespace, RankTopology(tp_size=2))
+    return [space.key(RankCoord(tp=rank), 0, bytes(block_hash))
+            for block_hash in driver.requests["a"].block_hashes[:BLOCKS]]
+
+
 def test_an_mla_block_is_one_object_rank_0_writes_and_both_ranks_restore(
     make_driver: Any, server: Any, server_store: Any
 ) -> None:
-    driver = make_driver(driver_class=MlaDriver, tensor_parallel_size=2, extra={
-        "mode": "server", "endpoint": server.socket_path, "load_async": False,
-    })
     tokens = prompt(BLOCKS)
-    driver.fill_pool("a", tokens)
+    driver = filled_tp2_mla_driver(make_driver, server, tokens)
     assert stored_blocks(driver) == [BLOCKS, 0]
     assert server_store.stats().objects == BLOCKS
     # The one object is rank 0's key; rank 1's own key was never written.
-    space = KeySpace(driver.worker.worker.namespace, RankTopology(tp_size=2))
-    hashes = [bytes(h) for h in driver.requests["a"].block_hashes[:BLOCKS]]
-    for rank, held in ((RankCoord(tp=0), True), (RankCoord(tp=1), False)):
-        assert server_store.lookup([space.key(rank, 0, h) for h in hashes]) == (held,) * BLOCKS
+    assert server_store.lookup(own_rank_keys(driver, 0)) == (True,) * BLOCKS
+    assert server_store.lookup(own_rank_keys(driver, 1)) == (False,) * BLOCKS
 
     restore(driver, tokens)
     assert loaded_blocks(driver) == [BLOCKS, BLOCKS]
@@ -143,12 +156,15 @@ def test_an_mla_block_is_one_object_rank_0_writes_and_both_ranks_restore(
 def test_a_hit_needs_the_writers_object(
     make_driver: Any, server: Any, server_store: Any
 ) -> None:
-    driver = make_driver(driver_class=MlaDriver, tensor_parallel_size=2, extra={
-        "mode": "server", "endpoint": server.socket_path, "load_async": False,
-    })
+    # Only rank 1's own keys in the store (as a per-rank layout would have left them,
+    # with the right bytes): no rank reads them, so nothing is a hit.
     tokens = prompt(BLOCKS)
-    driver.fill_pool("a", tokens)
+    driver = filled_tp2_mla_driver(make_driver, server, tokens)
+    writers = own_rank_keys(driver, 0)
+    objects = [bytearray(OBJECT_BYTES) for _ in writers]
+    assert server_store.get_batch_into(writers, objects) == (LoadStatus.HIT,) * BLOCKS
     assert server_store.clear()
+    assert server_store.put_batch(own_rank_keys(driver, 1), objects) == (True,) * BLOCKS
     wipe_kv(driver)
     driver.add("b", tokens, max_tokens=2)
     driver.run(["b"])
