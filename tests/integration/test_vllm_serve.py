@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import os
 import random
-import re
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from umbp.testing import serve
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 PREFIX_TOKENS = 1024  # 32 blocks of 32
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 SUFFIX_TOKENS = 40
 NEW_TOKENS = 12
 VOCAB = 512
@@ -111,7 +111,9 @@ def embedded_server(served_model: str, tmp_path_factory: pytest.TempPathFactory
     folders_before = _lookup_folders()
     args = serve.serve_args(served_model, serve.free_port(),
                             extra_config={"mode": "embedded", "capacity_bytes": 256 << 20})
-    served = serve.start(args, tmp_path_factory.mktemp("serve") / "vllm.log")
+    # As from a shell that never set it: umbp's config phase sets it then (and logs so).
+    served = serve.start(args, tmp_path_factory.mktemp("serve") / "vllm.log",
+                         unset=(RESERVED_CPU_ENV,))
     try:
         serve.wait_ready(served)
         yield served, folders_before
@@ -149,14 +151,22 @@ class TestEmbeddedPool:
     def test_umbp_logs_through_vllm_logging(
         self, embedded_server: tuple[serve.Served, set[str]]
     ) -> None:
+        # Read while the server runs, after any test of the class: a record is found
+        # by its head wherever it starts (another process may have left an unfinished
+        # line before it), and only umbp's own messages are asked about.
         log = embedded_server[0].log_text()
-        vllm_line = re.compile(r"^\((APIServer|EngineCore|Worker)[^)]* pid=\d+\) [A-Z]+ ")
-        umbp_lines = [line for line in log.splitlines()
-                      if "umbp" in line and "non-default args" not in line]
-        assert any("umbp worker rank" in line and "mode embedded" in line for line in umbp_lines)
-        assert any("kv_load_failure_policy=recompute" in line for line in umbp_lines)
-        assert any("VLLM_CPU_NUM_OF_RESERVED_CPU=" in line for line in umbp_lines)
-        bare = [line for line in umbp_lines if not vllm_line.match(line)]
+        records = serve.vllm_records(log)
+
+        def logged(process: str, start: str, *also: str) -> bool:
+            return any(name == process and message.startswith(start)
+                       and all(part in message for part in also)
+                       for name, message in records)
+
+        assert logged("Worker", "umbp worker rank", "mode embedded")
+        assert logged("EngineCore", "umbp sets kv_load_failure_policy=recompute")
+        # The fixture starts vllm serve without the variable, so umbp sets it.
+        assert logged("APIServer", f"umbp sets {RESERVED_CPU_ENV}=")
+        bare = serve.umbp_outside_vllm_records(log)
         assert not bare, f"umbp lines outside vLLM's log format: {bare}"
 
     def test_a_stopped_server_leaves_no_lookup_socket(

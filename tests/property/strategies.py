@@ -37,12 +37,15 @@ def topologies() -> st.SearchStrategy[RankTopology]:
     )
 
 
-def keyspaces() -> st.SearchStrategy[KeySpace]:
-    return st.builds(
-        KeySpace,
-        namespace=st.sampled_from(["ns", "model-a.1", "x_y"]),
-        topology=topologies(),
-    )
+@st.composite
+def keyspaces(draw: st.DrawFn) -> KeySpace:
+    """Sometimes with groups a run of TP ranks shares (one key per run, core.replicas)."""
+    topology = draw(topologies())
+    runs = [run for run in range(2, topology.tp_size + 1) if topology.tp_size % run == 0]
+    replicated = tuple(sorted(draw(st.dictionaries(
+        st.integers(0, 7), st.sampled_from(runs), max_size=3
+    )).items())) if runs else ()
+    return KeySpace(draw(st.sampled_from(["ns", "model-a.1", "x_y"])), topology, replicated)
 
 
 @st.composite

@@ -208,11 +208,20 @@ def test_a_query_layout_names_the_rank_of_every_key(scenario: LookupScenario) ->
     layout = query.layout
     assert layout.key_count == query.key_count
     assert layout.segment_sizes == tuple(map(len, query.object_hashes))
+    keyspace = scenario.keyspace
+    tags = query.runs.key_strings().rank_tags
+    segments = [s for s, count in enumerate(layout.segment_sizes)
+                for _ in range(count * layout.rank_count)]
     for position, key in enumerate(query.runs.key_strings()):
         rank = _rank_at(layout, position)
-        assert key.startswith(query.runs.key_strings().rank_tags[rank] + ":g")
-        assert key.rsplit(":", 2)[0] == query.runs.key_strings().rank_tags[rank]
-        assert scenario.keyspace.key(coords[rank], 0, b"").startswith(query.runs.key_strings().rank_tags[rank])
+        group_id = scenario.geometry.group_ids[segments[position]]
+        # The tag names the rank; its key is the one it reads: its own, or its replica
+        # run's writer's (core.replicas), which is that rank's own key.
+        reads = coords.index(keyspace.key_rank(coords[rank], group_id))
+        assert key.startswith(tags[reads] + ":g")
+        assert key.rsplit(":", 2)[0] == tags[reads]
+        assert (reads == rank) == (keyspace.replica_run(group_id) == 1 or keyspace.writes(
+            coords[rank], group_id))
 
 
 @st.composite

@@ -45,8 +45,8 @@ def make_driver(model_dir: Path) -> Iterator[Callable[..., Driver]]:
 
     drivers: list[Driver] = []
 
-    def make(**kwargs: Any) -> Driver:
-        driver = Driver(model_dir, **kwargs)
+    def make(driver_class: type[Driver] = Driver, **kwargs: Any) -> Driver:
+        driver = driver_class(model_dir, **kwargs)
         drivers.append(driver)
         return driver
 

@@ -60,7 +60,7 @@ def vllm_config_for(
     model_dir: Path, *, block_size: int = 32, max_model_len: int = 1024,
     max_num_batched_tokens: int = 512, extra: dict[str, Any] | None = None,
     kv_events: bool = True, kv_role: str = "kv_both", cache: dict[str, Any] | None = None,
-    max_num_seqs: int = 8,
+    max_num_seqs: int = 8, tensor_parallel_size: int = 1,
 ) -> Any:
     """An engine's VllmConfig with umbp as its KV connector (no weights are read)."""
     from vllm.config import (
@@ -68,6 +68,7 @@ def vllm_config_for(
         KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -89,6 +90,7 @@ def vllm_config_for(
             kv_connector_extra_config=_extra_config(extra or {}),
         ),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
 
 
@@ -111,6 +113,14 @@ def resolve_layout(vllm_config: Any, specs: Iterable[Any]) -> None:
     supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
     layout = resolve_kv_cache_layout(vllm_config, [supported], list(specs))
     record_kv_cache_layout(vllm_config.cache_config, layout.name)
+
+
+@dataclass(frozen=True)
+class _TpRank:
+    """Stands in for vLLM's TP ``GroupCoordinator`` while one rank's worker connector is
+    built: umbp reads only ``rank_in_group`` (``vllm_compat.this_worker_rank``)."""
+
+    rank_in_group: int
 
 
 class RecordingPublisher:
@@ -146,6 +156,15 @@ class Reported:
 
 
 class Driver:
+    """With ``tensor_parallel_size`` above 1, one worker-role connector per TP rank in
+    this process, each with its own KV tensors (``workers``, ``rank_kv``), stepped one
+    after another as vLLM's executor runs its workers, their outputs joined by vLLM's
+    ``KVOutputAggregator``. While a rank is stepped ``worker`` and ``kv`` are its own
+    (the forward pass writes the same values on every rank); otherwise rank 0's. A
+    worker learns its rank from vLLM's TP group (``rank_in_group``), which needs a
+    process per rank: while one is built, that group is a stand-in holding only
+    ``rank_in_group`` (all umbp reads of it)."""
+
     track_loads = True
     """Record which blocks each step's load changed (`StepRecord.loads`): a copy and a
     comparison of every KV tensor per step, which a driver of a huge cache turns off."""
@@ -164,8 +183,9 @@ class Driver:
         kv_role: str = "kv_both",
         cache: dict[str, Any] | None = None,
         max_num_seqs: int = 8,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -179,6 +199,7 @@ class Driver:
             model_dir, block_size=block_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, extra=extra, kv_events=kv_events,
             kv_role=kv_role, cache=cache, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -199,18 +220,24 @@ class Driver:
         self.scheduler.kv_event_publisher = self.publisher
         self.connector: Any = self.scheduler.connector
         assert isinstance(self.connector, umbp.UMBPStoreConnector)
-        self.worker = self.worker_connector(KVConnectorRole.WORKER, worker_config)
         self.num_blocks = int(worker_config.num_blocks)
         self.group_of_layer = {
             name: g for g, group in enumerate(scheduler_config.kv_cache_groups)
             for name in group.layer_names
         }
-        self.kv = self.new_kv_tensors()
-        self.worker.register_kv_caches(self.kv)
+        self.workers = [self._rank_worker(worker_config, rank)
+                        for rank in range(tensor_parallel_size)]
+        self.rank_kv = [self.new_kv_tensors() for _ in self.workers]
+        for worker, kv in zip(self.workers, self.rank_kv):
+            worker.register_kv_caches(kv)
+        self.worker, self.kv = self.workers[0], self.rank_kv[0]
+        self._aggregator = KVOutputAggregator(len(self.workers))
         # The KV as the last step left it: a load that lands between steps (umbp's
         # load threads run beside the engine) is seen by the next step.
         self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
-        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self.connector.set_xfer_handshake_metadata(
+            {rank: worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+        )
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(hash_block_size, sha256)
         self.requests: dict[str, Any] = {}
@@ -224,6 +251,20 @@ class Driver:
         import umbp
 
         return umbp.UMBPStoreConnector(self.vllm_config, role, worker_config)
+
+    def _rank_worker(self, worker_config: Any, rank: int) -> Any:
+        """The worker-role connector of TP rank ``rank``."""
+        from vllm.distributed import parallel_state
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        if self.vllm_config.parallel_config.world_size == 1:
+            return self.worker_connector(KVConnectorRole.WORKER, worker_config)
+        saved = parallel_state._TP
+        parallel_state._TP = _TpRank(rank)
+        try:
+            return self.worker_connector(KVConnectorRole.WORKER, worker_config)
+        finally:
+            parallel_state._TP = saved
 
     def layer_spec(self, layer: int) -> Any:
         """vLLM's KV cache spec of one of ``LAYERS`` (a subclass may change it)."""
@@ -261,12 +302,14 @@ class Driver:
         return request
 
     def settle(self) -> None:
-        """Until every load and store the worker was handed has finished (what a
+        """Until every load and store the workers were handed has finished (what a
         step hands over lands on umbp's threads, after the step)."""
-        assert self.worker.worker.wait_idle(60.0), "umbp's transfers did not finish"
+        for worker in self.workers:
+            assert worker.worker.wait_idle(60.0), "umbp's transfers did not finish"
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.connector.shutdown()
 
     # -- one engine step ------------------------------------------------------
@@ -275,7 +318,31 @@ class Driver:
         return self.scheduler.schedule()
 
     def execute(self, output: Any) -> tuple[Any, dict[str, list[tuple[int, int]]]]:
-        """The worker's part of a step, in the order vLLM's model runner calls the
+        """The workers' part of a step, rank after rank; their outputs joined as
+        vLLM's executor joins them (rank 0's loads are the ones tracked)."""
+        if len(self.workers) == 1:
+            return self._execute_rank(output)
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        per_rank = []
+        loads: dict[str, list[tuple[int, int]]] = {}
+        try:
+            for rank in reversed(range(len(self.workers))):  # rank 0 last: its loads
+                self.worker, self.kv = self.workers[rank], self.rank_kv[rank]
+                kv_output, loads = self._execute_rank(output, track=rank == 0)
+                per_rank.append(ModelRunnerOutput(
+                    req_ids=[], req_id_to_index={}, kv_connector_output=kv_output
+                ))
+        finally:
+            self.worker, self.kv = self.workers[0], self.rank_kv[0]
+        joined = self._aggregator.aggregate(per_rank[::-1])
+        assert joined is not None
+        return joined.kv_connector_output, loads
+
+    def _execute_rank(
+        self, output: Any, track: bool = True
+    ) -> tuple[Any, dict[str, list[tuple[int, int]]]]:
+        """One worker's part of a step, in the order vLLM's model runner calls the
         connector (``KVConnectorModelRunnerMixin``)."""
         from vllm.v1.outputs import KVConnectorOutput
 
@@ -298,7 +365,7 @@ class Driver:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
-        if not self.track_loads:
+        if not (self.track_loads and track):
             return kv_output, {}
         self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
         return kv_output, self._changed_blocks(before, output)

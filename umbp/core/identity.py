@@ -7,6 +7,11 @@ processes, restarts and data-parallel replicas, so that any engine serving the
 same bytes finds it. Key format::
 
     umbp:<format>:<namespace>:tp<r>:pcp<r>:dcp<r>:pp<r>:g<group>:<block-hash hex>
+
+A group whose bytes a run of TP ranks holds alike (MLA's latent cache,
+:mod:`umbp.core.replicas`) is one object per run in a store every rank reads: each
+rank of the run keys it with the run's first rank's coordinates
+(:meth:`KeySpace.key_rank`), so the run's keys are one key.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ __all__ = [
     "ObjectId",
     "RankCoord",
     "RankTopology",
+    "ReplicatedGroups",
     "bound_keyspace",
     "check_namespace_override",
     "key_prefix",
     "namespace_fingerprint",
     "namespace_of_key",
     "rank_coord",
+    "replica_writer",
     "resolve_namespace",
 ]
 
@@ -182,6 +189,14 @@ def rank_coord(topology: RankTopology, tp_rank: int, pcp_rank: int, pp_rank: int
     return RankCoord(tp_rank, pcp_rank, tp_rank % topology.dcp_size, pp_rank)
 
 
+def replica_writer(topology: RankTopology, rank: RankCoord, run: int) -> RankCoord:
+    """The rank that writes what ``rank`` holds alike with the other TP ranks of its run
+    of ``run`` consecutive TP ranks: the run's first (``run`` 1: the rank itself)."""
+    if run == 1:
+        return rank
+    return rank_coord(topology, rank.tp - rank.tp % run, rank.pcp, rank.pp)
+
+
 def key_prefix(namespace: str, rank: RankCoord, group_id: int) -> str:
     return (
         f"{KEY_PREFIX}:{FORMAT_VERSION}:{namespace}:tp{rank.tp}:pcp{rank.pcp}"
@@ -189,22 +204,61 @@ def key_prefix(namespace: str, rank: RankCoord, group_id: int) -> str:
     )
 
 
+ReplicatedGroups: TypeAlias = tuple[tuple[int, int], ...]
+"""``(group id, run)`` pairs, by group id: runs of ``run`` consecutive TP ranks hold
+the group's bytes alike and share one object (:mod:`umbp.core.replicas`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KeySpace:
     """Builds keys for one namespace and topology. Prefix strings are precomputed
-    because key construction sits on the lookup hot path (thousands per step)."""
+    because key construction sits on the lookup hot path (thousands per step).
+
+    ``replicated`` names the groups whose objects a run of TP ranks shares: every rank
+    of a run keys them as the run's first rank does (:meth:`key_rank`), which alone
+    writes them (:meth:`writes`). Every other group has an object per rank."""
 
     namespace: str
     topology: RankTopology
+    replicated: ReplicatedGroups = ()
     _prefixes: dict[tuple[RankCoord, int], str] = field(
         default_factory=dict, compare=False, repr=False
     )
+
+    def __post_init__(self) -> None:
+        group_ids = [group_id for group_id, _ in self.replicated]
+        if group_ids != sorted(set(group_ids)):
+            raise ValueError(f"replicated groups must be named once each, in order: "
+                             f"{self.replicated}")
+        for group_id, run in self.replicated:
+            if run < 2 or self.topology.tp_size % run:
+                raise ValueError(
+                    f"group {group_id}: a run of {run} TP ranks does not divide tp "
+                    f"{self.topology.tp_size} into runs of two or more"
+                )
+
+    def replica_run(self, group_id: int) -> int:
+        """How many consecutive TP ranks share each of the group's objects (1: none)."""
+        for replicated, run in self.replicated:
+            if replicated == group_id:
+                return run
+        return 1
+
+    def key_rank(self, rank: RankCoord, group_id: int) -> RankCoord:
+        """The coordinates in ``rank``'s keys of the group's objects: the writer's."""
+        return replica_writer(self.topology, rank, self.replica_run(group_id))
+
+    def writes(self, rank: RankCoord, group_id: int) -> bool:
+        """Whether ``rank`` writes the group's objects (every rank of a group that is
+        not replicated; the run's first rank of one that is)."""
+        return self.key_rank(rank, group_id) == rank
 
     def key(self, rank: RankCoord, group_id: int, block_hash: bytes) -> str:
         return self._prefix(rank, group_id) + block_hash.hex()
 
     def rank_keys(self, group_id: int, block_hash: bytes) -> tuple[str, ...]:
-        """One key per rank, in ``topology.coords()`` order."""
+        """One key per rank, in ``topology.coords()`` order (the ranks of a replica
+        run have the one key of its writer)."""
         digest = block_hash.hex()
         return tuple(
             self._prefix(rank, group_id) + digest for rank in self.topology.coords()
@@ -214,27 +268,35 @@ class KeySpace:
         # A memo of pure values; mutation is invisible from outside.
         prefix = self._prefixes.get((rank, group_id))
         if prefix is None:
-            prefix = key_prefix(self.namespace, rank, group_id)
+            prefix = key_prefix(self.namespace, self.key_rank(rank, group_id), group_id)
             self._prefixes[(rank, group_id)] = prefix
         return prefix
 
 
 def bound_keyspace(
-    topology: RankTopology, reported: Mapping[RankCoord, str]
+    topology: RankTopology,
+    reported: Mapping[RankCoord, str],
+    replicated: Mapping[RankCoord, ReplicatedGroups] | None = None,
 ) -> Result[KeySpace, str]:
     """The key space the scheduler looks up in, once the workers have reported.
 
     ``reported`` maps each reporting worker's rank to the namespace it stores
-    under. Every reporter must agree on one namespace (keys under two namespaces
-    could never be found together) and every rank of ``topology`` must have
-    reported (a block is resident only when every rank holds its shard). A report
-    from a rank outside ``topology`` is an error too: that worker stores keys no
-    lookup asks for. No report at all is the missing-ranks error, not a
-    disagreement.
+    under, ``replicated`` to the groups it keys as a replica run's (none if not
+    given). Every reporter must agree on one namespace and on those groups (keys
+    under two namespaces could never be found together, nor a writer's object by a
+    rank that expects its own) and every rank of ``topology`` must have reported (a
+    block is resident only when every rank holds its shard). A report from a rank
+    outside ``topology`` is an error too: that worker stores keys no lookup asks
+    for. No report at all is the missing-ranks error, not a disagreement.
     """
     namespaces = sorted(set(reported.values()))
     if len(namespaces) > 1:
         return Failure(f"umbp workers disagree on the namespace: {namespaces}")
+    schemes = sorted(set((replicated or {}).values()))
+    if len(schemes) > 1:
+        return Failure(
+            f"umbp workers disagree on which cache groups their TP ranks share: {schemes}"
+        )
     ranks = set(topology.coords())
     strays = [rank for rank in reported if rank not in ranks]
     if strays:
@@ -242,4 +304,4 @@ def bound_keyspace(
     missing = [rank for rank in topology.coords() if rank not in reported]
     if missing:
         return Failure(f"umbp: no worker reported for ranks {missing}")
-    return Success(KeySpace(namespaces[0], topology))
+    return Success(KeySpace(namespaces[0], topology, schemes[0] if schemes else ()))

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from umbp.core.identity import KeySpace, RankTopology
+from umbp.core.identity import KeySpace, RankTopology, ReplicatedGroups
 from umbp.core.rank_keys import glued_keys, rank_prefixes
 
 __all__ = ["EMPTY_KEY_MEMO", "GroupKeys", "KeyMemo", "group_keys", "keys_per_rank"]
@@ -68,9 +68,10 @@ class KeyMemo:
     namespace: str | None = None
     topology: RankTopology | None = None
     entries: tuple[GroupKeys, ...] = ()
+    replicated: ReplicatedGroups = ()
 
     def entry(self, keyspace: KeySpace, group_id: int, unit: int) -> GroupKeys | None:
-        if self.namespace != keyspace.namespace or self.topology != keyspace.topology:
+        if not self._built_in(keyspace):
             return None
         for entry in self.entries:
             if entry.group_id == group_id and entry.unit == unit:
@@ -80,10 +81,17 @@ class KeyMemo:
     def with_entry(self, keyspace: KeySpace, new: GroupKeys) -> KeyMemo:
         kept = (
             tuple(e for e in self.entries if (e.group_id, e.unit) != (new.group_id, new.unit))
-            if self.namespace == keyspace.namespace and self.topology == keyspace.topology
+            if self._built_in(keyspace)
             else ()
         )
-        return KeyMemo(keyspace.namespace, keyspace.topology, (*kept, new))
+        return KeyMemo(keyspace.namespace, keyspace.topology, (*kept, new), keyspace.replicated)
+
+    def _built_in(self, keyspace: KeySpace) -> bool:
+        return (
+            self.namespace == keyspace.namespace
+            and self.topology == keyspace.topology
+            and self.replicated == keyspace.replicated
+        )
 
 
 EMPTY_KEY_MEMO: Final = KeyMemo()

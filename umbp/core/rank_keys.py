@@ -23,6 +23,11 @@ Two orders exist:
   rank 1's, and so on, so each rank's keys of a segment are one contiguous run;
 * object-major (residency and event checks): the ``R`` keys of each object sit
   together, so rank ``r``'s keys are every ``R``-th key from position ``r``.
+
+A group a replica run of TP ranks shares (:mod:`umbp.core.replicas`) keeps this shape:
+every rank of the run has the run's one key in its place, so ``all`` over the ranks
+(:func:`fold_ranks`) is that one object's answer, and a hit needs it. Keys are still
+asked once per rank: the layout, the routing and every store stay as they are.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from functools import lru_cache
 from itertools import chain
 from typing import Any, Self
 
-from umbp.core.identity import KeySpace, RankTopology, key_prefix
+from umbp.core.identity import KeySpace, RankTopology, key_prefix, replica_writer
 
 __all__ = [
     "HashRuns",
@@ -302,8 +307,11 @@ def rank_tags(keyspace: KeySpace) -> tuple[str, ...]:
 
 def rank_prefixes(keyspace: KeySpace, group_id: int) -> tuple[str, ...]:
     """Per rank (``topology.coords()`` order), the key of ``group_id``'s objects up
-    to the hash: a key is its rank's prefix plus the hash in hex."""
-    return _rank_prefixes(keyspace.namespace, keyspace.topology, group_id)
+    to the hash: a key is its rank's prefix plus the hash in hex (the ranks of a
+    replica run have its writer's prefix)."""
+    return _rank_prefixes(
+        keyspace.namespace, keyspace.topology, group_id, keyspace.replica_run(group_id)
+    )
 
 
 # Memos of pure functions: every lookup needs these strings, and building them
@@ -317,8 +325,13 @@ def _rank_tags(namespace: str, topology: RankTopology) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=256)
-def _rank_prefixes(namespace: str, topology: RankTopology, group_id: int) -> tuple[str, ...]:
-    return tuple(key_prefix(namespace, rank, group_id) for rank in topology.coords())
+def _rank_prefixes(
+    namespace: str, topology: RankTopology, group_id: int, run: int
+) -> tuple[str, ...]:
+    return tuple(
+        key_prefix(namespace, replica_writer(topology, rank, run), group_id)
+        for rank in topology.coords()
+    )
 
 
 def object_major_keys(

@@ -36,7 +36,8 @@ def retention_keys(
     geometry: CacheGeometry, keyspace: KeySpace, hashes: Sequence[bytes]
 ) -> tuple[str, ...]:
     """Every rank's key of every object a request's ``hashes`` name: per cache group,
-    the objects at each of its lookup units' ends that the hashes cover."""
+    the objects at each of its lookup units' ends that the hashes cover. A replica
+    run's one key is named once."""
     covered = len(hashes) * geometry.hash_block_size
     ranks = keyspace.topology.coords()
     keys: list[str] = []
@@ -45,4 +46,4 @@ def retention_keys(
                                        geometry.hash_block_size)
         keys.extend(keyspace.key(rank, group_id, block_hash)
                     for rank in ranks for block_hash in objects)
-    return tuple(keys)
+    return tuple(dict.fromkeys(keys))

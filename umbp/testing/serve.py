@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,15 +68,57 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
-def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Served:
+def start(args: list[str], log: Path, env: dict[str, str] | None = None,
+          unset: Collection[str] = ()) -> Served:
     """Start in a session of its own (its engine processes share the group, so
-    :func:`stop` ends them all); output to ``log``."""
+    :func:`stop` ends them all); output to ``log``. The environment is this process's
+    with ``env`` over it, without the variables named in ``unset``."""
     port = int(args[args.index("--port") + 1])
-    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    inherited = {name: value for name, value in os.environ.items() if name not in unset}
+    environment = {**inherited, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     with open(log, "wb") as sink:
         process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
                                    env=environment, start_new_session=True)
     return Served(process, port, log)
+
+
+VLLM_RECORD = re.compile(
+    r"\((?P<process>APIServer|EngineCore|VllmWorker|Worker)[^)]* pid=\d+\) "
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+\] "
+)
+"""The head vLLM's log format puts before a record's message: process, pid, level,
+time, ``[file:line]``."""
+_UMBP_MESSAGE = re.compile(r"(?<![\w/.'\"-])umbp(?=[\s:])")
+"""umbp's name as a message says it (``umbp sets ...``, ``umbp: ...``,
+``WARNING:umbp:...``), not inside a path (``/umbp/``) or a quoted option value."""
+
+
+def vllm_records(log: str) -> list[tuple[str, str]]:
+    """(process, message) of every record vLLM's log handler wrote to ``log``. The
+    engine's processes share one output file; a record is one write, but another
+    process may have left an unfinished line just before it (a progress bar between
+    its carriage returns, a C library's partial write), so a record is found where
+    its head is, not only at the start of a line. A record still being written when
+    the file was read is there in part: its head (then, if anything, the start of
+    its message) or nothing of it."""
+    records = []
+    for line in log.splitlines():
+        found = VLLM_RECORD.search(line)
+        if found is not None:
+            records.append((found["process"], line[found.end():]))
+    return records
+
+
+def umbp_outside_vllm_records(log: str) -> list[str]:
+    """Lines where umbp's name starts a message that is not in a vLLM record: a umbp
+    record that reached the output past vLLM's handler (Python's last-resort handler
+    writes the bare message, ``logging.basicConfig`` ``WARNING:umbp:...``)."""
+    bare = []
+    for line in log.splitlines():
+        found = VLLM_RECORD.search(line)
+        if _UMBP_MESSAGE.search(line if found is None else line[:found.start()]):
+            bare.append(line)
+    return bare
 
 
 def wait_ready(served: Served, timeout_s: float = 600.0) -> None:

@@ -16,14 +16,22 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from umbp.core.config import ConnectorConfig
 from umbp.core.geometry import CacheGeometry, lookup_unit, needs_coordinator
 from umbp.core.identity import (
     CacheGroupShape,
     NamespaceInputs,
     RankCoord,
     RankTopology,
+    ReplicatedGroups,
     namespace_fingerprint,
     rank_coord,
+)
+from umbp.core.replicas import (
+    group_tp_replicas,
+    layer_tp_replicas,
+    ranks_share_store,
+    replicated_groups,
 )
 from umbp.core.support import SupportInputs
 from umbp.runtime.weights import WeightsUnknown, weights_identity
@@ -159,6 +167,24 @@ def namespace_and_label(
 def topology_of(vllm_config: Any) -> RankTopology:
     tp, pcp, dcp, pp = parallel_sizes(vllm_config)
     return RankTopology(tp, pcp, dcp, pp)
+
+
+def replicated_group_runs(
+    vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
+) -> ReplicatedGroups:
+    """The cache groups a replica run of TP ranks shares one object of, in this
+    engine's store (:mod:`umbp.core.replicas`), from each layer spec's
+    ``max_tp_shards`` and ``dcp_sharded`` (absent: not replicated)."""
+    tp, _, dcp, _ = parallel_sizes(vllm_config)
+    runs = (
+        (group_id, group_tp_replicas(tp, (
+            layer_tp_replicas(tp, dcp, getattr(spec, "max_tp_shards", None),
+                              bool(getattr(spec, "dcp_sharded", False)))
+            for spec in layer_specs(group.kv_cache_spec)
+        )))
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+    )
+    return replicated_groups(runs, ranks_share_store(config))
 
 
 def this_worker_rank(vllm_config: Any) -> RankCoord:
