@@ -3,7 +3,8 @@
 An HTTP endpoint (`GET /metrics`, on 127.0.0.1 unless `--metrics-host` says otherwise:
 the figures name every model the server holds) serves, at each scrape:
 
-* per namespace: hits by tier, misses, puts, bytes written and read, objects and bytes
+* per namespace: a lookup's keys held (hits, by tier) and not held (misses), objects
+  loaded (by tier) and written, bytes written and read, objects and bytes
   per tier, retained objects and bytes, the retention budget and quota, evictions by
   cause, and an info series carrying the namespace's label;
 * per tier: capacity, used bytes, objects; the SSD tier's own evictions;
@@ -128,11 +129,17 @@ def _namespace_series(out: _Text, rows: list[dict[str, Any]]) -> None:
     out.series("umbp_server_namespace_info", "gauge",
                "1 per namespace; its label says which model it holds.",
                [({"namespace": _shown(row), "label": row["label"] or ""}, 1) for row in rows])
-    out.series("umbp_server_hits_total", "counter", "Objects loaded, by the tier they came from.",
-               each(lambda r: r["hits"] - r["hits_from_ssd"], tier="dram")
-               + each(lambda r: r["hits_from_ssd"], tier="ssd"))
-    out.series("umbp_server_misses_total", "counter", "Objects asked for but not held.",
-               each(lambda r: r["misses"]))
+    out.series("umbp_server_hits_total", "counter",
+               "Keys a lookup asked that the server held, by the tier holding them.",
+               each(lambda r: r["lookup_hits"] - r["lookup_hits_on_ssd"], tier="dram")
+               + each(lambda r: r["lookup_hits_on_ssd"], tier="ssd"))
+    out.series("umbp_server_misses_total", "counter",
+               "Keys a lookup asked that the server did not hold.",
+               each(lambda r: r["lookup_misses"]))
+    out.series("umbp_server_loads_total", "counter",
+               "Objects loaded, by the tier they came from.",
+               each(lambda r: r["loads"] - r["loads_from_ssd"], tier="dram")
+               + each(lambda r: r["loads_from_ssd"], tier="ssd"))
     out.series("umbp_server_puts_total", "counter", "Objects written.", each(lambda r: r["puts"]))
     out.series("umbp_server_written_bytes_total", "counter", "Payload bytes written.",
                each(lambda r: r["bytes_written"]))

@@ -3,28 +3,51 @@ use, and its objects on the SSD tier (DRAM's are the index's: `shares`).
 
 An engine registers a readable label with its namespace when it connects (the model as
 the operator named it, dtype, parallel layout), so that `umbp ls` can say which model a
-fingerprint belongs to. Counters (hits, misses, puts, bytes) and the time of last use
-(a hit or a put) are kept per namespace; the SSD tier's objects are counted per
-namespace in `ColdKeys`, the server's mirror of the tier's keys.
+fingerprint belongs to. Counters and the time of last use (a load or a put) are kept per
+namespace: a lookup's keys found (hits, by tier) and not found (misses), so that hits /
+(hits + misses) is the share of asked keys the server held; objects loaded and written,
+and their bytes. The SSD tier's objects are counted per namespace in `ColdKeys`, the
+server's mirror of the tier's keys.
 
 Mutated under the server's index lock only (not thread-safe by themselves).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from umbp.core.identity import namespace_of_key
+from umbp.core.identity import namespace_key_prefix, namespace_of_key
+from umbp.runtime.server.protocol import WHERE_CPU, WHERE_DISK, WHERE_NONE
 from umbp.runtime.server.shares import OTHER_NAMESPACE
 
-__all__ = ["ColdKeys", "NamespaceBook", "NamespaceCounters", "Registration", "namespace_of"]
+__all__ = [
+    "ColdKeys",
+    "NamespaceBook",
+    "NamespaceCounters",
+    "Registration",
+    "namespace_of",
+    "shared_namespace",
+]
 
 
 def namespace_of(key: str) -> str:
     """The namespace a key is charged to (`OTHER_NAMESPACE` for keys not umbp's)."""
     namespace = namespace_of_key(key)
     return OTHER_NAMESPACE if namespace is None else namespace
+
+
+def shared_namespace(keys: Sequence[str]) -> str | None:
+    """The namespace of every key when they all have one and the same (a lookup of one
+    engine's prompt: checked at C speed), else None."""
+    if not keys:
+        return None
+    first = namespace_of_key(keys[0])
+    if first is None:
+        return None
+    prefix = namespace_key_prefix(first)
+    return first if all(map(str.startswith, keys, itertools.repeat(prefix))) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +58,21 @@ class Registration:
 
 @dataclass(slots=True)
 class NamespaceCounters:
-    hits: int = 0
-    hits_from_ssd: int = 0
-    misses: int = 0
+    lookup_hits: int = 0
+    """Keys a lookup asked that either tier held."""
+    lookup_hits_on_ssd: int = 0
+    """Of those, the keys held on the SSD tier only."""
+    lookup_misses: int = 0
+    """Keys a lookup asked that neither tier held."""
+    loads: int = 0
+    """Objects a client loaded (read out of DRAM and verified)."""
+    loads_from_ssd: int = 0
+    """Of those, the objects read back from the SSD tier for that load."""
     puts: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
     last_use_unix: float = 0.0
-    """Wall-clock time of the last hit or put; 0.0: never used since the server started."""
+    """Wall-clock time of the last load or put; 0.0: never used since the server started."""
 
 
 class NamespaceBook:
@@ -62,10 +92,27 @@ class NamespaceBook:
             counters = self.counters[namespace] = NamespaceCounters()
         return counters
 
-    def hit(self, namespace: str, nbytes: int, from_ssd: bool, now_unix: float) -> None:
+    def looked_up(self, keys: Sequence[str], codes: bytes, namespace: str | None) -> None:
+        """Count a lookup's answers (`WHERE_*` codes, one per key); `namespace`: every
+        key's, when `shared_namespace` found one (then counted at C speed)."""
+        if namespace is not None:
+            self._tally(namespace, codes.count(WHERE_CPU), codes.count(WHERE_DISK),
+                        codes.count(WHERE_NONE))
+            return
+        for key, code in zip(keys, codes):
+            self._tally(namespace_of(key), code == WHERE_CPU, code == WHERE_DISK,
+                        code == WHERE_NONE)
+
+    def _tally(self, namespace: str, in_dram: int, on_ssd: int, missing: int) -> None:
         counters = self.of(namespace)
-        counters.hits += 1
-        counters.hits_from_ssd += from_ssd
+        counters.lookup_hits += in_dram + on_ssd
+        counters.lookup_hits_on_ssd += on_ssd
+        counters.lookup_misses += missing
+
+    def load(self, namespace: str, nbytes: int, from_ssd: bool, now_unix: float) -> None:
+        counters = self.of(namespace)
+        counters.loads += 1
+        counters.loads_from_ssd += from_ssd
         counters.bytes_read += nbytes
         counters.last_use_unix = now_unix
 
@@ -74,9 +121,6 @@ class NamespaceBook:
         counters.puts += 1
         counters.bytes_written += nbytes
         counters.last_use_unix = now_unix
-
-    def miss(self, namespace: str) -> None:
-        self.of(namespace).misses += 1
 
 
 class ColdKeys:

@@ -8,10 +8,11 @@ Every function here reads the index and the SSD mirror under the server's index 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, Final
 
 from umbp.runtime.server.index import Entry, PoolIndex
-from umbp.runtime.server.namespaces import ColdKeys, NamespaceBook
+from umbp.runtime.server.namespaces import ColdKeys, NamespaceBook, NamespaceCounters
 from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.server.shares import OTHER_LABEL
 
@@ -138,17 +139,17 @@ def namespace_listing(
             "evictions": {} if usage is None else {
                 str(cause): count for cause, count in usage.evictions.items()
             },
-            "hits": 0 if counters is None else counters.hits,
-            "hits_from_ssd": 0 if counters is None else counters.hits_from_ssd,
-            "misses": 0 if counters is None else counters.misses,
-            "puts": 0 if counters is None else counters.puts,
-            "bytes_written": 0 if counters is None else counters.bytes_written,
-            "bytes_read": 0 if counters is None else counters.bytes_read,
-            "last_use_unix": None if counters is None or not counters.last_use_unix
-            else counters.last_use_unix,
+            **_counter_fields(counters),
         })
     rows.sort(key=_last_use, reverse=True)
     return rows
+
+
+def _counter_fields(counters: NamespaceCounters | None) -> dict[str, Any]:
+    """A namespace's counters as listing fields (all zero for one never counted)."""
+    figures = asdict(NamespaceCounters() if counters is None else counters)
+    figures["last_use_unix"] = figures["last_use_unix"] or None
+    return figures
 
 
 def _last_use(row: dict[str, Any]) -> float:

@@ -23,7 +23,7 @@ from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
 from umbp.runtime.server.labels import LabelFile
-from umbp.runtime.server.namespaces import NamespaceBook, namespace_of
+from umbp.runtime.server.namespaces import NamespaceBook, namespace_of, shared_namespace
 from umbp.runtime.server.operations import (
     DEFAULT_MAX_RETAIN_S,
     check_retention,
@@ -88,20 +88,30 @@ class StoreCore:
     # ----------------------------------------------------------------- residency
 
     def lookup(self, keys: Sequence[str]) -> bytes:
-        codes = self.where(keys)
+        """An engine asks what it could load (admission): residency in either tier, each
+        key counted per namespace as a hit (by tier) or a miss."""
+        namespace = shared_namespace(keys)
+        with self._lock:
+            codes = self._where_locked(keys)
+            self.book.looked_up(keys, codes, namespace)
         return codes.translate(_RESIDENT)
 
     def where(self, keys: Sequence[str]) -> bytes:
+        """The tier of each key, not counted: the engines' residency checks (of blocks
+        to store, of published KV events) are not asks for loads."""
         with self._lock:
-            index = self._index
-            codes = bytearray(
-                protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
-            )
-            cold_keys = self._tiers.cold_keys
-            if cold_keys:
-                for position, code in enumerate(codes):
-                    if not code and keys[position] in cold_keys:
-                        codes[position] = protocol.WHERE_DISK
+            return self._where_locked(keys)
+
+    def _where_locked(self, keys: Sequence[str]) -> bytes:
+        index = self._index
+        codes = bytearray(
+            protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
+        )
+        cold_keys = self._tiers.cold_keys
+        if cold_keys:
+            for position, code in enumerate(codes):
+                if not code and keys[position] in cold_keys:
+                    codes[position] = protocol.WHERE_DISK
         return bytes(codes)
 
     # ----------------------------------------------------------------------- put
@@ -225,11 +235,6 @@ class StoreCore:
                     if session.gets.pop(token, None) is get:
                         self._unpin_all_locked(get)
                 raise
-        if protocol.GET_MISSING in answers:
-            with self._lock:
-                for key, found in zip(keys, answers):
-                    if found == protocol.GET_MISSING:
-                        self.book.miss(namespace_of(key))
         return token, answers
 
     def end_get(self, session: Session, token: int, corrupt: Sequence[int]) -> None:
@@ -260,7 +265,7 @@ class StoreCore:
                     counters.bytes_read += entry.nbytes
                     from_ssd = position in get.from_ssd
                     counters.hits_from_ssd += from_ssd
-                    self.book.hit(entry.namespace, entry.nbytes, from_ssd, now)
+                    self.book.load(entry.namespace, entry.nbytes, from_ssd, now)
                 self._index.unpin(entry)
 
     # --------------------------------------------------------------------- misc
