@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "startup": "startup_bench.py",
     "stall": "stall_bench.py",
     "live-requests": "live_requests_bench.py",
+    "listing": "listing_bench.py",
 }
 
 

@@ -15,7 +15,7 @@ Mutated under the server's index lock only (not thread-safe by themselves).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from umbp.core.identity import namespace_key_prefix, namespace_of_key
@@ -125,13 +125,34 @@ class NamespaceBook:
 
 class ColdKeys:
     """The SSD tier's keys as the server mirrors them (see `tiering`), with each
-    object's size, and how many objects and bytes each namespace has there."""
+    object's size, how many objects and bytes each namespace has there, and how many
+    of them DRAM holds too (the tiers are inclusive): kept as keys come and go on either
+    tier (`dram_gained`, `dram_lost`, called by the DRAM index), never counted."""
 
-    def __init__(self, sized: Iterable[tuple[str, int]] = ()) -> None:
+    def __init__(
+        self, sized: Iterable[tuple[str, int]] = (), dram: Container[str] = frozenset()
+    ) -> None:
         self._sizes: dict[str, int] = {}
         self._census: dict[str, list[int]] = {}  # namespace -> [objects, bytes]
+        self._dram = dram
+        self.in_dram = 0
+        """Keys held by DRAM too."""
         for key, nbytes in sized:
             self.add(key, nbytes)
+
+    def track(self, dram: Container[str]) -> None:
+        """Count the keys `dram` holds from now on (a mirror built without the index
+        lock, then installed under it: one pass over the keys)."""
+        self._dram = dram
+        self.in_dram = sum(1 for key in self._sizes if key in dram)
+
+    def dram_gained(self, key: str) -> None:
+        if key in self._sizes:
+            self.in_dram += 1
+
+    def dram_lost(self, key: str) -> None:
+        if key in self._sizes:
+            self.in_dram -= 1
 
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
@@ -146,6 +167,7 @@ class ColdKeys:
         if key in self._sizes:
             return
         self._sizes[key] = nbytes
+        self.in_dram += key in self._dram
         census = self._census.setdefault(namespace_of(key), [0, 0])
         census[0] += 1
         census[1] += nbytes
@@ -154,6 +176,7 @@ class ColdKeys:
         nbytes = self._sizes.pop(key, None)
         if nbytes is None:
             return
+        self.in_dram -= key in self._dram
         census = self._census[namespace_of(key)]
         census[0] -= 1
         census[1] -= nbytes
@@ -165,6 +188,7 @@ class ColdKeys:
     def clear(self) -> None:
         self._sizes.clear()
         self._census.clear()
+        self.in_dram = 0
 
     def census(self, namespace: str) -> tuple[int, int]:
         """(objects, payload bytes) of the namespace on the SSD tier."""

@@ -118,8 +118,7 @@ def namespace_listing(
         registration = book.registrations.get(name)
         ssd_objects, ssd_bytes = cold.census(name)
         quota = index.quota_pages.get(name)
-        retained_until = [entry.retained_until for entry in index.entries_of(name)
-                          if entry.retained_until] if usage and usage.retained_objects else []
+        longest = index.longest_retention(name)
         rows.append({
             "namespace": name,
             "label": None if registration is None else registration.label,
@@ -133,7 +132,7 @@ def namespace_listing(
                 "objects": 0 if usage is None else usage.retained_objects,
                 "bytes": 0 if usage is None else usage.retained_pages * page,
                 "budget_bytes": index.budget_of(name) * page,
-                "longest_s": max((until - now for until in retained_until), default=0.0),
+                "longest_s": max(0.0, longest - now) if longest else 0.0,
             },
             "quota_bytes": None if quota is None else quota * page,
             "evictions": {} if usage is None else {

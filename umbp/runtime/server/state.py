@@ -294,11 +294,10 @@ class StoreCore:
             dram = {
                 "capacity_bytes": index.total_pages * page_bytes,
                 "used_bytes": index.used_pages * page_bytes,
-                "resident_bytes": sum(len(entry.pages) for entry in index.entries())
-                * page_bytes,
+                "resident_bytes": index.resident_pages() * page_bytes,
                 "page_bytes": page_bytes,
                 "objects": len(index),
-                "pinned_objects": sum(1 for entry in index.entries() if entry.pins),
+                "pinned_objects": index.pinned_objects,
                 "retired_pinned_objects": index.pinned_retired,
                 "high_watermark_bytes": index.high_pages * page_bytes,
                 "low_watermark_bytes": index.low_pages * page_bytes,
@@ -318,7 +317,8 @@ class StoreCore:
                 ),
             }
             counters = asdict(self._counters)
-            objects = len(index) + sum(1 for key in self._tiers.cold_keys if key not in index)
+            cold_keys = self._tiers.cold_keys
+            objects = len(index) + len(cold_keys) - cold_keys.in_dram
         ssd = {"enabled": False}
         if self._cold is not None:
             ssd = {"enabled": True} | stats_dict(self._cold.stats())

@@ -70,8 +70,9 @@ class Tiering:
         self._cold = cold
         self._lock = lock
         self._counters = counters
-        self.cold_keys = ColdKeys(cold.sizes() if cold is not None else ())
+        self.cold_keys = ColdKeys(cold.sizes() if cold is not None else (), dram=index)
         """The cold tier's keys and sizes, read under the lock (see the module docstring)."""
+        index.cold_mirror = self.cold_keys
         self.generation = 0
         """Bumped by a clear: a demotion or promotion that straddles a clear must not
         bring back what the clear dropped."""
@@ -103,7 +104,8 @@ class Tiering:
             with self._lock:
                 for entry in entries:
                     self._index.unpin(entry)
-                self.cold_keys = on_disk
+                on_disk.track(self._index)
+                self._index.cold_mirror = self.cold_keys = on_disk
         return written
 
     def reserve(self, sizes: Sequence[int], namespace: str | None) -> list[Regions | None]:
