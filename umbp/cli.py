@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "stall": "stall_bench.py",
     "live-requests": "live_requests_bench.py",
     "listing": "listing_bench.py",
+    "copy-hash": "copy_hash_bench.py",
 }
 
 

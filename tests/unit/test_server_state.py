@@ -198,12 +198,12 @@ class _FullDisk:
     def __init__(self) -> None:
         self.tried: list[str] = []
 
-    def put(self, key: str, payload: object) -> bool:
+    def put(self, key: str, payload: object, checksum: int | None = None) -> bool:
         self.tried.append(key)
         return False
 
-    def get_into(self, key: str, out: object) -> LoadStatus:
-        return LoadStatus.MISSING
+    def read_into(self, key: str, out: object) -> tuple[LoadStatus, int]:
+        return LoadStatus.MISSING, 0
 
     def size_of(self, key: str) -> int | None:
         return None

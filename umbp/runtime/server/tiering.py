@@ -195,7 +195,9 @@ class Tiering:
         payload = self._gather(victim)
         if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
             return Demotion.CORRUPT
-        return Demotion.WRITTEN if cold.put(victim.key, payload) else Demotion.FAILED
+        # The tier writes what the hash just read (in cache) and keeps its checksum.
+        return (Demotion.WRITTEN if cold.put(victim.key, payload, victim.checksum)
+                else Demotion.FAILED)
 
     def _settle_victim_locked(self, victim: Entry, outcome: Demotion) -> None:
         counters = self._counters
@@ -294,7 +296,8 @@ class Tiering:
         self, cold: ColdTier, key: str, nbytes: int
     ) -> tuple[LoadStatus, Regions | None, int]:
         """Copy a cold object into fresh DRAM pages: (status, its regions when HIT, xxh3 of
-        the bytes now in those pages). Straight into the pages when they are free without
+        the bytes now in those pages, hashed once, as the SSD tier read them). Straight
+        into the pages when they are free without
         making room; otherwise through a staging buffer read *before* making room, since
         making room demotes other objects, and their writes may make the SSD tier evict
         this very one."""
@@ -305,19 +308,21 @@ class Tiering:
             regions = index.reserve(nbytes) if direct else None
         try:
             if regions is not None and len(regions) <= 1:
-                target = self._region_view(regions)
-                status = cold.get_into(key, target)
+                status, checksum = cold.read_into(key, self._region_view(regions))
                 if status is LoadStatus.HIT:
-                    return status, regions, int(xxhash.xxh3_64_intdigest(target))
+                    return status, regions, checksum
             else:
                 staging = bytearray(nbytes)
-                status = cold.get_into(key, staging)
+                status, checksum = cold.read_into(key, staging)
                 if status is LoadStatus.HIT:
                     if regions is None:
                         regions = self.reserve([nbytes], namespace)[0]
                     if regions is None:
                         return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
-                    return status, regions, write_regions(self._view, regions, staging)
+                    if write_regions(self._view, regions, staging) != checksum:
+                        status = LoadStatus.CORRUPT  # changed in the pages meanwhile
+                    else:
+                        return status, regions, checksum
         except Exception:  # the reserved pages must come back
             logger.exception("umbp serve: promotion of %r failed", key)
             status = LoadStatus.UNAVAILABLE
