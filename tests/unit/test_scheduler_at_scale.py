@@ -283,13 +283,8 @@ def test_the_servers_lookup_counts_are_the_admissions_asks_not_residency_checks(
     counts what engines asked to load."""
     blocks = 8
     tokens = prompt(blocks * BLOCK + 5, seed=999)
-    driver = ScaleDriver(long_model_dir, num_blocks=64, block_size=BLOCK,
-                         max_model_len=blocks * BLOCK + 2 * BLOCK,
-                         extra={**extra(server), "load_async": False}, kv_events=False)
+    driver = stored_once(server, long_model_dir, tokens)
     try:
-        driver.add("a", tokens)
-        driver.run(["a"])
-        driver.drain()
         assert driver.scheduler.reset_prefix_cache()
         before = lookup_counts(server)
         driver.add("b", tokens, max_tokens=2)
@@ -305,6 +300,17 @@ def test_the_servers_lookup_counts_are_the_admissions_asks_not_residency_checks(
         assert changed == [(blocks, 0)], "b's admission only: 8 keys asked, 8 held"
     finally:
         driver.close()
+
+
+def stored_once(endpoint: str, model_dir: Path, tokens: Sequence[int]) -> ScaleDriver:
+    """A small driver with synchronous loads that computed and stored `tokens` as "a"."""
+    driver = ScaleDriver(model_dir, num_blocks=64, block_size=BLOCK,
+                         max_model_len=len(tokens) // BLOCK * BLOCK + 2 * BLOCK,
+                         extra={**extra(endpoint), "load_async": False}, kv_events=False)
+    driver.add("a", tokens)
+    driver.run(["a"])
+    driver.drain()
+    return driver
 
 
 def lookup_counts(endpoint: str) -> dict[str, tuple[int, int]]:

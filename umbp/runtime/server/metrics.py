@@ -9,7 +9,7 @@ the figures name every model the server holds) serves, at each scrape:
   cause, and an info series carrying the namespace's label;
 * per tier: capacity, used bytes, objects; the SSD tier's own evictions;
 * totals: demotions (to SSD, dropped), rejected puts, corrupt loads, promotions, SSD
-  write failures, connections (open, accepted, refused);
+  write failures, prefetches by outcome, connections (open, accepted, refused);
 * a latency histogram per op (`umbp_server_request_seconds`): from a request read whole
   to its answer sent (the server's own time; the client's wait adds the socket's).
 
@@ -112,6 +112,13 @@ def render(
          "Client connections accepted since start."),
     ):
         out.series(name, "counter", help_text, [({}, counters[key])])
+    out.series("umbp_server_prefetches_total", "counter",
+               "SSD objects a lookup found, by what became of them: promoted into DRAM "
+               "ahead of their load, skipped (the bound), cancelled (their request went "
+               "away), claimed (a get read them itself first).",
+               [({"outcome": outcome}, counters.get(key, 0)) for outcome, key in (
+                   ("promoted", "prefetched"), ("skipped", "prefetch_skipped"),
+                   ("cancelled", "prefetch_cancelled"), ("claimed", "prefetch_claimed"))])
     out.series("umbp_server_connections_refused_total", "counter",
                "Client connections refused (the connection limit).",
                [({}, refused_connections)])

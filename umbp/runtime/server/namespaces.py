@@ -190,6 +190,9 @@ class ColdKeys:
         self._census.clear()
         self.in_dram = 0
 
+    def size_of(self, key: str) -> int | None:
+        return self._sizes.get(key)
+
     def census(self, namespace: str) -> tuple[int, int]:
         """(objects, payload bytes) of the namespace on the SSD tier."""
         objects, nbytes = self._census.get(namespace, (0, 0))

@@ -270,6 +270,27 @@ class Tiering:
                 elif answers[position] == protocol.GET_CORRUPT:
                     self._counters.corrupt_loads += 1
 
+    def prefetch_one(self, key: str, nbytes: int) -> None:
+        """Bring one cold object into DRAM ahead of its load (`prefetch`): unpinned, most
+        recently used; nothing when DRAM holds it already or the SSD tier no longer
+        does."""
+        cold = self._cold
+        assert cold is not None
+        with self._lock:
+            if key in self._index or key not in self.cold_keys:
+                return
+            generation = self.generation
+        status, regions, checksum = self._load_cold(cold, key, nbytes)
+        with self._lock:
+            if regions is None:
+                if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
+                    self.cold_keys.discard(key)
+                    self._counters.corrupt_loads += status is LoadStatus.CORRUPT
+                return
+            fresh = key not in self._index
+            entry = self._settle_promotion_locked(key, regions, nbytes, checksum, generation)
+            self._counters.prefetched += entry is not None and fresh
+
     def _settle_promotion_locked(
         self, key: str, regions: Regions, nbytes: int, checksum: int, generation: int
     ) -> Entry | None:
