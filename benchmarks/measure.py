@@ -11,12 +11,13 @@ finds this file; import it after putting the repository on `sys.path` too (it us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,38 @@ def copy_row_by_row(source: Any, destination: Any) -> Callable[[], None]:
             destination[index] = source[index]
 
     return run
+
+
+@contextlib.contextmanager
+def phase_timers(phases: Sequence[tuple[Any, str, str]]) -> Iterator[dict[str, float]]:
+    """For a profile: each `(owner, attribute, label)` callable wrapped in a timer while
+    the block runs; yields the seconds spent per label (restored afterwards)."""
+    spent = {label: 0.0 for _, _, label in phases}
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in phases]
+
+    def timed(call: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - started
+        return run
+
+    for (owner, name, call), (_, _, label) in zip(originals, phases):
+        setattr(owner, name, timed(call, label))
+    try:
+        yield spent
+    finally:
+        for owner, name, call in originals:
+            setattr(owner, name, call)
+
+
+def print_profile(title: str, seconds: Mapping[str, float], reference: str) -> None:
+    """Each phase's seconds and their share of the `reference` entry's."""
+    print(title)
+    for name, value in seconds.items():
+        print(f"  {name:<42}{value * 1e3:>9.1f} ms{value / seconds[reference]:>7.2f}")
 
 
 def put_in_batches(

@@ -14,6 +14,10 @@ best of `--repeats`. ratio = MooncakeStore / raw (goal >= 0.9). Two reference ro
 MooncakeStore from *unregistered* buffers (the bounce-buffer path), and xxh3-64 alone over
 the same bytes (what the checksum costs by itself). Lookup: one batched call for 1,000
 keys (half resident), `lookup` against `batch_is_exist`, median of many calls.
+
+`--profile`: with the local segment, where `MooncakeStore`'s put and get of 1 MiB objects
+spend their time beside the raw calls (the Mooncake call, the size query, the checksum
+wrapped in timers), summed over `--repeats` passes, as a share of the raw call's time.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import measure
 
+from umbp.runtime.mooncake import transfer
 from umbp.runtime.mooncake.store import MooncakeStore
 from umbp.testing.mooncake_master import MooncakeMaster
 
@@ -73,9 +78,61 @@ class LookupFigure:
 
 
 def parse_arguments() -> argparse.Namespace:
+    def profile_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--profile", action="store_true",
+                            help="also break a local 1 MiB put and get down into phases")
+
     return measure.throughput_arguments(
-        __doc__.split("\n\n")[0], default_gib=0.25, quick_gib=1 / 32
+        __doc__.split("\n\n")[0], default_gib=0.25, quick_gib=1 / 32, more=profile_option
     )
+
+
+PHASES = (
+    (transfer.TrailerTransfers, "_transfer", "Mooncake call (with its trailer piece)"),
+    (transfer.TrailerTransfers, "_stored_sizes", "size query (get)"),
+    (transfer, "checksum", "xxh3 of objects Mooncake copied"),
+)
+
+
+def profile_phases(store: MooncakeStore, gib: float, repeats: int) -> dict[str, float]:
+    """Seconds per phase of `repeats` put and get passes of 1 MiB objects from registered
+    buffers, beside as many raw `batch_put_from` / `batch_get_into` passes."""
+    raw, object_bytes = store.raw_client, measure.MIB
+    objects = max(BATCH, int(gib * measure.GIB) // object_bytes)
+    source = measure.random_source(objects, object_bytes)
+    destination = measure.prefaulted(objects, object_bytes)
+    for array in (source, destination):
+        store.register_host_memory(array.ctypes.data, array.nbytes)
+    batches = measure.batch_ranges(objects, BATCH)
+    keys = [f"profile-{index}" for index in range(objects)]
+    raw_keys = [f"profile-raw-{index}" for index in range(objects)]
+    sizes = [object_bytes] * BATCH
+
+    def raw_call(call: Any, base: int) -> Callable[[], None]:
+        def run() -> None:
+            for batch in batches:
+                call([raw_keys[i] for i in batch],
+                     [base + i * object_bytes for i in batch], sizes[: len(batch)])
+        return run
+
+    runs = {
+        "raw put": raw_call(raw.batch_put_from, source.ctypes.data),
+        "umbp put": measure.put_in_batches(store, keys, source, batches),
+        "raw get": raw_call(raw.batch_get_into, destination.ctypes.data),
+        "umbp get": measure.get_in_batches(store, keys, destination, batches),
+    }
+    runs["raw put"]()
+    runs["umbp put"]()  # warm
+    totals = dict.fromkeys(runs, 0.0)
+    with measure.phase_timers(PHASES) as spent:
+        for _ in range(repeats):
+            assert store.clear()
+            for name, run in runs.items():
+                totals[name] += measure.timed_seconds(run)
+    assert store.clear()
+    for array in (source, destination):
+        store.unregister_host_memory(array.ctypes.data)
+    return {**totals, **spent}
 
 
 def measure_copies(
@@ -265,6 +322,11 @@ def measure_segment(
                 store, segment, 100 << 10, arguments.gib, arguments.repeats
             )
             lookup = measure_lookup(store, segment)
+            if segment == "local" and arguments.profile:
+                measure.print_profile(
+                    "local, 1 MiB objects, batches of 32, seconds summed over the passes, "
+                    "/ the raw put's:",
+                    profile_phases(store, arguments.gib, arguments.repeats), "raw put")
         finally:
             store.close()
             if holder is not None:

@@ -10,6 +10,11 @@ object by object, into a prefaulted buffer: the physical limit on this machine. 
 and memcpy passes alternate so that drift in machine speed hits both alike; each figure
 is the best of `--repeats` passes. It also times a batched `lookup` of 1,000 keys (half
 resident) over the socket.
+
+`--profile`: where a put and a get of 1 MiB objects spend their time, the client's calls
+wrapped in timers for these passes only (the reserve round trip, the copies with their
+checksum, the commit round trip; a get's round trip, copies and one-way unpin), summed
+over the passes and shown as a share of the memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import measure
 
 from umbp.runtime.server import ServerStore, start_server
+from umbp.runtime.server import client as client_module
+from umbp.runtime.server.link import ServerLink
 
 BATCH = 32
 OBJECT_SIZES = (64 << 10, 1 << 20)
@@ -57,7 +64,44 @@ class CopyFigure:
 
 
 def parse_arguments() -> argparse.Namespace:
-    return measure.throughput_arguments(__doc__.split("\n\n")[0], default_gib=1.0, quick_gib=0.125)
+    def profile_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--profile", action="store_true",
+                            help="also break a 1 MiB put and get down into their phases")
+
+    return measure.throughput_arguments(__doc__.split("\n\n")[0], default_gib=1.0,
+                                        quick_gib=0.125, more=profile_option)
+
+
+PHASES = (
+    (ServerLink, "begin", "round trip: reserve (put) or pin (get)"),
+    (ServerLink, "follow_up", "round trip: commit (put)"),
+    (ServerLink, "notify", "one-way unpin (get)"),
+    (client_module, "write_regions", "copies into the pool, hashed"),
+    (client_module, "read_regions", "copies out of the pool, hashed"),
+)
+
+
+def profile_phases(store: ServerStore, gib: float, repeats: int) -> dict[str, float]:
+    """Seconds per phase of `repeats` put and get passes of 1 MiB objects, beside the
+    seconds of as many memcpy passes of the same bytes."""
+    object_bytes = 1 << 20
+    objects = max(BATCH, int(gib * measure.GIB) // object_bytes)
+    source = measure.random_source(objects, object_bytes)
+    destination = measure.prefaulted(objects, object_bytes)
+    keys = [f"profile-{index}" for index in range(objects)]
+    batches = measure.batch_ranges(objects, BATCH)
+    memcpy = measure.copy_row_by_row(source, destination)
+    put = measure.put_in_batches(store, keys, source, batches)
+    get = measure.get_in_batches(store, keys, destination, batches)
+    put()  # warm: the pool's pages touched once
+    totals = {"memcpy": 0.0, "put": 0.0, "get": 0.0}
+    with measure.phase_timers(PHASES) as spent:
+        for _ in range(repeats):
+            store.clear()
+            for name, run in (("memcpy", memcpy), ("put", put), ("get", get)):
+                totals[name] += measure.timed_seconds(run)
+    store.clear()
+    return {**totals, **spent}
 
 
 def measure_copies(
@@ -151,11 +195,13 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
             ]
             calls = QUICK_LOOKUP_CALLS if arguments.quick else LOOKUP_CALLS
             lookup = measure_lookup(store, calls)
+            profile = (profile_phases(store, arguments.gib, arguments.repeats)
+                       if arguments.profile else None)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
         shutil.rmtree(directory, ignore_errors=True)
-    return {"copies": copies, "lookup": lookup}
+    return {"copies": copies, "lookup": lookup, "profile": profile}
 
 
 def main() -> None:
@@ -164,6 +210,9 @@ def main() -> None:
     figures = run(arguments)
     copies, lookup = figures["copies"], figures["lookup"]
     print_table(copies, lookup)
+    if figures["profile"] is not None:
+        measure.print_profile("1 MiB objects, batches of 32, seconds summed over the "
+                              "passes, / memcpy:", figures["profile"], "memcpy")
     elapsed = time.perf_counter() - started
     measure.print_run_footer(elapsed)
     if arguments.json is not None:
@@ -172,6 +221,7 @@ def main() -> None:
             "quick": arguments.quick,
             "copies": measure.rows_with_ratio(copies),
             "lookup": asdict(lookup),
+            "profile_seconds": figures["profile"],
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,
             "page_bytes": PAGE_BYTES,

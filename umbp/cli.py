@@ -35,6 +35,9 @@ BENCHMARKS: dict[str, str] = {
     "startup": "startup_bench.py",
     "stall": "stall_bench.py",
     "live-requests": "live_requests_bench.py",
+    "listing": "listing_bench.py",
+    "copy-hash": "copy_hash_bench.py",
+    "ssd-restore": "ssd_restore_bench.py",
 }
 
 
@@ -216,6 +219,10 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     serve.add_argument("--ssd-dir", default=None, help="directory of the SSD tier")
     serve.add_argument("--ssd-capacity", type=_byte_option(0), default=0,
                        help="bytes of the SSD tier (needs --ssd-dir)")
+    serve.add_argument("--prefetch-bytes", type=_byte_option(0), default=None,
+                       help="most bytes of SSD objects a lookup may have on their way into "
+                            "DRAM ahead of their load (default: half of --capacity; "
+                            "0: none)")
     serve.add_argument("--persist-on-exit", action="store_true",
                        help="on SIGTERM/SIGINT copy DRAM objects to the SSD tier first")
     serve.add_argument("--max-connections", type=_count(MAX_CONNECTIONS_LIMIT),
@@ -293,6 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ssd_dir=args.ssd_dir,
         ssd_capacity_bytes=args.ssd_capacity,
         persist_on_exit=args.persist_on_exit,
+        prefetch_bytes=args.prefetch_bytes,
         max_connections=args.max_connections,
         frame_timeout_s=args.frame_timeout,
         quotas=tuple(args.quota),

@@ -99,7 +99,7 @@ def test_new_weights_at_the_same_path_never_load_the_old_weights_kv(
     for label in (registered["label"], new["label"]):
         assert label.startswith(f"vllm {model} weights files:")
     assert new["label"] != registered["label"], "the labels tell the weights apart"
-    assert rows[stale["namespace"]]["hits"] == 0
+    assert rows[stale["namespace"]]["loads"] == 0
 
 
 def test_two_models_share_a_server_under_a_quota_and_a_retained_prefix_survives(
@@ -163,7 +163,7 @@ def test_two_models_share_a_server_under_a_quota_and_a_retained_prefix_survives(
     assert restored["tokens"] == stored["tokens"]
     assert restored["cached"] == FULL_HITS
     assert stats_a["worker"]["loaded_blocks"] == LOADED_BLOCKS
-    assert _rows(after)[namespace_a]["hits"] == LOADED_BLOCKS
+    assert _rows(after)[namespace_a]["loads"] == LOADED_BLOCKS
 
 
 def _rows(step: dict[str, Any]) -> dict[str, dict[str, Any]]:

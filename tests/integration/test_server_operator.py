@@ -7,6 +7,7 @@ test_server_namespace_engines.py drives them with engines)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -100,7 +101,8 @@ def test_an_operators_view_and_control_of_two_namespaces(server: dict[str, Any])
         a, b = rows[A], rows[B]
         assert a["label"].startswith("vllm /models/llama") and b["label"] is None
         assert a["dram"]["objects"] == 20 and a["retained"]["objects"] == 4
-        assert (a["hits"], a["misses"], a["puts"]) == (2, 1, 20)
+        assert (a["loads"], a["puts"]) == (2, 20)
+        assert (a["lookup_hits"], a["lookup_misses"]) == (0, 0), "gets are not lookups"
         assert b["quota_bytes"] == 16 * PAGE and b["dram"]["bytes"] <= 16 * PAGE
         assert b["evictions"]["quota"] > 0 and b["ssd"]["objects"] > 0
         assert a["retained"]["budget_bytes"] == 8 * PAGE
@@ -122,8 +124,8 @@ def test_an_operators_view_and_control_of_two_namespaces(server: dict[str, Any])
         assert now[A]["retained"]["objects"] == 4 and now[A]["dram"] == rows[A]["dram"]
 
         families = scrape(store)
-        assert value(families, "umbp_server_hits_total", namespace=A, tier="dram") == 2
-        assert value(families, "umbp_server_misses_total", namespace=A) == 1
+        assert value(families, "umbp_server_loads_total", namespace=A, tier="dram") == 2
+        assert value(families, "umbp_server_misses_total", namespace=A) == 0
         assert value(families, "umbp_server_objects", namespace=B, tier="ssd") == \
             rows[B]["ssd"]["objects"]
         assert value(families, "umbp_server_retained_objects", namespace=A) == 4
@@ -163,3 +165,117 @@ def test_limits_that_break_the_capacity_stop_the_server_at_start(tmp_path: Path)
     done = umbp("serve", "--socket", socket_path, "--capacity", "1M",
                 "--default-retain-budget", "1M")
     assert done.returncode == 1 and "half the low watermark" in done.stderr
+
+
+def test_the_documented_hit_rate_query_reads_the_share_of_looked_up_keys_held(
+    server: dict[str, Any],
+) -> None:
+    """A known workload: lookups of which half the keys are held (some on SSD), beside
+    residency checks (`where`) and loads, which are not lookups. The hit-rate query of
+    docs/operations.md, evaluated over two scrapes of the real server's /metrics as
+    Prometheus would (its scrape adds `instance`), reads 0.5 for that namespace."""
+    namespace = "c0ffee0123456789"
+    query = documented_hit_rate_query()
+    with ServerStore(server["socket"]) as store:
+        before = scraped_samples(store)
+        held = [key(namespace, i) for i in range(30)]
+        absent = [key(namespace, 1000 + i) for i in range(30)]
+        assert all(store.put_batch(held, [memoryview(b"h" * OBJECT)] * len(held)))
+        for round_ in range(3):
+            asked = held[10 * round_:10 * round_ + 10] + absent[10 * round_:10 * round_ + 10]
+            assert store.lookup(asked) == (True,) * 10 + (False,) * 10
+            store.where(absent + held)  # a residency check, not an ask
+        outs = [bytearray(OBJECT) for _ in range(4)]
+        store.get_batch_into(held[:3] + absent[:1], outs)  # loads, not asks
+        after = scraped_samples(store)
+    rates = promql(query, before, after, seconds=30.0)
+    assert rates[frozenset({("namespace", namespace)})] == pytest.approx(0.5)
+
+
+def documented_hit_rate_query() -> str:
+    text = (REPO / "docs" / "operations.md").read_text()
+    found = re.search(r"A namespace's hit rate.*?```promql\n(.*?)```", text, re.DOTALL)
+    assert found, "docs/operations.md states the hit-rate query in a promql block"
+    return " ".join(found[1].split())
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scraped_samples(store: ServerStore) -> Samples:
+    """Every sample of one scrape, labelled as Prometheus stores it (`instance` added)."""
+    families = scrape(store)
+    return {(s.name, frozenset({**s.labels, "instance": "umbp-serve"}.items())): s.value
+            for family in families.values() for s in family.samples}
+
+
+def promql(query: str, before: Samples, after: Samples, seconds: float
+           ) -> dict[frozenset[tuple[str, str]], float]:
+    """The subset of PromQL the documented query uses (`sum by (...) (...)`,
+    `rate(counter[range])` over two scrapes `seconds` apart, `+ - * /` between vectors
+    matched on all their labels, parentheses), evaluated as Prometheus does; anything
+    else fails the test rather than being guessed."""
+    tokens = re.findall(r"sum|by|rate|[A-Za-z_][A-Za-z0-9_]*|\[[0-9a-z]+\]|[()+\-*/,]", query)
+    assert "".join(tokens) == re.sub(r"\s+", "", query), f"unsupported PromQL: {query}"
+    position = 0
+
+    def take(expected: str | None = None) -> str:
+        nonlocal position
+        token = tokens[position]
+        assert expected is None or token == expected, (expected, token, query)
+        position += 1
+        return token
+
+    def expression() -> dict[frozenset[tuple[str, str]], float]:
+        left = term()
+        while position < len(tokens) and tokens[position] in "+-":
+            left = binary(left, take(), term())
+        return left
+
+    def term() -> dict[frozenset[tuple[str, str]], float]:
+        left = factor()
+        while position < len(tokens) and tokens[position] in "*/":
+            left = binary(left, take(), factor())
+        return left
+
+    def factor() -> dict[frozenset[tuple[str, str]], float]:
+        token = take()
+        if token == "(":
+            inner = expression()
+            take(")")
+            return inner
+        if token == "sum":
+            take("by")
+            take("(")
+            kept = {take()}
+            while tokens[position] == ",":
+                take(",")
+                kept.add(take())
+            take(")")
+            take("(")
+            inner = expression()
+            take(")")
+            summed: dict[frozenset[tuple[str, str]], float] = {}
+            for labels, number in inner.items():
+                group = frozenset(item for item in labels if item[0] in kept)
+                summed[group] = summed.get(group, 0.0) + number
+            return summed
+        assert token == "rate", f"unsupported PromQL at {token!r}: {query}"
+        take("(")
+        name = take()
+        take()  # the range: the two scrapes span it
+        take(")")
+        return {labels: (number - before.get((sample, labels), 0.0)) / seconds
+                for (sample, labels), number in after.items() if sample == name}
+
+    def binary(left: dict[frozenset[tuple[str, str]], float], op: str,
+               right: dict[frozenset[tuple[str, str]], float]
+               ) -> dict[frozenset[tuple[str, str]], float]:
+        apply = {"+": float.__add__, "-": float.__sub__, "*": float.__mul__,
+                 "/": lambda a, b: a / b if b else float("nan")}[op]
+        return {labels: apply(float(left[labels]), float(right[labels]))
+                for labels in left.keys() & right.keys()}
+
+    result = expression()
+    assert position == len(tokens), f"unsupported PromQL: {query}"
+    return result

@@ -539,7 +539,8 @@ def test_umbp_stats_prints_a_table_and_json(servers: Servers) -> None:
     table = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60,
                            check=False)
     assert table.returncode == 0, table.stderr
-    for label in ("capacity", "used", "objects", "hits", "misses", "evictions to SSD",
+    for label in ("capacity", "used", "objects", "loads that hit", "loads that missed",
+                  "evictions to SSD",
                   "evictions dropped", "bytes to SSD"):
         assert label in table.stdout
     raw = subprocess.run(command + ["--json"], cwd=REPO, capture_output=True, text=True,

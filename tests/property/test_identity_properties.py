@@ -26,6 +26,7 @@ from umbp.core.identity import (
     bound_keyspace,
     check_namespace_override,
     namespace_fingerprint,
+    namespace_key_prefix,
     namespace_of_key,
     resolve_namespace,
 )
@@ -127,6 +128,19 @@ def test_namespace_of_key_names_the_namespace_of_every_key(
     components: tuple[str, RankCoord, int, bytes],
 ) -> None:
     assert namespace_of_key(object_key(*components)) == components[0]
+
+
+@given(namespaces, st.text(max_size=40) | key_components.map(lambda c: object_key(*c)),
+       st.integers(0, 3))
+def test_a_key_starts_with_a_namespaces_prefix_exactly_when_it_is_of_that_namespace(
+    namespace: str, text: str, format_version: int
+) -> None:
+    """The listing (`namespace_of_key`) and the removal (keys starting with
+    `namespace_key_prefix`) of every back-end agree, for keys of any format version."""
+    for key in (text, text.replace(f"umbp:{FORMAT_VERSION}:", f"umbp:{format_version}:", 1),
+                namespace_key_prefix(namespace) + text):
+        assert (namespace_of_key(key) == namespace) == key.startswith(
+            namespace_key_prefix(namespace))
 
 
 @given(st.text(max_size=80))

@@ -5,7 +5,9 @@ A state machine drives puts by three namespaces (each making room the way the se
 does: victims chosen for the reserving namespace, then settled), touches, pins, unpins,
 retentions, a clock that ends them, quotas set and removed, and drops. After every step
 the per-namespace books agree with the objects (pages, bytes, counts, retained figures,
-the evictable order holding exactly the resident objects neither retained nor leaving).
+the evictable order holding exactly the resident objects neither retained nor leaving,
+the longest retention), and the figures kept incrementally (pinned objects, resident
+pages) equal a recount.
 At every choice of victims:
 * a retained (unexpired) or pinned object is never chosen;
 * a victim chosen for a quota is the reserving namespace's own;
@@ -18,12 +20,21 @@ At every choice of victims:
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.unit.test_server_state import PAGE as SERVER_PAGE
+from tests.unit.test_server_state import Rig
 from umbp.runtime.server.index import Entry, PoolIndex
+from umbp.runtime.server.sessions import RequestRefused, Session
 from umbp.runtime.server.shares import EvictionCause
+from umbp.runtime.ssd.tier import SsdTier
 
 PAGE = 64
 NAMESPACES = ("aaaa", "bbbb", "cccc")
@@ -173,7 +184,16 @@ class SharesMachine(RuleBasedStateMachine):
                 entry.key for entry in entries if not entry.retained_until and not entry.leaving
             }
             total_retained += usage.retained_pages
+            assert index.longest_retention(name) == max(
+                (entry.retained_until for entry in kept), default=0.0)
         assert index.retained_pages == total_retained
+
+    @invariant()
+    def figures_kept_as_objects_come_and_go_equal_a_recount(self) -> None:
+        """What `umbp ls` and a metrics scrape read without a scan of the objects."""
+        index = self.index
+        assert index.pinned_objects == sum(1 for entry in index.entries() if entry.pins)
+        assert index.resident_pages() == sum(len(entry.pages) for entry in index.entries())
 
     def _held(self, namespace: str) -> int:
         usage = self.index.usage(namespace)
@@ -182,3 +202,100 @@ class SharesMachine(RuleBasedStateMachine):
 
 TestShares = SharesMachine.TestCase
 TestShares.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+
+
+class ServerFiguresMachine(RuleBasedStateMachine):
+    """`StoreCore` over a real SSD tier: puts by two namespaces (demoting to SSD), gets
+    (promoting back), gets left open (pins), lookups, retentions of one call's objects
+    (one time for all of them) and extensions, drops, clears, the shutdown's copy to
+    SSD, the SSD tier's own evictions. After every step `umbp ls`' and `umbp stats`'
+    figures, kept as objects come and go, equal a recount over the objects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = tempfile.TemporaryDirectory()
+        self.ssd = SsdTier(Path(self.directory.name) / "ssd", 12 * SERVER_PAGE,
+                           slot_bytes=SERVER_PAGE)
+        self.rig = Rig(16, cold=self.ssd)
+        self.rig.core.configure_retention(3600.0, 4 * SERVER_PAGE, capped=True)
+        self.open_gets: list[tuple[Session, int]] = []
+
+    def teardown(self) -> None:
+        self.ssd.close()
+        self.directory.cleanup()
+
+    @rule(namespace=st.sampled_from(NAMESPACES[:2]), serials=st.lists(st.integers(0, 12),
+                                                                     min_size=1, max_size=6))
+    def put(self, namespace: str, serials: list[int]) -> None:
+        self.rig.put({key_of(namespace, serial): bytes([serial]) * (SERVER_PAGE - serial)
+                      for serial in serials})
+
+    @rule(namespace=st.sampled_from(NAMESPACES[:2]), serials=st.lists(st.integers(0, 12),
+                                                                     min_size=1, max_size=4),
+          keep_open=st.booleans())
+    def get(self, namespace: str, serials: list[int], keep_open: bool) -> None:
+        keys = [key_of(namespace, serial) for serial in dict.fromkeys(serials)]
+        sizes = [SERVER_PAGE - serial for serial in dict.fromkeys(serials)]
+        if not keep_open:
+            self.rig.get(keys, sizes)
+            return
+        session = self.rig.core.open_session()
+        token, _ = self.rig.core.begin_get(session, keys, sizes)
+        self.open_gets.append((session, token))
+
+    @rule(data=st.data(), corrupt=st.booleans())
+    def end_get(self, data: st.DataObject, corrupt: bool) -> None:
+        if self.open_gets:
+            session, token = self.open_gets.pop(
+                data.draw(st.integers(0, len(self.open_gets) - 1)))
+            self.rig.core.end_get(session, token, [0] if corrupt else [])
+            self.rig.core.close_session(session)
+
+    @rule(namespace=st.sampled_from(NAMESPACES[:2]), serials=st.lists(st.integers(0, 12),
+                                                                     max_size=6))
+    def lookup(self, namespace: str, serials: list[int]) -> None:
+        self.rig.core.lookup([key_of(namespace, serial) for serial in serials])
+
+    @rule(namespace=st.sampled_from(NAMESPACES[:2]), serials=st.lists(st.integers(0, 12),
+                                                                     min_size=1, max_size=4),
+          seconds=st.sampled_from([30.0, 60.0, 600.0]))
+    def retain(self, namespace: str, serials: list[int], seconds: float) -> None:
+        with contextlib.suppress(RequestRefused):  # past a budget: nothing retained
+            self.rig.core.retain([key_of(namespace, serial) for serial in serials], seconds)
+
+    @rule(namespace=st.none() | st.sampled_from(NAMESPACES[:2]))
+    def drop(self, namespace: str | None) -> None:
+        with contextlib.suppress(RequestRefused):  # a namespace the server never saw
+            self.rig.core.drop(namespace)
+
+    @rule()
+    def clear(self) -> None:
+        self.rig.core.clear()
+
+    @rule()
+    def persist(self) -> None:
+        self.rig.core.persist_to_cold()
+
+    @invariant()
+    def listing_and_stats_equal_a_recount(self) -> None:
+        core = self.rig.core
+        index: PoolIndex = core._index  # noqa: SLF001 - the recount reads the objects
+        cold_keys = core._tiers.cold_keys  # noqa: SLF001
+        entries = list(index.entries())
+        stats = core.stats()
+        assert stats["objects"] == len({entry.key for entry in entries} | set(cold_keys))
+        assert stats["dram"]["resident_bytes"] == sum(
+            len(entry.pages) for entry in entries) * SERVER_PAGE
+        assert stats["dram"]["pinned_objects"] == sum(1 for entry in entries if entry.pins)
+        now = time.monotonic()
+        for row in core.namespaces():
+            kept = [entry.retained_until for entry in entries
+                    if entry.namespace == row["namespace"] and entry.retained_until]
+            longest = max(kept, default=0.0)
+            assert row["retained"]["objects"] == len(kept)
+            assert abs(row["retained"]["longest_s"] - max(0.0, longest - now)) < 5.0
+            assert index.longest_retention(row["namespace"]) == longest
+
+
+TestServerFigures = ServerFiguresMachine.TestCase
+TestServerFigures.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -180,3 +180,39 @@ def test_quick_startup_bench_reports_population_and_reopen(tmp_path: Path) -> No
     assert [(row["objects"], row["slots_per_object"]) for row in data["reopen"]] == [
         (16_384, 1), (1_024, 16)
     ]
+
+
+def test_the_listing_bench_times_ls_and_a_scrape_against_a_recount(tmp_path: Path) -> None:
+    """benchmarks/listing_bench.py fills a server core and times `umbp ls`, a metrics
+    scrape and the recount they replace; the figures are reported, not judged."""
+    report = tmp_path / "listing.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "listing_bench.py"), "--quick",
+         "--objects", "30000", "--namespaces", "3", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "30,000 objects in 3 namespaces, 6,000 retained" in done.stdout
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "listing" and data["retained"] == 6000
+    assert set(data["cases"]) == {"umbp ls", "metrics scrape", "reference: recount by scan"}
+    for case in data["cases"].values():
+        assert case["median_ms"] > 0 and case["lock_holds_per_call"] >= 1
+
+
+def test_the_copy_hash_bench_reports_each_way_against_memcpy(tmp_path: Path) -> None:
+    """benchmarks/copy_hash_bench.py: memcpy, copy then hash, copy_hashing, per object
+    size; the figures are reported, not judged."""
+    report = tmp_path / "copy-hash.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "copy_hash_bench.py"), "--quick",
+         "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(report.read_text())
+    assert [row["object_bytes"] for row in data["rows"]] == [256 << 10, 1 << 20, 4 << 20,
+                                                             16 << 20]
+    for row in data["rows"]:
+        assert set(row["gbps"]) == {"memcpy", "copy, then hash", "copy_hashing"}
+        assert row["ratio"]["memcpy"] == 1.0 and min(row["gbps"].values()) > 0

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import http.server
 import mmap
+import re
 import sys
+import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from umbp.runtime.mooncake.operations import mooncake_namespaces, namespace_key_pattern
 from umbp.runtime.mooncake.store import MooncakeSetupError, MooncakeStore, parse_address
 from umbp.runtime.registered_memory import HostArea, RegisteredRanges, buffer_address, plan_chunks
 
@@ -96,3 +102,52 @@ def test_a_missing_mooncake_package_is_a_setup_error_naming_it(
     monkeypatch.setitem(sys.modules, "mooncake", None)  # makes `import mooncake.store` fail
     with pytest.raises(MooncakeSetupError, match="mooncake-transfer-engine"):
         MooncakeStore("127.0.0.1:1", local_hostname="127.0.0.1")
+
+
+# Keys of this format, of other formats (an older umbp's) and not umbp's at all: what a
+# master shared by several umbp versions and other applications lists.
+_LISTED_KEYS = st.lists(st.one_of(
+    st.builds(lambda ns, rest: f"umbp:1:{ns}:{rest}", st.sampled_from(["a", "b.c", "d-e"]),
+              st.text("tp0:g1abcdef", max_size=12)),
+    st.builds(lambda fmt, ns: f"umbp:{fmt}:{ns}:tp0:pcp0:dcp0:pp0:g0:ab",
+              st.integers(0, 3), st.sampled_from(["a", "b.c"])),
+    st.text("umbp:01.abcdg-_", max_size=20),
+), max_size=30)
+
+
+@given(_LISTED_KEYS)
+@settings(max_examples=60, deadline=None)
+def test_ls_counts_per_namespace_exactly_the_keys_clear_removes(keys: list[str]) -> None:
+    """`umbp ls --mooncake-http` (the master's key listing, counted per namespace) and
+    `umbp clear --namespace` (Mooncake's remove_by_regex over `namespace_key_pattern`)
+    agree on every key: an older format's keys are neither counted nor removed."""
+    listed = [key for key in keys if key]
+    counts = _counted_over_http("\n".join(listed))
+    for namespace in {name for name in counts if name} | {"a", "b.c"}:
+        removed = [key for key in listed if re.search(namespace_key_pattern(namespace), key)]
+        assert counts.get(namespace, 0) == len(removed), (namespace, listed)
+    assert sum(counts.values()) == len(listed)
+
+
+def _counted_over_http(listing: str) -> dict[str, int]:
+    """`mooncake_namespaces` against an HTTP server that answers `/get_all_keys` as
+    Mooncake's master does (one key a line), on loopback."""
+
+    class Master(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = listing.encode() if self.path == "/get_all_keys" else b""
+            self.send_response(200 if body or self.path == "/get_all_keys" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Master) as master:
+        thread = threading.Thread(target=master.serve_forever, daemon=True)
+        thread.start()
+        try:
+            return mooncake_namespaces(f"127.0.0.1:{master.server_address[1]}", timeout_s=10)
+        finally:
+            master.shutdown()

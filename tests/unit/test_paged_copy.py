@@ -8,7 +8,7 @@ import os
 import pytest
 import xxhash
 
-from umbp.runtime.paged_copy import read_regions, write_regions
+from umbp.runtime.paged_copy import CHUNK_BYTES, copy_hashing, read_regions, write_regions
 
 KIB = 1024
 
@@ -30,3 +30,26 @@ def test_a_short_source_is_refused_not_broadcast() -> None:
     with pytest.raises(ValueError):
         write_regions(memory, [(0, 64 * KIB)], memoryview(b"\x07"))
     assert bytes(memory[: 64 * KIB]) == bytes(64 * KIB)
+
+
+@pytest.mark.parametrize("sizes", [[3 * 1024 * KIB + 5], [64 * KIB, 2 * 1024 * KIB + 1, 7]])
+def test_pieces_longer_than_two_chunks_are_hashed_chunk_by_chunk_to_the_same_checksum(
+    sizes: list[int],
+) -> None:
+    """Past 2 x CHUNK_BYTES a piece is copied and hashed a chunk at a time (ending on a
+    partial chunk here): the checksum is the one-shot xxh3-64 of the whole object."""
+    assert max(sizes) > 2 * CHUNK_BYTES
+    memory = memoryview(bytearray(sum(sizes) + 4 * KIB))
+    regions, offset = [], 4 * KIB
+    for size in reversed(sizes):  # laid out backwards: regions not in memory order
+        regions.insert(0, (offset, size))
+        offset += size
+    regions = [(o - 4 * KIB, n) for o, n in regions]
+    source = os.urandom(sum(sizes))
+    stored = write_regions(memory, regions, memoryview(source))
+    assert stored == xxhash.xxh3_64_intdigest(source)
+    destination = memoryview(bytearray(len(source)))
+    assert read_regions(memory, regions, destination) == stored
+    assert bytes(destination) == source
+    copied = memoryview(bytearray(len(source)))
+    assert copy_hashing(copied, memoryview(source)) == stored and bytes(copied) == source

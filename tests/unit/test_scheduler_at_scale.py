@@ -273,3 +273,47 @@ def test_a_store_step_of_256_requests_with_cached_prefixes(
         assert server_objects(server) - before == stored
     finally:
         driver.close()
+
+
+def test_the_servers_lookup_counts_are_the_admissions_asks_not_residency_checks(
+    server: str, long_model_dir: Path
+) -> None:
+    """A restored prompt's 8 blocks are asked once by its admission (8 hits) and once by
+    its first store step's residency check (`where`, not counted): the server's hit rate
+    counts what engines asked to load."""
+    blocks = 8
+    tokens = prompt(blocks * BLOCK + 5, seed=999)
+    driver = stored_once(server, long_model_dir, tokens)
+    try:
+        assert driver.scheduler.reset_prefix_cache()
+        before = lookup_counts(server)
+        driver.add("b", tokens, max_tokens=2)
+        driver.run(["b"])
+        driver.drain()
+        stats = driver.connector_stats()
+        assert stats["worker_loaded_blocks"] == blocks
+        assert stats["scheduler_residency_lookups"] >= 1
+        assert stats["scheduler_store_skipped_resident_blocks"] == blocks
+        after = lookup_counts(server)
+        changed = [(hits - before.get(name, (0, 0))[0], misses - before.get(name, (0, 0))[1])
+                   for name, (hits, misses) in after.items() if (hits, misses) != before.get(name)]
+        assert changed == [(blocks, 0)], "b's admission only: 8 keys asked, 8 held"
+    finally:
+        driver.close()
+
+
+def stored_once(endpoint: str, model_dir: Path, tokens: Sequence[int]) -> ScaleDriver:
+    """A small driver with synchronous loads that computed and stored `tokens` as "a"."""
+    driver = ScaleDriver(model_dir, num_blocks=64, block_size=BLOCK,
+                         max_model_len=len(tokens) // BLOCK * BLOCK + 2 * BLOCK,
+                         extra={**extra(endpoint), "load_async": False}, kv_events=False)
+    driver.add("a", tokens)
+    driver.run(["a"])
+    driver.drain()
+    return driver
+
+
+def lookup_counts(endpoint: str) -> dict[str, tuple[int, int]]:
+    with ServerStore(endpoint) as store:
+        return {row["namespace"]: (row["lookup_hits"], row["lookup_misses"])
+                for row in store.namespaces()}

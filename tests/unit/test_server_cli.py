@@ -95,7 +95,8 @@ def test_the_stats_table_shows_both_tiers_and_the_counters() -> None:
     table = format_stats(figures)
     assert "4.0 MiB" in table and "1.0 GiB" in table and "25.0%" in table
     rows = {line.split("  ")[0].strip(): line.split()[-1] for line in table.splitlines() if line}
-    assert rows["hits"] == "5" and rows["evictions to SSD"] == "4"
+    assert rows["loads that hit"] == "5" and rows["loads that missed"] == "2"
+    assert rows["evictions to SSD"] == "4"
     assert rows["evictions dropped"] == "1" and rows["bytes to SSD"] == "MiB"
     assert "off" in format_stats(figures | {"ssd": {"enabled": False}})
 

@@ -50,11 +50,12 @@ def test_the_listing_counts_each_namespace_per_tier_with_its_label_and_use(
     for r, count in ((a, 12), (b, 12), (other, 1)):
         assert r["dram"]["objects"] + r["ssd"]["objects"] >= count
         assert r["puts"] == count
-    assert (a["hits"], a["misses"], a["hits_from_ssd"]) == (1, 1, 1), "aaaa:0 was demoted"
+    assert (a["loads"], a["loads_from_ssd"]) == (1, 1), "aaaa:0 was demoted"
+    assert (a["lookup_hits"], a["lookup_misses"]) == (0, 0), "a get is not a lookup"
     assert a["ssd"]["objects"] > 0 and a["ssd"]["bytes"] == a["ssd"]["objects"] * (PAGE - 7)
     dram_total = sum(r["dram"]["bytes"] for r in rig.core.namespaces())
     assert dram_total == rig.core.stats()["dram"]["used_bytes"]
-    assert a["last_use_unix"] is not None and b["hits"] == 0
+    assert a["last_use_unix"] is not None and b["loads"] == 0
 
 
 def test_dropping_a_namespace_leaves_the_others_and_what_is_in_use(ssd: SsdTier) -> None:
@@ -113,7 +114,7 @@ def test_a_quota_keeps_a_namespace_to_it_by_evicting_its_own(ssd: SsdTier) -> No
         assert rig.put(objects("bbbb", 1, start)) == [True]
         assert row(rig, "bbbb")["dram"]["bytes"] <= 4 * PAGE
     assert row(rig, "bbbb")["evictions"]["quota"] == 8
-    assert rig.core.lookup([key("bbbb", 0)]) == b"\x01", "on SSD, not lost"
+    assert rig.core.lookup([key("bbbb", 0)]) == b"\x02", "on SSD, not lost"
     assert rig.core.where([key("bbbb", 0)]) == b"\x02"
 
 
@@ -177,3 +178,27 @@ def test_labels_come_back_for_namespaces_still_on_ssd_and_a_damaged_file_is_igno
     assert {r["namespace"]: r["label"] for r in again.core.namespaces()} == {"aaaa": "model a"}
     labels.path.write_text("{not json")
     assert LabelFile(str(tmp_path)).load() == {}
+
+
+def test_a_lookups_keys_are_counted_per_namespace_as_hits_by_tier_and_misses(
+    ssd: SsdTier,
+) -> None:
+    """hits + misses of a namespace = the keys its lookups asked; a residency check
+    (`where`) and a get count neither, so hits / (hits + misses) is the share held."""
+    rig = Rig(20, cold=ssd)  # high 19 pages, low 10: a's first objects go to SSD
+    assert all(rig.put(objects("aaaa", 18)))
+    assert all(rig.put(objects("bbbb", 2)))
+    on_ssd = [k for k in objects("aaaa", 18) if rig.core.where([k]) == bytes([2])]
+    assert on_ssd, "some of aaaa's objects were demoted"
+    asked_a = [key("aaaa", i) for i in range(36)]  # 18 held, 18 never stored
+    assert rig.core.lookup(asked_a) == rig.core.where(asked_a[:18]) + bytes(18)
+    # One lookup over two namespaces and a key not umbp's: each counted to its own.
+    mixed = [key("bbbb", 0), key("bbbb", 7), key("aaaa", 0), "not-umbp", "umbp:0:bbbb:x"]
+    assert [bool(code) for code in rig.core.lookup(mixed)] == [True, False, True, False, False]
+    rig.core.where(asked_a + mixed)
+    rig.get([key("aaaa", 30)], [PAGE - 7])
+    a, b, other = row(rig, "aaaa"), row(rig, "bbbb"), row(rig, "")
+    assert (a["lookup_hits"], a["lookup_misses"]) == (19, 18)
+    assert a["lookup_hits_on_ssd"] == len(on_ssd) + (key("aaaa", 0) in on_ssd)
+    assert (b["lookup_hits"], b["lookup_misses"], b["lookup_hits_on_ssd"]) == (1, 1, 0)
+    assert (other["lookup_hits"], other["lookup_misses"]) == (0, 2), "an older format's too"

@@ -96,3 +96,17 @@ def test_the_fast_path_agrees_with_the_exact_check(keys: list[Any]) -> None:
             schema._keys(keys)
     else:
         assert schema._keys(keys) == exact
+
+
+def test_a_lookup_may_name_its_request_and_forget_names_one() -> None:
+    """LOOKUP {"keys", "request"} ties the prefetches it starts to an engine's request;
+    FORGET {"request"} (one-way) cancels them; WHERE takes no request."""
+    keys = json.dumps({"keys": ["k"], "request": "cmpl-1"}).encode()
+    assert schema.parse(protocol.LOOKUP, keys) == schema.Keys(("k",), "cmpl-1")
+    assert schema.parse(protocol.FORGET, b'{"request": "cmpl-1"}') == schema.Forget("cmpl-1")
+    assert protocol.FORGET in protocol.ONE_WAY
+    for op, body in ((protocol.WHERE, keys), (protocol.FORGET, b'{"request": ""}'),
+                     (protocol.FORGET, b'{"request": "a\\nb"}'),
+                     (protocol.LOOKUP, b'{"keys": ["k"], "request": 7}')):
+        with pytest.raises(schema.BadRequest):
+            schema.parse(op, body)

@@ -798,3 +798,45 @@ def _fill(path: Path) -> None:
                 out.write(bytes(4096))
         except OSError as error:
             assert error.errno == errno.ENOSPC, error
+
+
+def test_a_large_fragmented_object_is_hashed_chunk_by_chunk_as_written_and_read(
+    open_tier: Callable[..., SsdTier],
+) -> None:
+    """An object over two hash chunks, in non-consecutive slots (several extents): its
+    checksum is computed while its payload is written and verified while it is read,
+    and equals the one-shot xxh3-64; one flipped byte anywhere is caught."""
+    import xxhash
+
+    from umbp.runtime.paged_copy import CHUNK_BYTES
+
+    slot = 256 << 10
+    tier = open_tier(slots=24, slot_bytes=slot)
+    for index in range(0, 12, 2):  # leave holes, so that the big object is fragmented
+        assert tier.put(f"pad{index}", content(index, slot))
+        assert tier.put(f"gap{index}", content(100 + index, slot))
+    for index in range(0, 12, 2):
+        assert tier.remove(f"gap{index}")
+    size = 2 * CHUNK_BYTES + 3 * slot + 17
+    payload = content(7, size)
+    assert tier.put("big", payload)
+    out = bytearray(size)
+    status, checksum = tier.read_into("big", out)
+    assert status is LoadStatus.HIT and bytes(out) == payload
+    assert checksum == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_a_checksum_given_with_a_put_is_kept_and_a_wrong_one_never_serves_bytes(
+    open_tier: Callable[..., SsdTier],
+) -> None:
+    """The server hands the checksum it verified (a demotion): the tier keeps it; had it
+    been wrong, the read would find the object corrupt and drop it."""
+    import xxhash
+
+    tier = open_tier()
+    good, bad = content(1, 3 * SLOT + 5), content(2, SLOT)
+    assert tier.put("good", good, xxhash.xxh3_64_intdigest(good))
+    assert tier.put("bad", bad, xxhash.xxh3_64_intdigest(bad) ^ 1)
+    assert read(tier, "good", len(good)) == (LoadStatus.HIT, good)
+    assert tier.read_into("bad", bytearray(SLOT)) == (LoadStatus.CORRUPT, 0)
+    assert tier.lookup(["bad"]) == (False,)

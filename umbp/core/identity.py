@@ -39,6 +39,7 @@ __all__ = [
     "check_namespace_override",
     "key_prefix",
     "namespace_fingerprint",
+    "namespace_key_prefix",
     "namespace_of_key",
     "rank_coord",
     "replica_writer",
@@ -114,18 +115,24 @@ def namespace_fingerprint(inputs: NamespaceInputs) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def namespace_key_prefix(namespace: str) -> str:
+    """What every key of `namespace` starts with (``umbp:<format>:<namespace>:``), and
+    nothing else's: the one spelling of a namespace's keys that every back-end's listing
+    and removal use (:func:`namespace_of_key` is its inverse)."""
+    return f"{_KEY_HEAD}{namespace}:"
+
+
 def namespace_of_key(key: str) -> str | None:
-    """The namespace of a key :class:`KeySpace` built (``umbp:<format>:<namespace>:...``);
-    None for any other string (a store may hold keys that are not umbp's)."""
+    """The namespace whose :func:`namespace_key_prefix` `key` starts with; None for any
+    other string (a store may hold keys that are not umbp's, or of another format)."""
     if not key.startswith(_KEY_HEAD):
         return None
-    parts = key.split(":", 3)
-    if len(parts) < 4 or not parts[2]:
-        return None
-    return parts[2]
+    start = len(_KEY_HEAD)
+    end = key.find(":", start)
+    return key[start:end] if end > start else None
 
 
-_KEY_HEAD: Final = f"{KEY_PREFIX}:"
+_KEY_HEAD: Final = f"{KEY_PREFIX}:{FORMAT_VERSION}:"
 
 
 def resolve_namespace(inputs: NamespaceInputs, override: str | None) -> Result[str, str]:
@@ -199,7 +206,7 @@ def replica_writer(topology: RankTopology, rank: RankCoord, run: int) -> RankCoo
 
 def key_prefix(namespace: str, rank: RankCoord, group_id: int) -> str:
     return (
-        f"{KEY_PREFIX}:{FORMAT_VERSION}:{namespace}:tp{rank.tp}:pcp{rank.pcp}"
+        f"{namespace_key_prefix(namespace)}tp{rank.tp}:pcp{rank.pcp}"
         f":dcp{rank.dcp}:pp{rank.pp}:g{group_id}:"
     )
 

@@ -65,6 +65,7 @@ __all__ = [
     "LoadStatus",
     "Medium",
     "PoolStats",
+    "PrefetchesOnLookup",
     "RegistersHostMemory",
     "ReportsTiers",
     "ReservedObjects",
@@ -303,6 +304,26 @@ class TierAware(Protocol):
     def where(self, keys: Sequence[str]) -> tuple[Medium | None, ...]:
         """The medium holding each key, None when it is not resident. Raises
         `StoreUnavailable` like `lookup`."""
+        ...
+
+
+@runtime_checkable
+class PrefetchesOnLookup(TierAware, Protocol):
+    """Optional: a store with a slower tier that starts bringing an object into its fast
+    tier as soon as an engine's lookup finds it only in the slow one (`umbp serve`'s SSD
+    tier), so that its load need not read the slow tier. The scheduler looks up through
+    `lookup_where`; a synchronous load waits (asking `where`, which starts nothing)
+    until its objects left `Medium.DISK`, and `forget` ends what a request that went
+    away started."""
+
+    def lookup_where(self, keys: Sequence[str], request_id: str) -> tuple[Medium | None, ...]:
+        """`lookup` answered per medium, for the engine's request `request_id`: objects on
+        `Medium.DISK` are on their way to the fast tier. Raises `StoreUnavailable`."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request went away: what it started and did not begin is dropped. Never
+        raises."""
         ...
 
 

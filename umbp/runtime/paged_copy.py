@@ -1,10 +1,16 @@
-"""Copying an object into and out of the pages of a pool, checksumming as it goes.
+"""Copying bytes while checksumming them: into and out of the pages of a pool, and any
+copy whose bytes carry an xxh3-64 (the SSD tier's reads and writes, Mooncake's bounce
+buffer).
 
 An object in a paged pool (the embedded `SlabPool`, the server's shared-memory pool) lies
-in (offset, length) regions of one byte view, not necessarily adjacent. Both directions
-hash each piece right after copying it, while it is still in cache, so a checksum costs
-no second pass over memory. Streaming and one-shot xxh3-64 agree, so the single-region
-shortcut yields the same value.
+in (offset, length) regions of one byte view, not necessarily adjacent. Every path hashes
+a piece right after copying it, while it is still in cache, so a checksum costs no second
+pass over memory: pieces longer than `CHUNK_BYTES` are copied and hashed `CHUNK_BYTES` at
+a time (a piece of a few MiB would otherwise be hashed from the last-level cache or from
+memory). Streaming and one-shot xxh3-64 agree, so a piece copied whole yields the same
+value. Measured (docs/performance.md, "Checksums while copying"): chunking a 1 MiB piece
+costs Python calls and gains nothing where a core's L2 holds it, so only longer pieces
+are chunked.
 
 Large pieces are copied by numpy, which releases the GIL while it copies (a memoryview
 slice assignment holds it throughout): the copies run on transfer threads beside the
@@ -16,13 +22,17 @@ call costs ~0.3 us more, an eighth of a 64 KiB copy, and the GIL is held for ~2 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
 import xxhash
 
-__all__ = ["read_regions", "write_regions"]
+__all__ = ["CHUNK_BYTES", "copy_hashing", "read_regions", "write_regions"]
 
 _GIL_FREE_FROM_BYTES = 128 * 1024
+CHUNK_BYTES: Final = 512 * 1024
+"""Bytes copied before they are hashed, for pieces over twice this: half the L2 of a core
+here (AMD EPYC, 1 MiB) and of the Xeons umbp runs on (1-2 MiB)."""
 
 
 def _copy(destination: memoryview, source: memoryview | bytearray) -> None:
@@ -35,21 +45,47 @@ def _copy(destination: memoryview, source: memoryview | bytearray) -> None:
         np.copyto(np.frombuffer(destination, np.uint8), np.frombuffer(source, np.uint8))
 
 
+def _copy_hashing_into(
+    hasher: xxhash.xxh3_64, destination: memoryview, source: memoryview | bytearray
+) -> None:
+    """Copy `source` into `destination` (same length), feeding `hasher` the bytes that
+    arrived, a cache-sized chunk at a time."""
+    total = len(destination)
+    if len(source) != total:
+        raise ValueError(f"copying {len(source)} bytes into {total}")
+    if total <= 2 * CHUNK_BYTES:
+        _copy(destination, source)
+        hasher.update(destination)
+        return
+    source_view = memoryview(source)
+    for start in range(0, total, CHUNK_BYTES):
+        arrived = destination[start : start + CHUNK_BYTES]
+        _copy(arrived, source_view[start : start + CHUNK_BYTES])
+        hasher.update(arrived)
+
+
+def copy_hashing(destination: memoryview, source: memoryview | bytearray) -> int:
+    """Copy `source` into `destination` (same length); xxh3-64 of the bytes now there."""
+    if len(destination) <= 2 * CHUNK_BYTES:
+        _copy(destination, source)
+        return int(xxhash.xxh3_64_intdigest(destination))
+    hasher = xxhash.xxh3_64()
+    _copy_hashing_into(hasher, destination, source)
+    return int(hasher.intdigest())
+
+
 def write_regions(
     memory: memoryview, regions: Sequence[Sequence[int]], source: memoryview | bytearray
 ) -> int:
     """Copy `source` into its regions of `memory`; xxh3-64 of the bytes now stored there."""
     if len(regions) == 1:
         offset, length = regions[0]
-        stored = memory[offset : offset + length]
-        _copy(stored, source)
-        return int(xxhash.xxh3_64_intdigest(stored))
+        return copy_hashing(memory[offset : offset + length], source)
     hasher = xxhash.xxh3_64()
     start = 0
     for offset, length in regions:
-        stored = memory[offset : offset + length]
-        _copy(stored, source[start : start + length])
-        hasher.update(stored)
+        _copy_hashing_into(hasher, memory[offset : offset + length],
+                           source[start : start + length])
         start += length
     return int(hasher.intdigest())
 
@@ -61,13 +97,11 @@ def read_regions(
     size); xxh3-64 of what arrived there, to compare with the stored checksum."""
     if len(regions) == 1:
         offset, length = regions[0]
-        _copy(destination, memory[offset : offset + length])
-        return int(xxhash.xxh3_64_intdigest(destination))
+        return copy_hashing(destination, memory[offset : offset + length])
     hasher = xxhash.xxh3_64()
     start = 0
     for offset, length in regions:
-        delivered = destination[start : start + length]
-        _copy(delivered, memory[offset : offset + length])
-        hasher.update(delivered)
+        _copy_hashing_into(hasher, destination[start : start + length],
+                           memory[offset : offset + length])
         start += length
     return int(hasher.intdigest())

@@ -154,7 +154,7 @@ class PagedLru(Generic[R]):
     def get(self, key: str) -> R | None:
         return self._objects.get(key)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._objects
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from returns.result import Failure, Success
 
@@ -34,21 +34,33 @@ from umbp.core.lookup import (
     admission_answer,
     admission_step,
 )
-from umbp.core.lookup.admission import announced_reach, awaits_announced
+from umbp.core.lookup.admission import announced_reach, awaits_announced, awaits_prefetch
 from umbp.core.lookup.query import LookupQuery
 from umbp.core.lookup.windows import LoadSpec
 from umbp.core.request_params import request_params
 from umbp.core.requests import after_allocation
-from umbp.runtime.contract import HashLookup, SchedulerStore
+from umbp.runtime.contract import HashLookup, Medium, PrefetchesOnLookup, SchedulerStore
 from umbp.shell import vllm_compat
 from umbp.shell.hybrid_lookup import HybridLookup
 from umbp.shell.lookup_errors import log_failed_lookup
 from umbp.shell.request_state import PendingLookup, RequestState
 from umbp.shell.vllm_compat.objects import BlockPoolLike, KVCacheBlocksLike, RequestLike
 
-__all__ = ["Admission", "AdmissionCounters"]
+__all__ = ["PREFETCH_STALL_S", "Admission", "AdmissionCounters"]
 
 logger = logging.getLogger("umbp")
+
+Answers = TypeVar("Answers")
+
+PREFETCH_STALL_S = 0.5
+"""A request whose load is synchronous waits for the hits the store brings in from its
+disk tier (`PrefetchesOnLookup`) while they keep arriving: once none has for this long
+(the store's prefetch bound left them out, or its disk is slow), the load reads what is
+left from disk."""
+PREFETCH_POLL_S = 0.005
+"""While it waits, a request asks where its hits are at most this often: vLLM's steps come
+back to back when nothing else runs, and each ask takes the server's lock from the
+thread that brings the objects in."""
 
 
 class AdmissionCounters(Protocol):
@@ -60,6 +72,8 @@ class AdmissionCounters(Protocol):
     announced_waits: int
     announced_wait_seconds: float
     announced_short: int
+    prefetch_waits: int
+    prefetch_wait_seconds: float
 
 
 class Admission:
@@ -80,10 +94,11 @@ class Admission:
         self._executor = executor
         self._counters = counters
         self._gpu_block_pool: BlockPoolLike | None = None
-        # Whether the bound store answers by hash, found once per store object (an
-        # isinstance check of a Protocol costs microseconds on every admission).
+        # Whether the bound store answers by hash, or prefetches from a disk tier, found
+        # once per store object (an isinstance check of a Protocol costs microseconds).
         self._probed_store: SchedulerStore | None = None
         self._by_hash = False
+        self._prefetching: PrefetchesOnLookup | None = None
 
     def bind_gpu_block_pool(self, pool: BlockPoolLike) -> None:
         self._gpu_block_pool = pool
@@ -113,6 +128,7 @@ class Admission:
         the load runs asynchronously) and the request's next state."""
         if store is not self._probed_store:
             self._probed_store, self._by_hash = store, isinstance(store, HashLookup)
+            self._prefetching = store if isinstance(store, PrefetchesOnLookup) else None
         pending = state.lookup
         running = None if pending is None else RunningLookup(
             pending.query, pending.request is request, pending.answer.done()
@@ -135,12 +151,55 @@ class Admission:
                 matched = self._matched(replace(state, lookup=None), step.query, answers)
                 return self._announced(request, local_tokens, *matched)
         assert step.query is not None
+        if self._prefetching is not None and step.keys is not None:
+            return self._warmed(request, local_tokens, step.query, step.keys, state,
+                                step.action is LookupAction.SUBMIT)
         ask = self._asking(store, step.query, step.keys)
         if step.action is LookupAction.SUBMIT:
             answer = self._executor.submit(ask)
             return None, False, replace(state, lookup=PendingLookup(request, step.query, answer))
         matched = self._matched(state, step.query, self._lookup(ask))
         return self._announced(request, local_tokens, *matched)
+
+    def _warmed(
+        self, request: RequestLike, local_tokens: int, query: LookupQuery, keys: Any,
+        state: RequestState, submit: bool,
+    ) -> tuple[int | None, bool, RequestState]:
+        """A lookup of a store that prefetches from its disk tier (`umbp serve`'s SSD): the
+        first ask starts bringing the hits on disk into memory; a synchronous load of
+        such hits waits, asked again each step with `where` (nothing counted or started
+        again), until they are in memory or stop arriving (`PREFETCH_STALL_S`), so that
+        it never reads the disk inside the engine step."""
+        store = self._prefetching
+        assert store is not None
+        warming = state.warming
+        waiting = warming is not None
+        if warming is not None and time.monotonic() - warming[3] < PREFETCH_POLL_S:
+            return None, False, state
+        ask = (partial(store.where, keys) if waiting
+               else partial(store.lookup_where, keys, request.request_id))
+        if submit:  # the lookup threads' answer comes as residency: no wait
+            answer = self._executor.submit(lambda: tuple([m is not None for m in ask()]))
+            return None, False, replace(state, lookup=PendingLookup(request, query, answer),
+                                        prefetching=True)
+        media = self._lookup(ask)
+        on_disk = 0 if media is None else media.count(Medium.DISK)
+        tokens, load_async, state = self._matched(
+            state, query, None if media is None else tuple([m is not None for m in media]))
+        now = time.monotonic()
+        started, arrived, before = (now, now, on_disk) if warming is None else warming[:3]
+        if on_disk < before:
+            arrived = now
+        state = replace(state, prefetching=state.prefetching or on_disk > 0)
+        if awaits_prefetch(tokens, load_async, on_disk, now - arrived, PREFETCH_STALL_S):
+            if not waiting:
+                self._counters.prefetch_waits += 1
+            return None, False, replace(state, warming=(started, arrived, on_disk, now))
+        if waiting:
+            self._counters.prefetch_wait_seconds += now - started
+        return self._announced(request, local_tokens, tokens, load_async,
+                               replace(state, warming=None))
+
 
     def _announced(
         self, request: RequestLike, local_tokens: int, tokens: int, load_async: bool,
@@ -204,7 +263,7 @@ class Admission:
             return partial(cast(HashLookup, store).lookup_hashes, query.runs)
         return partial(store.lookup, keys)
 
-    def _lookup(self, ask: Callable[[], tuple[bool, ...]]) -> tuple[bool, ...] | None:
+    def _lookup(self, ask: Callable[[], Answers]) -> Answers | None:
         try:
             return ask()
         except Exception as error:  # noqa: BLE001 (see umbp.shell.lookup_errors)

@@ -39,7 +39,8 @@ class RequestState:
     last query (a repeated lookup of a waiting request reuses it whole) and, only
     for a store asked by key string, the keys built so far, so none is built twice.
     ``awaiting_since``: when it started waiting for announced blocks (disaggregated
-    prefill), None when it does not wait."""
+    prefill), None when it does not wait; ``warming`` likewise for hits the store brings
+    in from its disk tier."""
 
     request: RequestLike | None = None
     lookup: PendingLookup | None = None
@@ -47,6 +48,13 @@ class RequestState:
     lookups: LookupMemo = EMPTY_LOOKUP_MEMO
     awaiting_since: float | None = None
     """When the request started waiting for blocks its prefill engine announced."""
+    warming: tuple[float, float, int, float] | None = None
+    """While the request waits for hits the store brings in from its disk tier: when it
+    started, when the last of them arrived, how many were still on disk then, when it
+    last asked."""
+    prefetching: bool = False
+    """Its lookup started bringing objects in from the store's disk tier (to be forgotten
+    when the request goes away)."""
 
     @property
     def lookup_progress(self) -> LookupProgress:
@@ -61,12 +69,14 @@ class RequestState:
         if life is self.life:
             return self
         return RequestState(self.request, self.lookup, life, self.lookups,
-                            self.awaiting_since)  # hot: no replace
+                            self.awaiting_since, self.warming,
+                            self.prefetching)  # hot: no replace
 
     def with_lookups(self, lookups: LookupMemo) -> RequestState:
         if lookups is self.lookups:
             return self
-        return RequestState(self.request, self.lookup, self.life, lookups, self.awaiting_since)
+        return RequestState(self.request, self.lookup, self.life, lookups, self.awaiting_since,
+                            self.warming, self.prefetching)
 
     def without_lookup(self) -> RequestState:
         """The running lookup is dropped (its answer is not wanted any more)."""

@@ -53,7 +53,7 @@ from umbp.core.stores.tracking import (
     stores_under_role,
 )
 from umbp.runtime.backends import open_scheduler_store
-from umbp.runtime.contract import SchedulerStore
+from umbp.runtime.contract import PrefetchesOnLookup, SchedulerStore
 from umbp.shell import vllm_compat
 from umbp.shell.admission import Admission
 from umbp.shell.hybrid_lookup import HybridLookup
@@ -93,6 +93,10 @@ class SchedulerCounters:
     announced_waits: int = 0
     announced_wait_seconds: float = 0.0
     announced_short: int = 0
+    # Requests whose synchronous load waited for hits the server brought in from its SSD
+    # tier (prefetched at lookup), and the seconds they waited in all.
+    prefetch_waits: int = 0
+    prefetch_wait_seconds: float = 0.0
 
 
 class UMBPScheduler:
@@ -341,6 +345,7 @@ class UMBPScheduler:
         engine (``kv_producer``) announces the prompt tokens whose blocks it stores,
         for the decode engine's lookup to wait for (vLLM puts them in the response's
         ``kv_transfer_params``)."""
+        self._forget_prefetch(request.request_id)
         self._forget(request.request_id)
         seconds = self.retention.wanted(request)
         if seconds is not None:
@@ -390,6 +395,15 @@ class UMBPScheduler:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+    def _forget_prefetch(self, request_id: str) -> None:
+        """A request that started prefetches and went away (finished, aborted): the
+        store drops those not begun."""
+        store = self._store
+        if self._requests.get(request_id, UNKNOWN).prefetching and isinstance(
+            store, PrefetchesOnLookup
+        ):
+            store.forget(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, UNKNOWN).without_lookup()

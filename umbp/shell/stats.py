@@ -187,6 +187,9 @@ COUNTER_DOCS: dict[str, str] = {
     "scheduler_announced_wait_seconds": "seconds requests waited for announced blocks",
     "scheduler_announced_short": "requests that went on without every announced block "
     "(announced_wait_s passed): vLLM computed the rest",
+    "scheduler_prefetch_waits": "requests whose synchronous restore waited for hits the "
+    "server was bringing from its SSD tier into DRAM (prefetched at lookup)",
+    "scheduler_prefetch_wait_seconds": "seconds requests waited for hits prefetched from SSD",
     "worker_pool_evictions": "objects the umbp pool evicted to make room",
 }
 # Levels rather than counts: their reported deltas move a Prometheus gauge up and down.

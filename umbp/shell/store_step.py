@@ -21,7 +21,7 @@ from umbp.core.stores import (
     finish_store_step,
     plan_store_step,
 )
-from umbp.runtime.contract import SchedulerStore
+from umbp.runtime.contract import SchedulerStore, TierAware
 from umbp.shell import vllm_compat
 from umbp.shell.lookup_errors import log_failed_lookup
 from umbp.shell.request_state import UNKNOWN, RequestState
@@ -136,6 +136,10 @@ class StoreStep:
             return None
         self._counters.residency_lookups += 1
         try:
+            if isinstance(store, TierAware):
+                # A store that counts its lookups as asks for loads (`umbp serve`'s hit
+                # rate, and its SSD prefetch) is asked where, which it does not count.
+                return tuple([medium is not None for medium in store.where(keys)])
             return store.lookup(keys)
         except Exception as error:  # noqa: BLE001 (see umbp.shell.lookup_errors)
             self._counters.lookup_failures += 1

@@ -45,6 +45,7 @@ __all__ = [
     "after_match",
     "announced_reach",
     "awaits_announced",
+    "awaits_prefetch",
     "lookup_still_current",
     "next_lookup_action",
 ]
@@ -248,6 +249,17 @@ def announced_reach(geometry: CacheGeometry, announced_tokens: int, num_tokens: 
     block = geometry.block_size
     reach = min(announced_tokens, (num_tokens - 1) // block * block)
     return max(0, reach - block) if geometry.use_eagle else reach
+
+
+def awaits_prefetch(
+    tokens: int, load_async: bool, hits_on_disk: int, stalled_s: float, bound_s: float
+) -> bool:
+    """Whether to ask again next step rather than answer now: a synchronous load (read
+    inside the engine step that computes the rest) of hits of which ``hits_on_disk`` are
+    still on the store's disk tier, on their way into memory, the last of them having
+    arrived less than ``bound_s`` ago (``stalled_s``; objects the store does not bring in
+    must not hold the request). An asynchronous load reads off the step and never waits."""
+    return tokens > 0 and not load_async and hits_on_disk > 0 and stalled_s < bound_s
 
 
 def awaits_announced(reached: int, reach: int, waited_s: float, bound_s: float) -> bool:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from umbp.core.identity import FORMAT_VERSION, KEY_PREFIX, namespace_of_key
+from umbp.core.identity import namespace_key_prefix, namespace_of_key
 
 __all__ = ["mooncake_namespaces", "namespace_key_pattern"]
 
 
 def namespace_key_pattern(namespace: str) -> str:
     """The regular expression of every key of `namespace` (Mooncake's `remove_by_regex`)."""
-    return f"^{re.escape(f'{KEY_PREFIX}:{FORMAT_VERSION}:{namespace}:')}"
+    return f"^{re.escape(namespace_key_prefix(namespace))}"
 
 
 def mooncake_namespaces(http_address: str, timeout_s: float) -> dict[str, int]:

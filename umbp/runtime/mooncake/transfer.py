@@ -6,7 +6,10 @@ Mooncake has no integrity check, so every stored object is the payload followed 
 the trailer sits in a small registered area and travels as a second piece of the same
 object; a staged object has it right after the payload in the bounce buffer (one piece).
 A load whose bytes do not hash to their trailer answers CORRUPT and removes the object
-(forced: a plain `remove` answers OBJECT_HAS_LEASE for 10 s after any read).
+(forced: a plain `remove` answers OBJECT_HAS_LEASE for 10 s after any read). The hash
+rides the copies umbp makes (into and out of the bounce buffer, `paged_copy.copy_hashing`);
+a direct object is copied by Mooncake itself, so hashing its source on put and its
+destination on get is the one pass over its bytes umbp adds.
 
 Sizes: a staged load lands in the bounce buffer, so the transfer's answer shows a wrong
 size harmlessly (BUFFER_OVERFLOW-style -600 when the object is longer, TRANSFER_FAIL -800
@@ -36,6 +39,7 @@ from umbp.runtime.mooncake.binding import (
     complete_memory_size,
     quietly,
 )
+from umbp.runtime.paged_copy import copy_hashing
 from umbp.runtime.registered_memory import HostArea, Piece, checksum, temporarily_registered
 
 __all__ = ["TRAILER_BYTES", "TRAILER_SLOTS", "TrailerTransfers"]
@@ -68,10 +72,9 @@ class TrailerTransfers:
         trailers = self._trailers
         for slot, piece in enumerate(chunk):
             nbytes = piece.view.nbytes
-            if piece.staged is not None:
-                payload = piece.staged[:nbytes]
-                payload[:] = piece.view
-                _TRAILER.pack_into(piece.staged, nbytes, checksum(payload))
+            if piece.staged is not None:  # hashed as it is copied into the bounce buffer
+                _TRAILER.pack_into(piece.staged, nbytes,
+                                   copy_hashing(piece.staged[:nbytes], piece.view))
             else:
                 _TRAILER.pack_into(trailers.view, slot * TRAILER_BYTES, checksum(piece.view))
         codes = self._transfer(
@@ -96,15 +99,13 @@ class TrailerTransfers:
         for slot, (key, piece, code) in enumerate(zip(chunk_keys, chunk, codes)):
             nbytes = piece.view.nbytes
             if code == nbytes + TRAILER_BYTES:
-                if piece.staged is not None:  # verified while hot, copied only when good
-                    delivered = piece.staged[:nbytes]
+                if piece.staged is not None:  # hashed as it is copied out of the bounce
                     (expected,) = _TRAILER.unpack_from(piece.staged, nbytes)
-                else:
-                    delivered = piece.view
+                    arrived = copy_hashing(piece.view, piece.staged[:nbytes])
+                else:  # Mooncake copied it in place: hashed after, the one pass left
                     (expected,) = _TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
-                if checksum(delivered) == expected:
-                    if piece.staged is not None:
-                        piece.view[:] = delivered
+                    arrived = checksum(piece.view)
+                if arrived == expected:
                     self._counters.hits += 1
                     self._counters.bytes_read += nbytes
                     statuses[piece.index] = LoadStatus.HIT

@@ -64,6 +64,7 @@ from umbp.runtime.mori.binding import (
     release_client,
     where,
 )
+from umbp.runtime.paged_copy import copy_hashing
 from umbp.runtime.registered_memory import (
     HostArea,
     Piece,
@@ -280,9 +281,9 @@ class MoriStore(ClosesOnExit):
     def _put_chunk(self, keys: Sequence[str], chunk: list[Piece], results: list[bool]) -> None:
         meta = self._meta
         for slot, piece in enumerate(chunk):
-            if piece.staged is not None:
-                piece.staged[:] = piece.view
-            _META.pack_into(meta.view, slot * _META.size, checksum(piece.view), piece.view.nbytes)
+            digest = (checksum(piece.view) if piece.staged is None
+                      else copy_hashing(piece.staged, piece.view))  # hashed as it is staged
+            _META.pack_into(meta.view, slot * _META.size, digest, piece.view.nbytes)
         payload_keys = [keys[piece.index] for piece in chunk]
         names = payload_keys + [key + META_SUFFIX for key in payload_keys]
         pointers = [piece.pointer for piece in chunk] + [
@@ -347,9 +348,9 @@ class MoriStore(ClosesOnExit):
                 if not answer:
                     statuses[index] = LoadStatus.MISSING
                     continue
-                if piece.staged is not None:
-                    piece.view[:] = piece.staged
-                if checksum(piece.view) == expected[piece.index]:
+                arrived = (checksum(piece.view) if piece.staged is None
+                           else copy_hashing(piece.view, piece.staged))
+                if arrived == expected[piece.index]:
                     self._counters.hits += 1
                     self._counters.bytes_read += piece.view.nbytes
                     statuses[index] = LoadStatus.HIT

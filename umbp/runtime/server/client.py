@@ -21,6 +21,7 @@ its lock, so a lookup from another thread waits for a round trip, not for a put'
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from umbp.runtime.contract import (
     LoadStatus,
     Medium,
     PoolStats,
+    PrefetchesOnLookup,
     ReportsTiers,
     Retains,
     Retention,
@@ -96,9 +98,26 @@ class ServerStore(ClosesOnExit):
     # ------------------------------------------------------------- the contract
 
     def lookup(self, keys: Sequence[str]) -> tuple[bool, ...]:
-        """Residency of each key in either tier. Raises `StoreUnavailable`."""
+        """Residency of each key in either tier (the server counts the keys as its hits
+        and misses, and starts bringing those only on SSD into DRAM). Raises
+        `StoreUnavailable`."""
         answer = self._ask_per_key(protocol.LOOKUP, keys)
-        return tuple([byte == 1 for byte in answer])
+        return tuple([byte != protocol.WHERE_NONE for byte in answer])
+
+    def lookup_where(self, keys: Sequence[str], request_id: str) -> tuple[Medium | None, ...]:
+        """`lookup` for the engine's request `request_id`, answered per tier: the objects
+        on `Medium.DISK` are on their way into DRAM (until `forget(request_id)`). Raises
+        `StoreUnavailable`."""
+        answer = self._ask_per_key(protocol.LOOKUP, keys, {"request": request_id})
+        return tuple([_MEDIA.get(code) for code in answer])
+
+    def forget(self, request_id: str) -> None:
+        """The engine's request went away: its prefetches not yet started are dropped
+        (one-way; nothing happens when the server cannot be reached)."""
+        try:
+            self._link.notify_current(protocol.FORGET, {"request": request_id})
+        except (StoreUnavailable, Stale):
+            pass
 
     def where(self, keys: Sequence[str]) -> tuple[Medium | None, ...]:
         """`Medium.CPU`, `Medium.DISK` or None per key. Raises `StoreUnavailable`."""
@@ -247,16 +266,21 @@ class ServerStore(ClosesOnExit):
         operator (and the tests) see that a reconnect reached a new server."""
         return self._link.connected_server()
 
-    def _ask_per_key(self, op: int, keys: Sequence[str]) -> bytes:
-        """The one-byte-per-key answer of LOOKUP or WHERE for the whole batch."""
+    def _ask_per_key(
+        self, op: int, keys: Sequence[str], fields: dict[str, Any] | None = None
+    ) -> bytes:
+        """The one-byte-per-key answer of LOOKUP or WHERE for the whole batch, each
+        request carrying `fields` beside its keys."""
         if not keys:
             self._link.require_open()
             return b""
-        spans = request_spans(keys, with_sizes=False)
+        fields = fields or {}
+        spans = request_spans(keys, with_sizes=False, body_bytes=REQUEST_BODY_BYTES - len(
+            json.dumps(fields)))
         if len(spans) == 1:
-            return self._link.request_raw(op, {"keys": list(keys)}, len(keys))
+            return self._link.request_raw(op, {"keys": list(keys), **fields}, len(keys))
         return b"".join([
-            self._link.request_raw(op, {"keys": list(keys[start:end])}, end - start)
+            self._link.request_raw(op, {"keys": list(keys[start:end]), **fields}, end - start)
             for start, end in spans
         ])
 
@@ -339,6 +363,7 @@ if TYPE_CHECKING:
 
     def _server_store_honours_the_contract(
         store: ServerStore,
-    ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers, Retains, LabelsNamespaces]:
+    ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers, Retains, LabelsNamespaces,
+               PrefetchesOnLookup]:
         """Never called: makes mypy prove that ServerStore satisfies the protocols."""
-        return store, store, store, store, store, store
+        return store, store, store, store, store, store, store

@@ -22,13 +22,16 @@ __all__ = ["ColdTier", "open_cold_tier"]
 
 
 class ColdTier(Protocol):
-    def put(self, key: str, payload: Buffer) -> bool:
-        """Store `payload` under `key`, evicting the tier's own LRU objects for room;
-        False when it cannot (too large, disk full, I/O error)."""
+    def put(self, key: str, payload: Buffer, checksum: int | None = None) -> bool:
+        """Store `payload` under `key` (`checksum`: its xxh3-64, which the server has
+        verified, so that the tier need not hash it again), evicting the tier's own LRU
+        objects for room; False when it cannot (too large, disk full, I/O error)."""
         ...
 
-    def get_into(self, key: str, out: Buffer) -> LoadStatus:
-        """HIT, MISSING, CORRUPT (the object was dropped), SIZE_MISMATCH or UNAVAILABLE."""
+    def read_into(self, key: str, out: Buffer) -> tuple[LoadStatus, int]:
+        """HIT, MISSING, CORRUPT (the object was dropped), SIZE_MISMATCH or UNAVAILABLE;
+        with HIT the xxh3-64 the bytes in `out` were verified to have (so the server
+        need not hash them again)."""
         ...
 
     def size_of(self, key: str) -> int | None:

@@ -55,8 +55,12 @@ def dispatch(
     """Run one parsed request on the server's `StoreCore` and encode its answer."""
     core = server.core
     if isinstance(request, schema.Keys):
-        codes = core.lookup(request.keys) if op == protocol.LOOKUP else core.where(request.keys)
+        codes = (core.lookup(request.keys, session, request.request) if op == protocol.LOOKUP
+                 else core.where(request.keys))
         return protocol.encode(protocol.OK, codes)
+    if isinstance(request, schema.Forget):
+        core.forget(session, request.request)
+        return None
     if isinstance(request, schema.BeginPut):
         token, put_answers = core.begin_put(session, request.keys, request.sizes)
         return protocol.encode_json(protocol.OK, {"token": token, "answers": put_answers})

@@ -20,6 +20,7 @@ exactly one of them.
 from __future__ import annotations
 
 from umbp.runtime.paging import pages_for
+from umbp.runtime.server.namespaces import ColdKeys
 from umbp.runtime.server.shares import NamespacedLru, SharedResident
 
 __all__ = ["Entry", "PoolIndex", "Regions", "pages_for"]
@@ -55,6 +56,23 @@ class PoolIndex(NamespacedLru[Entry]):
             low_pages = max(0, min(low_pages, high_pages - 1))
         super().__init__(total_pages, high_pages, low_pages)
         self.page_bytes = page_bytes
+        self.cold_mirror = ColdKeys()
+        """The SSD tier's mirror (`tiering`), told which keys come and go here, so that
+        it counts the objects both tiers hold without a scan."""
+
+    def admit(self, entry: Entry) -> None:
+        super().admit(entry)
+        self.cold_mirror.dram_gained(entry.key)
+
+    def retire(self, entry: Entry) -> None:
+        resident = not entry.retired and self.get(entry.key) is entry
+        super().retire(entry)
+        if resident:
+            self.cold_mirror.dram_lost(entry.key)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cold_mirror.in_dram = 0
 
     def reserve(self, nbytes: int) -> Regions | None:
         """Take the pages for an `nbytes` object off the free list (None: not enough)."""

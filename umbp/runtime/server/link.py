@@ -219,6 +219,20 @@ class ServerLink:
                 self._fail_locked(error)
                 raise StoreUnavailable(self.describe(error)) from error
 
+    def notify_current(self, op: int, request: Any) -> None:
+        """A one-way request on the connection open now; nothing when none is (what it
+        says concerns that connection only: the server forgot the rest with it)."""
+        frame = protocol.encode_json(op, request)
+        with self._lock:
+            connection = self._connection
+            if connection is None:
+                return
+            try:
+                protocol.send_all(connection.sock, frame, protocol.Deadline(self._io_timeout_s))
+            except OSError as error:
+                self._fail_locked(error)
+                raise StoreUnavailable(self.describe(error)) from error
+
     def _connection_locked(self, deadline: protocol.Deadline) -> tuple[Connection, bool]:
         """The live connection, or a new one when a reconnect is due; (connection, fresh)."""
         self.require_open()

@@ -8,8 +8,11 @@ A row of the listing (`ServerStore.namespaces()`, `umbp ls --json`):
 * "retained": objects, bytes, budget_bytes, longest_s (time left of the longest
   retention); "quota_bytes" (null: none);
 * "evictions" by cause (`quota`, `share`, `lru`: `umbp.runtime.server.shares`);
-* "hits", "hits_from_ssd", "misses", "puts", "bytes_written", "bytes_read" (since the
-  server started), "last_use_unix" (the last hit or put; null: none since start).
+* since the server started: "lookup_hits" (keys a lookup asked that either tier held),
+  "lookup_hits_on_ssd" (of those, held on SSD only), "lookup_misses" (keys a lookup
+  asked that neither held), "loads" (objects a client loaded), "loads_from_ssd" (of
+  those, read back from SSD for that load), "puts", "bytes_written", "bytes_read";
+  "last_use_unix" (the last load or put; null: none since start).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def format_namespaces(rows: list[dict[str, Any]], now_unix: float | None = None)
         last = row["last_use_unix"]
         lines.append(
             f"{row['namespace'] or OTHER_LABEL:<20}{_tier(row['dram']):>18}{_tier(row['ssd']):>18}"
-            f"{kept:>28}{quota:>11}{row['hits']:>9}{row['misses']:>9}  "
+            f"{kept:>28}{quota:>11}{row['lookup_hits']:>9}{row['lookup_misses']:>9}  "
             f"{'never' if last is None else _ago(now - last)}"
         )
         lines.append(f"  {row['label'] or '(no engine has registered this namespace)'}")

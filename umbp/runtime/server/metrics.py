@@ -3,12 +3,13 @@
 An HTTP endpoint (`GET /metrics`, on 127.0.0.1 unless `--metrics-host` says otherwise:
 the figures name every model the server holds) serves, at each scrape:
 
-* per namespace: hits by tier, misses, puts, bytes written and read, objects and bytes
+* per namespace: a lookup's keys held (hits, by tier) and not held (misses), objects
+  loaded (by tier) and written, bytes written and read, objects and bytes
   per tier, retained objects and bytes, the retention budget and quota, evictions by
   cause, and an info series carrying the namespace's label;
 * per tier: capacity, used bytes, objects; the SSD tier's own evictions;
 * totals: demotions (to SSD, dropped), rejected puts, corrupt loads, promotions, SSD
-  write failures, connections (open, accepted, refused);
+  write failures, prefetches by outcome, connections (open, accepted, refused);
 * a latency histogram per op (`umbp_server_request_seconds`): from a request read whole
   to its answer sent (the server's own time; the client's wait adds the socket's).
 
@@ -111,6 +112,13 @@ def render(
          "Client connections accepted since start."),
     ):
         out.series(name, "counter", help_text, [({}, counters[key])])
+    out.series("umbp_server_prefetches_total", "counter",
+               "SSD objects a lookup found, by what became of them: promoted into DRAM "
+               "ahead of their load, skipped (the bound), cancelled (their request went "
+               "away), claimed (a get read them itself first).",
+               [({"outcome": outcome}, counters.get(key, 0)) for outcome, key in (
+                   ("promoted", "prefetched"), ("skipped", "prefetch_skipped"),
+                   ("cancelled", "prefetch_cancelled"), ("claimed", "prefetch_claimed"))])
     out.series("umbp_server_connections_refused_total", "counter",
                "Client connections refused (the connection limit).",
                [({}, refused_connections)])
@@ -128,11 +136,17 @@ def _namespace_series(out: _Text, rows: list[dict[str, Any]]) -> None:
     out.series("umbp_server_namespace_info", "gauge",
                "1 per namespace; its label says which model it holds.",
                [({"namespace": _shown(row), "label": row["label"] or ""}, 1) for row in rows])
-    out.series("umbp_server_hits_total", "counter", "Objects loaded, by the tier they came from.",
-               each(lambda r: r["hits"] - r["hits_from_ssd"], tier="dram")
-               + each(lambda r: r["hits_from_ssd"], tier="ssd"))
-    out.series("umbp_server_misses_total", "counter", "Objects asked for but not held.",
-               each(lambda r: r["misses"]))
+    out.series("umbp_server_hits_total", "counter",
+               "Keys a lookup asked that the server held, by the tier holding them.",
+               each(lambda r: r["lookup_hits"] - r["lookup_hits_on_ssd"], tier="dram")
+               + each(lambda r: r["lookup_hits_on_ssd"], tier="ssd"))
+    out.series("umbp_server_misses_total", "counter",
+               "Keys a lookup asked that the server did not hold.",
+               each(lambda r: r["lookup_misses"]))
+    out.series("umbp_server_loads_total", "counter",
+               "Objects loaded, by the tier they came from.",
+               each(lambda r: r["loads"] - r["loads_from_ssd"], tier="dram")
+               + each(lambda r: r["loads_from_ssd"], tier="ssd"))
     out.series("umbp_server_puts_total", "counter", "Objects written.", each(lambda r: r["puts"]))
     out.series("umbp_server_written_bytes_total", "counter", "Payload bytes written.",
                each(lambda r: r["bytes_written"]))

@@ -8,10 +8,11 @@ Every function here reads the index and the SSD mirror under the server's index 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, Final
 
 from umbp.runtime.server.index import Entry, PoolIndex
-from umbp.runtime.server.namespaces import ColdKeys, NamespaceBook
+from umbp.runtime.server.namespaces import ColdKeys, NamespaceBook, NamespaceCounters
 from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.server.shares import OTHER_LABEL
 
@@ -117,8 +118,7 @@ def namespace_listing(
         registration = book.registrations.get(name)
         ssd_objects, ssd_bytes = cold.census(name)
         quota = index.quota_pages.get(name)
-        retained_until = [entry.retained_until for entry in index.entries_of(name)
-                          if entry.retained_until] if usage and usage.retained_objects else []
+        longest = index.longest_retention(name)
         rows.append({
             "namespace": name,
             "label": None if registration is None else registration.label,
@@ -132,23 +132,23 @@ def namespace_listing(
                 "objects": 0 if usage is None else usage.retained_objects,
                 "bytes": 0 if usage is None else usage.retained_pages * page,
                 "budget_bytes": index.budget_of(name) * page,
-                "longest_s": max((until - now for until in retained_until), default=0.0),
+                "longest_s": max(0.0, longest - now) if longest else 0.0,
             },
             "quota_bytes": None if quota is None else quota * page,
             "evictions": {} if usage is None else {
                 str(cause): count for cause, count in usage.evictions.items()
             },
-            "hits": 0 if counters is None else counters.hits,
-            "hits_from_ssd": 0 if counters is None else counters.hits_from_ssd,
-            "misses": 0 if counters is None else counters.misses,
-            "puts": 0 if counters is None else counters.puts,
-            "bytes_written": 0 if counters is None else counters.bytes_written,
-            "bytes_read": 0 if counters is None else counters.bytes_read,
-            "last_use_unix": None if counters is None or not counters.last_use_unix
-            else counters.last_use_unix,
+            **_counter_fields(counters),
         })
     rows.sort(key=_last_use, reverse=True)
     return rows
+
+
+def _counter_fields(counters: NamespaceCounters | None) -> dict[str, Any]:
+    """A namespace's counters as listing fields (all zero for one never counted)."""
+    figures = asdict(NamespaceCounters() if counters is None else counters)
+    figures["last_use_unix"] = figures["last_use_unix"] or None
+    return figures
 
 
 def _last_use(row: dict[str, Any]) -> float:

@@ -8,8 +8,13 @@ skips JSON on the way back). An answer with op `ERROR` carries a JSON message in
 Ops and bodies:
 * `HELLO` {} -> {"server_id", "pid", "shm_path", "shm_bytes", "page_bytes"}: sent once per
   connection; the client maps `shm_path` and ties the mapping to this connection.
-* `LOOKUP` {"keys"} -> bytes, 1 resident / 0 not.
-* `WHERE` {"keys"} -> bytes, `WHERE_*` codes.
+* `LOOKUP` {"keys", "request"?} -> bytes, `WHERE_*` codes: an engine asks what it could
+  load (counted per namespace as hits and misses); objects only on SSD start coming
+  into DRAM at once (prefetched, within the server's bound), for the engine's request
+  `request` when given (its queued prefetches are cancelled by `FORGET`).
+* `WHERE` {"keys"} -> bytes, `WHERE_*` codes, nothing counted or prefetched.
+* `FORGET` {"request"} -> no answer (one-way): the request went away; its prefetches not
+  yet started are dropped.
 * `BEGIN_PUT` {"keys", "sizes"} -> {"token", "answers"}: per key `true` (already resident,
   nothing to write), `false` (rejected) or a list of [offset, length] regions reserved for
   it in the shared pool, in object order.
@@ -58,16 +63,17 @@ NAMESPACES: Final = 11
 DROP: Final = 12
 RETAIN: Final = 13
 LIMITS: Final = 14
+FORGET: Final = 15
 OK: Final = 100
 ERROR: Final = 101
 
-ONE_WAY: Final = frozenset({END_GET})
+ONE_WAY: Final = frozenset({END_GET, FORGET})
 
 OP_NAMES: Final = {
     HELLO: "hello", LOOKUP: "lookup", WHERE: "where", BEGIN_PUT: "begin_put",
     COMMIT_PUT: "commit_put", BEGIN_GET: "begin_get", END_GET: "end_get", CLEAR: "clear",
     STATS: "stats", REGISTER: "register", NAMESPACES: "namespaces", DROP: "drop",
-    RETAIN: "retain", LIMITS: "limits",
+    RETAIN: "retain", LIMITS: "limits", FORGET: "forget",
 }
 """Each op's name, as the metrics label requests by it."""
 

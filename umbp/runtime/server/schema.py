@@ -15,7 +15,8 @@ Limits (also what the client may send; a client batch beyond them is a bug):
   a token an int in [1, 2**63); JSON booleans are not ints here;
 * a namespace is 1 to `MAX_NAMESPACE_CHARS` of letters, digits, '.', '_' and '-' (what
   umbp's keys carry); a label a str of 1 to `MAX_LABEL_CHARS` characters with no control
-  character; a retention's seconds a finite number in (0, `MAX_SECONDS`].
+  character; a retention's seconds a finite number in (0, `MAX_SECONDS`]; an engine's
+  request id a str of 1 to `MAX_REQUEST_CHARS` characters with no control character.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "CommitPut",
     "Drop",
     "EndGet",
+    "Forget",
     "Keys",
     "Limits",
     "NoFields",
@@ -55,6 +57,7 @@ _MAX_TOKEN: Final = 1 << 63
 _MAX_CHECKSUM: Final = 1 << 64
 MAX_NAMESPACE_CHARS: Final = 160
 MAX_LABEL_CHARS: Final = 512
+MAX_REQUEST_CHARS: Final = 512
 MAX_SECONDS: Final = MAX_RETAIN_S  # what a request may ask is what the server takes
 _NAMESPACE: Final = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAMESPACE_CHARS}}}")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
@@ -81,6 +84,7 @@ BODY_LIMITS: Final = {
     protocol.DROP: _SMALL_BODY,
     protocol.RETAIN: _KEYS_BODY,
     protocol.LIMITS: _SMALL_BODY,
+    protocol.FORGET: _SMALL_BODY,
 }
 """Largest body each op can need: a batch of keys (~110 bytes each for umbp's keys; 16 MiB
 holds 100,000 of them), a list of checksums or positions, or an empty object. A header
@@ -109,6 +113,13 @@ class Keys:
     """LOOKUP, WHERE."""
 
     keys: tuple[str, ...]
+    request: str | None = None
+    """LOOKUP: the engine's request the prefetches it starts belong to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    request: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +170,8 @@ class Limits:
     """(`quota_bytes` or `retain_budget_bytes`, bytes or None), each at most once."""
 
 
-Request = NoFields | Keys | BeginPut | CommitPut | BeginGet | EndGet | Register | Drop | Retain | Limits
+Request = (NoFields | Keys | BeginPut | CommitPut | BeginGet | EndGet | Register | Drop
+           | Retain | Limits | Forget)
 
 
 def parse(op: int, body: bytes) -> Request:
@@ -168,9 +180,15 @@ def parse(op: int, body: bytes) -> Request:
     if op in (protocol.HELLO, protocol.CLEAR, protocol.STATS, protocol.NAMESPACES):
         _exact_fields(fields, ())
         return NoFields()
+    if op == protocol.LOOKUP and "request" in fields:
+        _exact_fields(fields, ("keys", "request"))
+        return Keys(_keys(fields["keys"]), _request_id(fields["request"]))
     if op in (protocol.LOOKUP, protocol.WHERE):
         _exact_fields(fields, ("keys",))
         return Keys(_keys(fields["keys"]))
+    if op == protocol.FORGET:
+        _exact_fields(fields, ("request",))
+        return Forget(_request_id(fields["request"]))
     if op in (protocol.BEGIN_PUT, protocol.BEGIN_GET):
         _exact_fields(fields, ("keys", "sizes"))
         keys = _keys(fields["keys"])
@@ -226,9 +244,16 @@ def _namespace(value: Any) -> str:
 
 
 def _label(value: Any) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_LABEL_CHARS \
-            or _CONTROL.search(value):
-        raise BadRequest(f"label must be a string of 1 to {MAX_LABEL_CHARS} characters "
+    return _plain_text(value, "label", MAX_LABEL_CHARS)
+
+
+def _request_id(value: Any) -> str:
+    return _plain_text(value, "request", MAX_REQUEST_CHARS)
+
+
+def _plain_text(value: Any, name: str, limit: int) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= limit or _CONTROL.search(value):
+        raise BadRequest(f"{name} must be a string of 1 to {limit} characters "
                          f"without control characters, got {value!r:.80}")
     return value
 

@@ -69,6 +69,10 @@ class ServerConfig:
     persist_on_exit: bool = False
     """On SIGTERM/SIGINT, copy the DRAM tier's objects to the SSD tier before exiting
     (costs one SSD write per object the SSD lacks; off by default)."""
+    prefetch_bytes: int | None = None
+    """Most bytes of SSD objects a lookup may have on their way into DRAM ahead of their
+    load (`umbp.runtime.server.prefetch`); None: half of `capacity_bytes` (more would
+    push out what was prefetched before its load came); 0: none."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     """Client connections served at once (one thread each); more are refused."""
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
@@ -104,6 +108,9 @@ class ServerConfig:
             raise ValueError(f"ssd_capacity_bytes must be >= 0, got {self.ssd_capacity_bytes}")
         if self.ssd_capacity_bytes and self.ssd_dir is None:
             raise ValueError("ssd_capacity_bytes needs ssd_dir")
+        if self.prefetch_bytes is not None and not 0 <= self.prefetch_bytes <= self.capacity_bytes:
+            raise ValueError(f"prefetch_bytes must be in [0, capacity_bytes], got "
+                             f"{self.prefetch_bytes}")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ValueError(
                 f"max_connections must be in [1, {MAX_CONNECTIONS_LIMIT}], "
@@ -126,6 +133,7 @@ def serve(config: ServerConfig) -> int:
     pool: SharedPool | None = None
     cold: ColdTier | None = None
     server: StoreServer | None = None
+    core: StoreCore | None = None
     metrics: MetricsEndpoint | None = None
     try:
         ownership.clear_leftovers()
@@ -134,7 +142,9 @@ def serve(config: ServerConfig) -> int:
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
             _report_cold_tier(cold)
-        core = StoreCore(pool.view, _index_for(config, pool), cold)
+        prefetch_bytes = (config.capacity_bytes // 2 if config.prefetch_bytes is None
+                          else config.prefetch_bytes)
+        core = StoreCore(pool.view, _index_for(config, pool), cold, prefetch_bytes)
         if cold is not None and config.ssd_dir is not None:
             core.restore_labels(LabelFile(config.ssd_dir))
         _apply_limits(config, core)
@@ -152,7 +162,7 @@ def serve(config: ServerConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-        _shut_down(server, ownership, pool, cold)
+        _shut_down(server, core, ownership, pool, cold)
     return 0
 
 
@@ -299,6 +309,7 @@ def _report_cold_tier(cold: ColdTier) -> None:
 
 def _shut_down(
     server: StoreServer | None,
+    core: StoreCore | None,
     ownership: SocketOwnership,
     pool: SharedPool | None,
     cold: ColdTier | None,
@@ -306,6 +317,8 @@ def _shut_down(
     if server is not None:
         server.server_close()
         server.drop_connections()
+    if core is not None:
+        core.close()  # the prefetch thread reads the cold tier
     if pool is not None:
         release_shared_pool(pool)
     if cold is not None:

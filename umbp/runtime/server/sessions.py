@@ -76,6 +76,8 @@ class ServerCounters:
     evictions_dropped: int = 0
     ssd_put_failures: int = 0
     promotions: int = 0
+    prefetched: int = 0
+    """Of the promotions, those made ahead of their load (a lookup found them on SSD)."""
     bytes_written: int = 0
     bytes_read: int = 0
     bytes_to_ssd: int = 0

@@ -108,6 +108,12 @@ class NamespaceUsage(Generic[S]):
     evictions: dict[EvictionCause, int] = field(default_factory=dict)
     evictable: OrderedDict[str, S] = field(default_factory=OrderedDict)
     """Resident objects neither retained nor leaving, least recently used first."""
+    retained_untils: dict[float, int] = field(default_factory=dict)
+    """Retained objects per time their retention lasts until (one retain call's objects
+    share one: few times, many objects)."""
+    latest_untils: list[float] = field(default_factory=list)
+    """Those times negated, a heap; times no object is retained until any more are
+    dropped lazily (`NamespacedLru.longest_retention`)."""
 
 
 class NamespacedLru(PagedLru[S]):
@@ -127,6 +133,8 @@ class NamespacedLru(PagedLru[S]):
         """The retention budget of a namespace without one of its own."""
         self.retained_pages = 0
         """Pages of every retained object."""
+        self.pinned_objects = 0
+        """Resident objects with a pin (a client copying them, or leaving)."""
 
     # ------------------------------------------------------------------ figures
 
@@ -145,6 +153,20 @@ class NamespacedLru(PagedLru[S]):
     def budget_of(self, namespace: str) -> int:
         """The namespace's retention budget, in pages."""
         return self.budget_pages.get(namespace, self.default_budget_pages)
+
+    def resident_pages(self) -> int:
+        """Pages of every resident object (retained and leaving ones included)."""
+        return sum(usage.pages for usage in self._usage.values())
+
+    def longest_retention(self, namespace: str) -> float:
+        """When the namespace's longest retention ends (monotonic seconds; 0.0: none)."""
+        usage = self._usage.get(namespace)
+        if usage is None:
+            return 0.0
+        latest, untils = usage.latest_untils, usage.retained_untils
+        while latest and -latest[0] not in untils:
+            heapq.heappop(latest)
+        return -latest[0] if latest else 0.0
 
     def entries_of(self, namespace: str) -> tuple[S, ...]:
         """The namespace's resident objects (any order)."""
@@ -171,8 +193,20 @@ class NamespacedLru(PagedLru[S]):
         if key in evictable:
             evictable.move_to_end(key)
 
+    def pin(self, entry: S) -> None:
+        if not entry.pins and not entry.retired:
+            self.pinned_objects += 1
+        entry.pins += 1
+
+    def unpin(self, entry: S) -> None:
+        if entry.pins == 1 and not entry.retired:
+            self.pinned_objects -= 1
+        super().unpin(entry)
+
     def retire(self, entry: S) -> None:
         if not entry.retired and self._objects.get(entry.key) is entry:
+            if entry.pins:
+                self.pinned_objects -= 1
             usage = self._usage_of(entry.namespace)
             if entry.retained_until:
                 self._forget_retention(entry, usage)
@@ -195,8 +229,11 @@ class NamespacedLru(PagedLru[S]):
             usage.pages = usage.nbytes = usage.objects = usage.leaving_pages = 0
             usage.retained_pages = usage.retained_objects = 0
             usage.evictable.clear()
+            usage.retained_untils.clear()
+            usage.latest_untils.clear()
         self._expiries.clear()
         self.retained_pages = 0
+        self.pinned_objects = 0
 
     def _usage_of(self, namespace: str) -> NamespaceUsage[S]:
         usage = self._usage.get(namespace)
@@ -313,7 +350,7 @@ class NamespacedLru(PagedLru[S]):
         self, entry: S, usage: NamespaceUsage[S], cause: EvictionCause, victims: list[S]
     ) -> int:
         entry.leaving = True
-        entry.pins += 1
+        self.pin(entry)
         entry.evicted_for = cause
         pages = len(entry.pages)
         self._leaving_pages += pages
@@ -337,7 +374,10 @@ class NamespacedLru(PagedLru[S]):
             usage.retained_objects += 1
             self.retained_pages += pages
         if until > entry.retained_until:
+            if entry.retained_until:
+                _uncount_until(usage, entry.retained_until)
             entry.retained_until = until
+            _count_until(usage, until)
             heapq.heappush(self._expiries, (until, next(self._expiry_order), entry))
         return fresh
 
@@ -397,4 +437,29 @@ class NamespacedLru(PagedLru[S]):
         usage.retained_pages -= pages
         usage.retained_objects -= 1
         self.retained_pages -= pages
+        _uncount_until(usage, entry.retained_until)
         entry.retained_until = 0.0
+
+
+def _count_until(usage: NamespaceUsage[S], until: float) -> None:
+    untils = usage.retained_untils
+    count = untils.get(until, 0)
+    untils[until] = count + 1
+    if count:
+        return
+    latest = usage.latest_untils
+    heapq.heappush(latest, -until)
+    if len(latest) > 2 * len(untils) + 32:  # mostly ended ones: rebuilt, amortised O(1)
+        latest[:] = [-time for time in untils]
+        heapq.heapify(latest)
+
+
+def _uncount_until(usage: NamespaceUsage[S], until: float) -> None:
+    untils = usage.retained_untils
+    count = untils[until] - 1
+    if count:
+        untils[until] = count
+        return
+    del untils[until]
+    if not untils:
+        usage.latest_untils.clear()

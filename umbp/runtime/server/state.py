@@ -23,7 +23,8 @@ from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
 from umbp.runtime.server.labels import LabelFile
-from umbp.runtime.server.namespaces import NamespaceBook, namespace_of
+from umbp.runtime.server.namespaces import NamespaceBook, namespace_of, shared_namespace
+from umbp.runtime.server.prefetch import Prefetcher
 from umbp.runtime.server.operations import (
     DEFAULT_MAX_RETAIN_S,
     check_retention,
@@ -46,13 +47,19 @@ __all__ = ["StoreCore"]
 class StoreCore:
     """The server's state over one shared pool `view`; thread-safe."""
 
-    def __init__(self, view: memoryview, index: PoolIndex, cold: ColdTier | None) -> None:
+    def __init__(
+        self, view: memoryview, index: PoolIndex, cold: ColdTier | None,
+        prefetch_bytes: int = 0,
+    ) -> None:
         self._index = index
         self._cold = cold
         self._lock = threading.Lock()
         self._counters = ServerCounters()
         self._sessions: list[Session] = []
         self._tiers = Tiering(view, index, cold, self._lock, self._counters)
+        self._prefetcher = (Prefetcher(self._tiers.prefetch_one, prefetch_bytes)
+                            if cold is not None and prefetch_bytes > 0 else None)
+        """SSD objects a lookup found, brought into DRAM before their load (`prefetch`)."""
         self.book = NamespaceBook()
         """Labels and counters per namespace (`umbp.runtime.server.operations`)."""
         self.max_retain_s = DEFAULT_MAX_RETAIN_S
@@ -79,6 +86,19 @@ class StoreCore:
             session.reservations.clear()
             session.gets.clear()
             self._sessions.remove(session)
+        if self._prefetcher is not None:
+            self._prefetcher.cancel(lambda owner: owner[0] == id(session))
+
+    def forget(self, session: Session, request: str) -> None:
+        """A request of this connection went away: its prefetches not yet read are
+        dropped."""
+        if self._prefetcher is not None:
+            self._prefetcher.cancel(lambda owner: owner == (id(session), request))
+
+    def close(self) -> None:
+        """Stop prefetching (before the cold tier closes)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     def _unpin_all_locked(self, get: PinnedGet) -> None:
         for entry in get.pinned:
@@ -87,21 +107,42 @@ class StoreCore:
 
     # ----------------------------------------------------------------- residency
 
-    def lookup(self, keys: Sequence[str]) -> bytes:
-        codes = self.where(keys)
-        return codes.translate(_RESIDENT)
+    def lookup(
+        self, keys: Sequence[str], session: Session | None = None, request: str | None = None
+    ) -> bytes:
+        """An engine asks what it could load (admission): the tier of each key (`WHERE_*`
+        codes), each key counted per namespace as a hit (by tier) or a miss, and the
+        objects found only on SSD handed to the prefetcher for `request` of `session`."""
+        namespace = shared_namespace(keys)
+        prefetcher = self._prefetcher
+        with self._lock:
+            codes = self._where_locked(keys)
+            self.book.looked_up(keys, codes, namespace)
+            on_disk = [] if prefetcher is None or protocol.WHERE_DISK not in codes else [
+                (key, self._tiers.cold_keys.size_of(key) or 0)
+                for key, code in zip(keys, codes) if code == protocol.WHERE_DISK
+            ]
+        if on_disk:
+            assert prefetcher is not None
+            prefetcher.submit((None if session is None else id(session), request), on_disk)
+        return codes
 
     def where(self, keys: Sequence[str]) -> bytes:
+        """The tier of each key, not counted: the engines' residency checks (of blocks
+        to store, of published KV events) are not asks for loads."""
         with self._lock:
-            index = self._index
-            codes = bytearray(
-                protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
-            )
-            cold_keys = self._tiers.cold_keys
-            if cold_keys:
-                for position, code in enumerate(codes):
-                    if not code and keys[position] in cold_keys:
-                        codes[position] = protocol.WHERE_DISK
+            return self._where_locked(keys)
+
+    def _where_locked(self, keys: Sequence[str]) -> bytes:
+        index = self._index
+        codes = bytearray(
+            protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
+        )
+        cold_keys = self._tiers.cold_keys
+        if cold_keys:
+            for position, code in enumerate(codes):
+                if not code and keys[position] in cold_keys:
+                    codes[position] = protocol.WHERE_DISK
         return bytes(codes)
 
     # ----------------------------------------------------------------------- put
@@ -195,6 +236,8 @@ class StoreCore:
         self, session: Session, keys: Sequence[str], sizes: Sequence[int]
     ) -> tuple[int, list[GetAnswer]]:
         _require_same_length(keys, sizes)
+        if self._prefetcher is not None:  # what it has not read yet is this get's to read
+            self._prefetcher.claim(keys, _PREFETCH_CLAIM_WAIT_S)
         answers: list[GetAnswer] = [protocol.GET_MISSING] * len(keys)
         pinned: list[Entry | None] = [None] * len(keys)
         cold_positions: list[int] = []
@@ -225,11 +268,6 @@ class StoreCore:
                     if session.gets.pop(token, None) is get:
                         self._unpin_all_locked(get)
                 raise
-        if protocol.GET_MISSING in answers:
-            with self._lock:
-                for key, found in zip(keys, answers):
-                    if found == protocol.GET_MISSING:
-                        self.book.miss(namespace_of(key))
         return token, answers
 
     def end_get(self, session: Session, token: int, corrupt: Sequence[int]) -> None:
@@ -260,7 +298,7 @@ class StoreCore:
                     counters.bytes_read += entry.nbytes
                     from_ssd = position in get.from_ssd
                     counters.hits_from_ssd += from_ssd
-                    self.book.hit(entry.namespace, entry.nbytes, from_ssd, now)
+                    self.book.load(entry.namespace, entry.nbytes, from_ssd, now)
                 self._index.unpin(entry)
 
     # --------------------------------------------------------------------- misc
@@ -289,11 +327,10 @@ class StoreCore:
             dram = {
                 "capacity_bytes": index.total_pages * page_bytes,
                 "used_bytes": index.used_pages * page_bytes,
-                "resident_bytes": sum(len(entry.pages) for entry in index.entries())
-                * page_bytes,
+                "resident_bytes": index.resident_pages() * page_bytes,
                 "page_bytes": page_bytes,
                 "objects": len(index),
-                "pinned_objects": sum(1 for entry in index.entries() if entry.pins),
+                "pinned_objects": index.pinned_objects,
                 "retired_pinned_objects": index.pinned_retired,
                 "high_watermark_bytes": index.high_pages * page_bytes,
                 "low_watermark_bytes": index.low_pages * page_bytes,
@@ -313,7 +350,11 @@ class StoreCore:
                 ),
             }
             counters = asdict(self._counters)
-            objects = len(index) + sum(1 for key in self._tiers.cold_keys if key not in index)
+            cold_keys = self._tiers.cold_keys
+            objects = len(index) + len(cold_keys) - cold_keys.in_dram
+        if self._prefetcher is not None:
+            counters |= {f"prefetch_{name}": value
+                         for name, value in asdict(self._prefetcher.figures()).items()}
         ssd = {"enabled": False}
         if self._cold is not None:
             ssd = {"enabled": True} | stats_dict(self._cold.stats())
@@ -466,7 +507,9 @@ class StoreCore:
                     "retain_budget_bytes": index.budget_of(namespace) * page,
                     "released": released}
 
-_RESIDENT = bytes([0, 1, 1]) + bytes(253)
+_PREFETCH_CLAIM_WAIT_S = 30.0
+"""Longest a get waits for the prefetch read of one of its keys in progress (one object's
+read: far less unless the disk hangs)."""
 
 
 def _require_same_length(keys: Sequence[str], sizes: Sequence[int]) -> None:

@@ -9,9 +9,13 @@ The stats dict (`ServerStore.server_stats()`, `umbp stats --json`) has these par
   objects, its own counters, dropped_at_open);
 * "sessions": connections (other than the one asking), reservations (puts in flight),
   pins (gets in flight);
-* "counters" (since the server started): hits (all tiers), hits_from_ssd (of those, the
-  objects promoted from SSD for that get), misses, puts, put_rejects, corrupt_loads,
-  evictions_to_ssd, evictions_dropped, ssd_put_failures, promotions, bytes_written,
+* "counters" (since the server started): hits (loads that found their object, all
+  tiers), hits_from_ssd (of those, the objects promoted from SSD for that get), misses
+  (loads that found nothing: what every store's `PoolStats` counts; a namespace's
+  lookups are counted in the listing, `umbp ls`), puts, put_rejects, corrupt_loads,
+  evictions_to_ssd, evictions_dropped, ssd_put_failures, promotions, prefetched (of the
+  promotions, those made ahead of their load), and with an SSD tier prefetch_queued_bytes,
+  prefetch_skipped, prefetch_cancelled, prefetch_claimed (`prefetch`), bytes_written,
   bytes_read, bytes_to_ssd, bytes_from_ssd, connections (accepted in all);
 * "server": server_id, pid, shm_path, shm_bytes, page_bytes, ssd_dir;
 * "limits": max_connections, frame_timeout_s, refused_connections, body_limits.
@@ -29,9 +33,9 @@ _TIER_ROWS = (
     ("objects", "objects", False),
 )
 _COUNTER_ROWS = (
-    ("hits", "hits", False),
+    ("loads that hit", "hits", False),
     ("  of them from SSD", "hits_from_ssd", False),
-    ("misses", "misses", False),
+    ("loads that missed", "misses", False),
     ("puts", "puts", False),
     ("put rejects", "put_rejects", False),
     ("corrupt loads (dropped)", "corrupt_loads", False),
@@ -39,6 +43,7 @@ _COUNTER_ROWS = (
     ("evictions dropped", "evictions_dropped", False),
     ("SSD write failures", "ssd_put_failures", False),
     ("promotions from SSD", "promotions", False),
+    ("  of them prefetched", "prefetched", False),
     ("bytes written", "bytes_written", True),
     ("bytes read", "bytes_read", True),
     ("bytes to SSD", "bytes_to_ssd", True),

@@ -70,8 +70,9 @@ class Tiering:
         self._cold = cold
         self._lock = lock
         self._counters = counters
-        self.cold_keys = ColdKeys(cold.sizes() if cold is not None else ())
+        self.cold_keys = ColdKeys(cold.sizes() if cold is not None else (), dram=index)
         """The cold tier's keys and sizes, read under the lock (see the module docstring)."""
+        index.cold_mirror = self.cold_keys
         self.generation = 0
         """Bumped by a clear: a demotion or promotion that straddles a clear must not
         bring back what the clear dropped."""
@@ -103,7 +104,8 @@ class Tiering:
             with self._lock:
                 for entry in entries:
                     self._index.unpin(entry)
-                self.cold_keys = on_disk
+                on_disk.track(self._index)
+                self._index.cold_mirror = self.cold_keys = on_disk
         return written
 
     def reserve(self, sizes: Sequence[int], namespace: str | None) -> list[Regions | None]:
@@ -193,7 +195,9 @@ class Tiering:
         payload = self._gather(victim)
         if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
             return Demotion.CORRUPT
-        return Demotion.WRITTEN if cold.put(victim.key, payload) else Demotion.FAILED
+        # The tier writes what the hash just read (in cache) and keeps its checksum.
+        return (Demotion.WRITTEN if cold.put(victim.key, payload, victim.checksum)
+                else Demotion.FAILED)
 
     def _settle_victim_locked(self, victim: Entry, outcome: Demotion) -> None:
         counters = self._counters
@@ -266,6 +270,27 @@ class Tiering:
                 elif answers[position] == protocol.GET_CORRUPT:
                     self._counters.corrupt_loads += 1
 
+    def prefetch_one(self, key: str, nbytes: int) -> None:
+        """Bring one cold object into DRAM ahead of its load (`prefetch`): unpinned, most
+        recently used; nothing when DRAM holds it already or the SSD tier no longer
+        does."""
+        cold = self._cold
+        assert cold is not None
+        with self._lock:
+            if key in self._index or key not in self.cold_keys:
+                return
+            generation = self.generation
+        status, regions, checksum = self._load_cold(cold, key, nbytes)
+        with self._lock:
+            if regions is None:
+                if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
+                    self.cold_keys.discard(key)
+                    self._counters.corrupt_loads += status is LoadStatus.CORRUPT
+                return
+            fresh = key not in self._index
+            entry = self._settle_promotion_locked(key, regions, nbytes, checksum, generation)
+            self._counters.prefetched += entry is not None and fresh
+
     def _settle_promotion_locked(
         self, key: str, regions: Regions, nbytes: int, checksum: int, generation: int
     ) -> Entry | None:
@@ -292,7 +317,8 @@ class Tiering:
         self, cold: ColdTier, key: str, nbytes: int
     ) -> tuple[LoadStatus, Regions | None, int]:
         """Copy a cold object into fresh DRAM pages: (status, its regions when HIT, xxh3 of
-        the bytes now in those pages). Straight into the pages when they are free without
+        the bytes now in those pages, hashed once, as the SSD tier read them). Straight
+        into the pages when they are free without
         making room; otherwise through a staging buffer read *before* making room, since
         making room demotes other objects, and their writes may make the SSD tier evict
         this very one."""
@@ -303,19 +329,21 @@ class Tiering:
             regions = index.reserve(nbytes) if direct else None
         try:
             if regions is not None and len(regions) <= 1:
-                target = self._region_view(regions)
-                status = cold.get_into(key, target)
+                status, checksum = cold.read_into(key, self._region_view(regions))
                 if status is LoadStatus.HIT:
-                    return status, regions, int(xxhash.xxh3_64_intdigest(target))
+                    return status, regions, checksum
             else:
                 staging = bytearray(nbytes)
-                status = cold.get_into(key, staging)
+                status, checksum = cold.read_into(key, staging)
                 if status is LoadStatus.HIT:
                     if regions is None:
                         regions = self.reserve([nbytes], namespace)[0]
                     if regions is None:
                         return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
-                    return status, regions, write_regions(self._view, regions, staging)
+                    if write_regions(self._view, regions, staging) != checksum:
+                        status = LoadStatus.CORRUPT  # changed in the pages meanwhile
+                    else:
+                        return status, regions, checksum
         except Exception:  # the reserved pages must come back
             logger.exception("umbp serve: promotion of %r failed", key)
             status = LoadStatus.UNAVAILABLE

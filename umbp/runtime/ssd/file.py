@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import xxhash
+
+from umbp.runtime.paged_copy import CHUNK_BYTES
 from umbp.runtime.private_files import open_private_file, prepare_directory
 from umbp.runtime.ssd.format import (
     RECORD_BYTES,
@@ -121,18 +124,33 @@ def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
         raise WriteFailed(error, offset + written) from error
 
 
-def read_extents(fd: int, extents: Extents, destination: memoryview) -> bool:
-    """Read every extent into its place in `destination`; False when the file ends
-    before the object does (truncated underneath us). OSError on I/O errors."""
-    whole = destination.nbytes
-    for file_offset, start, length in extents:
-        target = destination if length == whole else destination[start : start + length]
-        done = os.preadv(fd, [target], file_offset)
-        while done < length:  # short reads are legal; zero means the file ended
-            count = os.preadv(fd, [target[done:]], file_offset + done)
-            if count == 0:
-                return False
-            done += count
+def read_extents(fd: int, extents: Extents, destination: memoryview) -> int | None:
+    """Read every extent into its place in `destination`; the xxh3-64 of what arrived,
+    hashed a cache-sized chunk at a time right after its read (one pass over the bytes),
+    or None when the file ends before the object does (truncated underneath us).
+    OSError on I/O errors."""
+    if destination.nbytes <= 2 * CHUNK_BYTES:
+        for file_offset, start, length in extents:
+            if not _read_whole(fd, destination[start : start + length], file_offset):
+                return None
+        return int(xxhash.xxh3_64_intdigest(destination))
+    hasher = xxhash.xxh3_64()
+    for file_offset, start, length in extents:  # in object order
+        for at in range(0, length, CHUNK_BYTES):
+            piece = destination[start + at : start + min(length, at + CHUNK_BYTES)]
+            if not _read_whole(fd, piece, file_offset + at):
+                return None
+            hasher.update(piece)
+    return int(hasher.intdigest())
+
+
+def _read_whole(fd: int, target: memoryview, file_offset: int) -> bool:
+    done = os.preadv(fd, [target], file_offset)
+    while done < target.nbytes:  # short reads are legal; zero means the file ended
+        count = os.preadv(fd, [target[done:]], file_offset + done)
+        if count == 0:
+            return False
+        done += count
     return True
 
 
@@ -142,19 +160,33 @@ def write_object(
     slots: tuple[int, ...],
     encoded_key: bytes,
     source: memoryview,
-    checksum: int,
+    checksum: int | None,
     generation: int,
-) -> Extents:
-    """Write one object into `slots` and return its extents. Payload first, header
-    records last, so that a record on disk always describes bytes that are fully in
-    place. On `WriteFailed` the records already written are zeroed before it is raised
-    again: nothing of the object stays readable."""
+) -> tuple[Extents, int]:
+    """Write one object into `slots`; its extents and payload checksum (`checksum` when
+    the caller knows it, else xxh3-64 computed a cache-sized chunk at a time just before
+    that chunk is written, so the write copies bytes the hash brought into cache).
+    Payload first, header records last, so that a record on disk always describes bytes
+    that are fully in place. On `WriteFailed` the records already written are zeroed
+    before it is raised again: nothing of the object stays readable."""
     nbytes = source.nbytes
     extents = geometry.extents(slots, nbytes)
     written_records: list[int] = []
     try:
-        for file_offset, start, length in extents:
-            pwrite_all(fd, source[start : start + length], file_offset)
+        if checksum is None and nbytes <= 2 * CHUNK_BYTES:
+            checksum = int(xxhash.xxh3_64_intdigest(source))
+        hasher = None if checksum is not None else xxhash.xxh3_64()
+        for file_offset, start, length in extents:  # in object order
+            if hasher is None:
+                pwrite_all(fd, source[start : start + length], file_offset)
+                continue
+            for at in range(0, length, CHUNK_BYTES):
+                piece = source[start + at : start + min(length, at + CHUNK_BYTES)]
+                hasher.update(piece)
+                pwrite_all(fd, piece, file_offset + at)
+        if hasher is not None:
+            checksum = int(hasher.intdigest())
+        assert checksum is not None
         for run in consecutive_runs(slots):
             records = build_records(run, slots, encoded_key, nbytes, generation, checksum)
             written_records.extend(run)  # before: a short write may leave some whole
@@ -162,7 +194,7 @@ def write_object(
     except WriteFailed:
         zero_records(fd, geometry, written_records)
         raise
-    return extents
+    return extents, checksum
 
 
 def zero_records(fd: int, geometry: SlotGeometry, slots: Sequence[int]) -> None:

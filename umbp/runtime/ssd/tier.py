@@ -45,8 +45,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
@@ -119,8 +117,10 @@ class SsdTier(ClosesOnExit):
 
     # ----------------------------------------------------------------- the API
 
-    def put(self, key: str, payload: Buffer) -> bool:
-        """Store `payload` (any C-contiguous buffer) under `key`.
+    def put(self, key: str, payload: Buffer, checksum: int | None = None) -> bool:
+        """Store `payload` (any C-contiguous buffer) under `key`; `checksum`: its xxh3-64
+        when the caller has it (the server demoting an object it just verified), else
+        computed while the payload is written.
 
         True: the object is readable now (not fsynced: see the module docstring). A
         resident key answers True without rewriting (a key names its content) and becomes
@@ -152,41 +152,47 @@ class SsdTier(ClosesOnExit):
             if taken is None:
                 self._counters.put_rejects += 1
                 return False
-            return self._write_object(key, encoded_key, source, taken)
+            return self._write_object(key, encoded_key, source, taken, checksum)
 
     def get_into(self, key: str, out: Buffer) -> LoadStatus:
+        """`read_into` without the checksum."""
+        return self.read_into(key, out)[0]
+
+    def read_into(self, key: str, out: Buffer) -> tuple[LoadStatus, int]:
         """Read the object stored under `key` into the writable, C-contiguous `out`, whose
         length must equal the object's.
 
-        HIT refreshes LRU order. CORRUPT (checksum mismatch or data missing from the file)
-        drops the object for good; `out` then holds garbage. SIZE_MISMATCH copies nothing.
-        UNAVAILABLE when closed or on a read I/O error (the object is kept: the error may
-        be transient). Raises ValueError for an unusable buffer.
+        HIT refreshes LRU order; with it the object's xxh3-64, which the bytes in `out`
+        were verified to have (hashed as they were read), 0 otherwise. CORRUPT (checksum
+        mismatch or data missing from the file) drops the object for good; `out` then
+        holds garbage. SIZE_MISMATCH copies nothing. UNAVAILABLE when closed or on a read
+        I/O error (the object is kept: the error may be transient). Raises ValueError for
+        an unusable buffer.
         """
         destination = byte_view(out, writable=True)
         with self._lock:
             if self._closed:
-                return LoadStatus.UNAVAILABLE
+                return LoadStatus.UNAVAILABLE, 0
             stored = self._slots.get(key)
             if stored is None:
                 self._counters.misses += 1
-                return LoadStatus.MISSING
+                return LoadStatus.MISSING, 0
             if destination.nbytes != stored.nbytes:
-                return LoadStatus.SIZE_MISMATCH
+                return LoadStatus.SIZE_MISMATCH, 0
             try:
-                complete = read_extents(self._fd, stored.extents, destination)
+                arrived = read_extents(self._fd, stored.extents, destination)
             except OSError as error:
                 logger.warning("ssd tier: reading %r failed: %s", key, error)
                 self._counters.read_errors += 1
-                return LoadStatus.UNAVAILABLE
-            if not complete or xxhash.xxh3_64_intdigest(destination) != stored.checksum:
+                return LoadStatus.UNAVAILABLE, 0
+            if arrived != stored.checksum:
                 self._drop(stored)
                 self._counters.corrupt_reads += 1
-                return LoadStatus.CORRUPT
+                return LoadStatus.CORRUPT, 0
             self._slots.touch(stored)
             self._counters.hits += 1
             self._counters.bytes_read += stored.nbytes
-            return LoadStatus.HIT
+            return LoadStatus.HIT, stored.checksum
 
     def size_of(self, key: str) -> int | None:
         """Size of the object under `key`, None when not resident or closed. Does not
@@ -324,16 +330,16 @@ class SsdTier(ClosesOnExit):
     # ------------------------------------------------------------ the write path
 
     def _write_object(
-        self, key: str, encoded_key: bytes, source: memoryview, slots: tuple[int, ...]
+        self, key: str, encoded_key: bytes, source: memoryview, slots: tuple[int, ...],
+        checksum: int | None,
     ) -> bool:
         """Write the object (`umbp.runtime.ssd.file.write_object`: payload first, header records last)
         and admit it; on a failed write nothing of it stays readable."""
         nbytes = source.nbytes
-        checksum = xxhash.xxh3_64_intdigest(source)
         generation = self._next_generation
         self._next_generation += 1
         try:
-            extents = write_object(
+            extents, checksum = write_object(
                 self._fd, self._geometry, slots, encoded_key, source, checksum, generation
             )
         except WriteFailed as failure:

@@ -1,0 +1,138 @@
+"""SSD hits brought into DRAM as soon as a lookup finds them, before the load asks.
+
+An engine's lookup (`LOOKUP`, its admission) that finds objects only on the SSD tier hands
+them here, and one thread reads them into DRAM, first asked first, so that the load that
+follows finds them in DRAM: a synchronous restore then never reads the disk inside an
+engine step, and an asynchronous one waits less. Bounded: at most `limit_bytes` queued or
+being read; keys past that are not prefetched (their load reads them, as before).
+Cancelled: each key is queued for an owner (the connection and the engine's request id);
+`FORGET` of the request, or the connection closing, drops its keys not yet read. A key
+asked for again (another request, the same request asking again) keeps its place.
+
+A get never reads a key twice: one that asks for a key still queued here takes it over
+(`claim`), one being read is waited for (then found in DRAM). Its own lock, never held
+during a read and never while the server's index lock is waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+__all__ = ["Owner", "PrefetchFigures", "Prefetcher"]
+
+logger = logging.getLogger("umbp.serve")
+
+Owner: TypeAlias = tuple[int | None, str | None]
+"""Whose prefetch: (the connection's id, the engine's request id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchFigures:
+    """Since the server started (`promoted`: counted by the tiering, under its lock)."""
+
+    queued_bytes: int
+    skipped: int
+    """Keys not queued: the bound was reached."""
+    cancelled: int
+    """Keys dropped before their read: their request went away."""
+    claimed: int
+    """Keys a get took over before their read."""
+
+
+class Prefetcher:
+    """Keys to bring into DRAM, and the thread that reads them (`promote(key, nbytes)`)."""
+
+    def __init__(self, promote: Callable[[str, int], object], limit_bytes: int) -> None:
+        self._promote = promote
+        self._limit_bytes = limit_bytes
+        self._lock = threading.Condition(threading.Lock())
+        self._queue: OrderedDict[str, tuple[Owner, int]] = OrderedDict()
+        self._queued_bytes = 0
+        self._reading: str | None = None
+        self._reading_bytes = 0
+        self._closed = False
+        self._skipped = self._cancelled = self._claimed = 0
+        self._thread = threading.Thread(target=self._run, name="umbp-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, owner: Owner, sized_keys: Iterable[tuple[str, int]]) -> None:
+        """Queue each (key, bytes) for `owner` within the bound; a key queued or being
+        read already is left where it is."""
+        with self._lock:
+            if self._closed:
+                return
+            room = self._limit_bytes - self._queued_bytes - self._reading_bytes
+            added = False
+            for key, nbytes in sized_keys:
+                if key in self._queue or key == self._reading:
+                    continue
+                if nbytes > room:
+                    self._skipped += 1
+                    continue
+                self._queue[key] = (owner, nbytes)
+                self._queued_bytes += nbytes
+                room -= nbytes
+                added = True
+            if added:
+                self._lock.notify_all()
+
+    def cancel(self, matches: Callable[[Owner], bool]) -> int:
+        """Drop the queued keys whose owner `matches`; how many."""
+        with self._lock:
+            gone = [key for key, (owner, _) in self._queue.items() if matches(owner)]
+            for key in gone:
+                self._queued_bytes -= self._queue.pop(key)[1]
+            self._cancelled += len(gone)
+            return len(gone)
+
+    def claim(self, keys: Sequence[str], timeout_s: float) -> None:
+        """Before a get of `keys` looks in DRAM: the queued ones are its to read, and one
+        being read now is waited for (at most `timeout_s`), so that none is read twice."""
+        with self._lock:
+            if not self._queue and self._reading is None:
+                return
+            for key in keys:
+                entry = self._queue.pop(key, None)
+                if entry is not None:
+                    self._queued_bytes -= entry[1]
+                    self._claimed += 1
+            reading = self._reading
+            if reading is not None and reading in keys:
+                self._lock.wait_for(lambda: self._reading != reading, timeout_s)
+
+    def figures(self) -> PrefetchFigures:
+        with self._lock:
+            return PrefetchFigures(self._queued_bytes + self._reading_bytes, self._skipped,
+                                   self._cancelled, self._claimed)
+
+    def close(self) -> None:
+        """Stop after the read in progress; the queue is dropped."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._lock.notify_all()
+        self._thread.join(timeout=60.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed or bool(self._queue))
+                if self._closed:
+                    return
+                key, (_, nbytes) = self._queue.popitem(last=False)
+                self._queued_bytes -= nbytes
+                self._reading, self._reading_bytes = key, nbytes
+            try:
+                self._promote(key, nbytes)
+            except Exception:  # the thread must go on: the load reads it instead
+                logger.exception("umbp serve: prefetching %r failed", key)
+            finally:
+                with self._lock:
+                    self._reading, self._reading_bytes = None, 0
+                    self._lock.notify_all()
