@@ -166,27 +166,23 @@ class SlabPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def lend_in_place_and_verify(self, data: st.DataObject) -> None:
         """A loan answers, object by object, what a get of that size would: the lent
-        row holds the stored bytes, verify checks them (a flipped byte is CORRUPT,
-        dropped) and refreshes recency in key order; objects larger than a page are not
-        lent at all."""
+        pages hold the stored bytes in order, verify checks them (a flipped byte is
+        CORRUPT, dropped) and refreshes recency in key order."""
         keys = data.draw(st.lists(st.sampled_from(list(self.model.objects) or KEYS),
                                   min_size=1, max_size=4, unique=True))
         keys += [key for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=1))
                  if key not in keys]  # unique keys: the model loads them in order
-        page = self.pool.page_bytes
-        sizes = sorted({len(self.model.objects.get(key, b"")) for key in keys} | {page + 1})
+        sizes = sorted({len(self.model.objects.get(key, b"")) for key in keys})
         size = data.draw(st.sampled_from(sizes))
         loan = self.pool.lend(keys, size)
-        if size > page:
-            assert loan is None
-            return
-        assert loan is not None and len(loan.rows) == len(keys)
+        assert len(loan.pages) == len(keys)
         expected = [self.model.load(key, size) for key in keys]
-        for key, row, status in zip(keys, loan.rows, expected):
-            assert (row is not None) == (status in (LoadStatus.HIT, LoadStatus.CORRUPT))
+        for key, pages, status in zip(keys, loan.pages, expected):
+            assert (pages is not None) == (status in (LoadStatus.HIT, LoadStatus.CORRUPT))
             if status is LoadStatus.HIT:
-                assert row is not None
-                assert bytes(loan.memory[row, :size]) == self.model.objects[key]
+                assert pages is not None
+                lent = b"".join(bytes(loan.memory[page]) for page in pages)
+                assert lent[:size] == self.model.objects[key]
         assert loan.verify() == tuple(expected)
         loan.release()
 
@@ -194,34 +190,35 @@ class SlabPoolMachine(RuleBasedStateMachine):
     def write_in_place(self, data: st.DataObject) -> None:
         """A reservation written and committed stores what a put of the same bytes
         would; one not written, or one the pool was cleared under, stores nothing and
-        gives its page back."""
+        gives its pages back."""
         key = data.draw(st.sampled_from(KEYS))
         page = self.pool.page_bytes
-        size = data.draw(st.sampled_from([0, 1, page, page + 1]))
+        size = data.draw(st.sampled_from([0, 1, page, page + 1, 3 * page]))
         payload = content(data.draw(st.integers(0, 2**32)), size)
         reservation = self.pool.reserve([key], size)
-        if size > page:
-            assert reservation is None
-            return
-        assert reservation is not None
         outcome = data.draw(st.sampled_from(["written", "not written", "cleared"]))
-        (row,) = reservation.rows
-        if row is not None:
-            reservation.memory[row, :size] = memoryview(payload)
+        (pages,) = reservation.pages
+        if pages is not None:
+            for index, owned in enumerate(pages):
+                piece = payload[index * page : (index + 1) * page]
+                reservation.memory[owned, : len(piece)] = memoryview(piece)
         if outcome == "cleared":  # (what the reservation evicted goes anyway)
             self.pool.clear()
             self.model.clear()
-            assert reservation.commit([row is not None]) == (False,)
+            assert reservation.commit([pages is not None]) == (False,)
             return
-        written = outcome == "written" and row is not None
+        written = outcome == "written" and pages is not None
         stored = reservation.commit([written])
-        if row is None:  # resident already: stored, nothing rewritten (recency refreshed)
-            assert stored == (key in self.model.objects,)
-            if stored[0]:
+        if pages is None:  # resident already (stored, recency refreshed), or too large
+            resident = key in self.model.objects
+            assert stored == (resident,)
+            if resident:
                 self.model.objects.move_to_end(key)
+            else:
+                assert self.model.pages_of(size) > self.model.total_pages
             return
         assert stored == (written,)
-        self.model.make_room(1)  # reserving evicted as a put would
+        self.model.make_room(self.model.pages_of(size))  # reserving evicted as a put would
         if written:
             self.model.objects[key] = payload
             self.model.evicted.pop(key, None)

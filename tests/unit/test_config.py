@@ -13,6 +13,7 @@ from umbp.core.config import (
     OPTION_NAMES,
     ConfigError,
     ConnectorConfig,
+    borrows_on_model_thread,
     copies_in_place,
     effective_load_async,
     format_config_errors,
@@ -242,19 +243,15 @@ def test_unset_loads_run_layer_by_layer_where_the_worker_says_it_can() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "page_bytes", "object_bytes", "in_place"),
-    [
-        ("embedded", 32768, 32768, True),  # page_bytes unset: a page is one object
-        ("embedded", 4096, 32768, False),  # an object spans several pages: staged
-        ("server", 1 << 20, 4096, False),
-        ("mooncake", 1 << 20, 4096, False),
-        ("mori", 1 << 20, 4096, False),
-    ],
+    ("mode", "in_place", "on_model_thread"),
+    [("embedded", True, True), ("server", True, False), ("mooncake", False, False),
+     ("mori", False, False)],
 )
-def test_only_the_embedded_pool_copies_objects_of_a_page_in_place(
-    mode: str, page_bytes: int, object_bytes: int, in_place: bool
+def test_the_pool_and_the_server_copy_in_place_and_only_the_pool_without_io(
+    mode: str, in_place: bool, on_model_thread: bool
 ) -> None:
-    assert copies_in_place(mode, page_bytes, object_bytes) is in_place
+    assert copies_in_place(mode) is in_place
+    assert borrows_on_model_thread(mode) is on_model_thread
 
 
 @pytest.mark.parametrize(

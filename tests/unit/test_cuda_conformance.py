@@ -113,27 +113,84 @@ def test_a_layer_by_layer_restore_moves_each_layer_once_from_the_pools_pages(
     assert driver.fake.violations == []
 
 
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[Any]:
+    """A real mooncake_master on loopback (a store that cannot lend: staging)."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("mooncake-transfer-engine is not installed")
+    from umbp.testing.mooncake_master import MooncakeMaster, find_master_binary
+
+    try:
+        find_master_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    with MooncakeMaster.start() as master:
+        yield master
+
+
 @pytest.mark.parametrize("load_async", [True, False], ids=["async", "layer-by-layer"])
 def test_through_staging_in_pieces_pinned_memory_stays_fixed(
-    make_cuda: Callable[..., CudaDriver], server: Any, load_async: bool
+    make_cuda: Callable[..., CudaDriver], mooncake_master: Any, load_async: bool
 ) -> None:
-    """A store that cannot lend (``umbp serve``): restores and stores go through the
-    staging area, in pieces when it holds fewer objects than a transfer; the page-locked memory is
-    what was registered at start, whatever the transfer's size."""
-    driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+    """A store that cannot lend (Mooncake): restores and stores go through the staging
+    area, in pieces when it holds fewer objects than a transfer; the page-locked memory
+    is what was registered at start, whatever the transfer's size."""
+    driver = make_cuda(extra={"mode": "mooncake", "mooncake_master": mooncake_master.address,
+                              "mooncake_local_hostname": "127.0.0.1",
+                              "capacity_bytes": 64 << 20, "mooncake_buffer_bytes": 16 << 20,
                               "load_async": load_async, "staging_bytes": 1 << 20},
                        num_blocks=96, max_model_len=2048, max_num_batched_tokens=2048)
     object_bytes = driver.worker.worker._object_bytes[0]
     assert 2 * object_bytes <= (1 << 20) < 40 * object_bytes
     pinned = driver.fake.registered_bytes
     assert pinned == 1 << 20  # the staging area alone: nothing else is pinned
-    tokens = prompt(40)
+    tokens = prompt(40, seed=load_async + 7)  # the master is shared by both runs
     driver.fill_pool("a", tokens)
     restore(driver, tokens, "b", load_async=load_async)
     driver.settle()
     assert driver.cached_tokens("b") == 40 * BLOCK
     assert driver.assert_blocks_hold("b", tokens, range(40)) == 40 * 2
     assert driver.fake.registered_bytes == pinned
+    assert driver.fake.violations == []
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "layer-by-layer"])
+def test_a_server_lends_and_reserves_its_shared_memory_on_a_lane(
+    make_cuda: Callable[..., CudaDriver], server: Any, load_async: bool
+) -> None:
+    """``umbp serve``: objects (8 of its 4 KiB pages each) are borrowed from and
+    reserved in its shared memory, registered at start, on umbp's I/O lanes (a socket
+    round trip each), and copied once each way; the model thread never talks to the
+    server and never synchronizes."""
+    import threading
+
+    driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+                              "load_async": load_async})
+    store = driver.worker.worker._store
+    asked_on: list[int] = []
+    for name in ("lend", "reserve"):
+        original = getattr(store, name)
+
+        def recorded(*args: Any, _original: Any = original) -> Any:
+            asked_on.append(threading.get_ident())
+            return _original(*args)
+
+        setattr(store, name, recorded)
+    tokens = prompt(4)
+    driver.fill_pool("a", tokens)
+    pinned = driver.fake.registered_bytes
+    assert pinned >= 16 << 20  # the server's pool, mapped here
+    before = len(driver.fake.copies)
+    restore(driver, tokens, "b", load_async=load_async)
+    driver.settle()
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    loads = [op for op in driver.fake.copies[before:] if op.kind == "copy-load"]
+    object_bytes = driver.worker.worker._object_bytes[0]
+    assert sum(end - start for op in loads for start, end in op.writes) == 4 * object_bytes
+    assert driver.fake.registered_bytes == pinned
+    assert asked_on and driver.fake.model_thread not in asked_on
     assert driver.fake.violations == []
 
 
@@ -257,7 +314,8 @@ def test_many_switches_between_threads_leave_no_race(
     make_cuda: Callable[..., CudaDriver], server: Any,
 ) -> None:
     """The layer waits read what a lane publishes: with a thread switch after almost
-    every bytecode, staged layer-by-layer restores still neither raise nor race."""
+    every bytecode, layer-by-layer restores borrowed on a lane (from a server) still
+    neither raise nor race."""
     driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
                               "load_async": False})
     tokens = prompt(3)

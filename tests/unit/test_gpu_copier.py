@@ -289,6 +289,46 @@ def test_rows_in_any_order_of_wider_memory_copy_like_staged_rows(name: str, move
     assert np.array_equal(into, expected_pages)
 
 
+@pytest.mark.parametrize("mover", sorted(MOVERS))
+@pytest.mark.parametrize("page_fraction", [0.3, 0.5, 0.77])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_objects_across_pages_narrower_than_an_object_copy_bit_exact(
+    name: str, page_fraction: float, mover: str
+) -> None:
+    """A store whose pages are smaller than an object (the server's 64 KiB pages, the
+    pool with page_bytes set) lends and reserves an object as a list of pages: loads,
+    layer by layer too, and stores through them move exactly the object's bytes, the
+    runs cut where a page ends, and touch nothing else of the pages."""
+    case = CASES[name]
+    source, block_ids, staged = staged_blocks(case, seed=11)
+    object_bytes = int(staged.shape[1])
+    page_bytes = max(1, int(object_bytes * page_fraction))
+    per_object = -(-object_bytes // page_bytes)
+    order = np.random.default_rng(2).permutation(per_object * len(block_ids) + 3)
+    pages = [order[i * per_object : (i + 1) * per_object].tolist() for i in range(len(block_ids))]
+    memory = np.random.default_rng(3).integers(0, 256, (len(order), page_bytes), dtype=np.uint8)
+    for row, owned in enumerate(pages):
+        flat = np.zeros(per_object * page_bytes, np.uint8)
+        flat[:object_bytes] = staged[row]
+        for index, page in enumerate(owned):
+            if index < per_object - 1:
+                memory[page] = flat[index * page_bytes : (index + 1) * page_bytes]
+            else:  # the last page holds the object's tail, the rest is another's bytes
+                tail = object_bytes - index * page_bytes
+                memory[page, :tail] = flat[index * page_bytes : object_bytes]
+    before = memory.copy()
+    restored = torch.zeros_like(source)
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    for layer in range(restorer.num_layers):
+        MOVERS[mover](restorer.copy(block_ids, memory, to_kv=True, layer=layer, pages=pages))
+    assert torch.equal(restored, expected_restore(case, source, block_ids))
+    assert np.array_equal(memory, before)
+    into = np.random.default_rng(3).integers(0, 256, memory.shape, dtype=np.uint8)
+    MOVERS[mover](BlockCopier(case.build(source), case.num_blocks).copy(
+        block_ids, into, to_kv=False, pages=pages))
+    assert np.array_equal(into, before)  # the objects' bytes, and not one byte more
+
+
 @pytest.mark.parametrize(
     ("memory", "rows", "error", "message"),
     [

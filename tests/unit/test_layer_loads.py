@@ -56,8 +56,9 @@ def context(device: HostDevice, pool: SlabPool, kv: list[torch.Tensor]) -> Trans
         device=device, access=StoreAccess(lambda: pool, KEYSPACE, RANK), ring=None,
         layer_load_stream=device.new_stream("test-layer-load"),
         async_load_stream=device.new_stream("test-async-load"),
-        store_stream=device.new_stream("test-store"), io_lane=lane, on_done=lambda: None,
-        copiers={0: BlockCopier(kv, NUM_BLOCKS)}, in_place={0: True},
+        store_stream=device.new_stream("test-store"), io_lane=lane, store_lane=lane,
+        on_done=lambda: None, in_place=True, borrow_on_lane=False,
+        copiers={0: BlockCopier(kv, NUM_BLOCKS)},
     )
 
 

@@ -349,19 +349,18 @@ def test_a_lent_object_is_read_in_place_and_verified_like_a_get() -> None:
     pool.put_batch(["a", "b"], [content(1, 3000), content(2, 3000)])
     loan = pool.lend(["b", "gone", "a"], 3000)
     assert loan is not None
-    row_b, missing, row_a = loan.rows
-    assert missing is None and row_a is not None and row_b is not None
-    assert bytes(loan.memory[row_a, :3000]) == content(1, 3000)
-    assert bytes(loan.memory[row_b, :3000]) == content(2, 3000)
+    pages_b, missing, pages_a = loan.pages
+    assert missing is None and pages_a is not None and pages_b is not None
+    assert bytes(loan.memory[pages_a[0], :3000]) == content(1, 3000)
+    assert bytes(loan.memory[pages_b[0], :3000]) == content(2, 3000)
     assert loan.verify() == (LoadStatus.HIT, LoadStatus.MISSING, LoadStatus.HIT)
     loan.release()
     assert pool.stored_keys() == ("b", "a")  # verified in key order: most recent last
     stats = pool.stats()
     assert (stats.hits, stats.misses, stats.bytes_read) == (2, 1, 6000)
     other_size = pool.lend(["a"], 2999)
-    assert other_size is not None and other_size.verify() == (LoadStatus.SIZE_MISMATCH,)
+    assert other_size.verify() == (LoadStatus.SIZE_MISMATCH,)
     other_size.release()
-    assert pool.lend(["a"], PAGE + 1) is None  # would span pages: read with a get
     assert_pages_accounted(pool, ["a", "b"])
 
 
@@ -369,16 +368,17 @@ def test_a_lent_object_is_neither_evicted_nor_overwritten_until_released() -> No
     pool = make_pool(pages=4, high=1.0, low=0.5)
     pool.put_batch(["a"], [content(1, PAGE)])
     loan = pool.lend(["a"], PAGE)
-    assert loan is not None and loan.rows[0] is not None
+    (lent,) = loan.pages
+    assert lent is not None
     # Four more pages through a four-page pool: everything else goes, the lent one stays.
     for index in range(4):
         pool.put_batch([f"x{index}"], [content(10 + index, PAGE)])
     assert pool.lookup(["a"]) == (True,)
-    assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
+    assert bytes(loan.memory[lent[0]]) == content(1, PAGE)
     # Every page but the lent one taken, and nothing left to evict: a put is refused.
     assert pool.put_batch(["big"], [content(9, 4 * PAGE)]) == (False,)
     pool.clear()  # cleared while lent: the pages come back when the loan is released
-    assert bytes(loan.memory[loan.rows[0]]) == content(1, PAGE)
+    assert bytes(loan.memory[lent[0]]) == content(1, PAGE)
     assert pool.free_page_count() == 3
     assert loan.verify() == (LoadStatus.HIT,)  # the bytes copied were the stored ones
     assert pool.free_page_count() == 3
@@ -397,7 +397,7 @@ def test_a_corrupt_lent_object_is_dropped_when_verified() -> None:
     view[offset + 7] ^= 0x10
     view.release()
     loan = pool.lend(["a"], 100)
-    assert loan is not None and loan.rows[0] is not None  # lent: checked only by verify
+    assert loan.pages[0] is not None  # lent: checked only by verify
     assert loan.verify() == (LoadStatus.CORRUPT,)
     loan.release()
     assert pool.lookup(["a"]) == (False,)
@@ -410,13 +410,14 @@ def test_closing_a_pool_with_a_loan_out_leaves_the_lent_memory_readable() -> Non
     pool = make_pool()
     pool.put_batch(["a"], [content(1, 100)])
     loan = pool.lend(["a"], 100)
-    assert loan is not None and loan.rows[0] is not None
+    (lent,) = loan.pages
+    assert lent is not None
     pool.close()
-    assert bytes(loan.memory[loan.rows[0], :100]) == content(1, 100)
+    assert bytes(loan.memory[lent[0], :100]) == content(1, 100)
     assert loan.verify() == (LoadStatus.HIT,)
     loan.release()
     closed = pool.lend(["a"], 100)
-    assert closed is not None and closed.rows == (None,)
+    assert closed.pages == (None,)
     assert closed.verify() == (LoadStatus.UNAVAILABLE,)
     closed.release()
 
@@ -425,7 +426,6 @@ def test_a_loan_is_verified_at_most_once_and_released_exactly_once() -> None:
     pool = make_pool()
     pool.put_batch(["a"], [content(1, 100)])
     loan = pool.lend(["a"], 100)
-    assert loan is not None
     loan.release()  # released unverified (the copy failed): nothing counted
     with pytest.raises(RuntimeError, match="before its release"):
         loan.verify()
@@ -442,17 +442,15 @@ def test_a_reserved_object_written_in_place_is_stored_like_a_put() -> None:
     pool = make_pool()
     pool.put_batch(["old"], [content(9, 100)])
     reservation = pool.reserve(["new", "old", "empty"], 100)
-    assert reservation is not None
-    new_row, old_row, empty_row = reservation.rows
-    assert old_row is None  # resident: nothing to write
-    assert new_row is not None and empty_row is not None
+    new_pages, old_pages, empty_pages = reservation.pages
+    assert old_pages is None  # resident: nothing to write
+    assert new_pages is not None and empty_pages is not None
     assert pool.lookup(["new"]) == (False,)  # not visible until committed
-    reservation.memory[new_row, :100] = np.frombuffer(content(1, 100), np.uint8)
+    reservation.memory[new_pages[0], :100] = np.frombuffer(content(1, 100), np.uint8)
     assert reservation.commit([True, False, False]) == (True, True, False)
     assert load(pool, "new", 100) == (LoadStatus.HIT, content(1, 100))
     assert pool.lookup(["empty"]) == (False,)
     assert pool.stats().puts == 2
-    assert pool.reserve(["x"], PAGE + 1) is None  # would span pages: written with a put
     with pytest.raises(RuntimeError, match="exactly once"):
         reservation.commit([True, False, False])
     assert_pages_accounted(pool, ["old", "new"])
@@ -462,8 +460,7 @@ def test_a_key_being_written_in_place_is_not_reserved_twice() -> None:
     pool = make_pool()
     first = pool.reserve(["a"], 10)
     second = pool.reserve(["a"], 10)
-    assert first is not None and second is not None
-    assert first.rows[0] is not None and second.rows == (None,)
+    assert first.pages[0] is not None and second.pages == (None,)
     assert second.commit([False]) == (False,)
     assert first.commit([True]) == (True,)
 
@@ -471,7 +468,7 @@ def test_a_key_being_written_in_place_is_not_reserved_twice() -> None:
 def test_a_reservation_the_pool_was_cleared_under_stores_nothing() -> None:
     pool = make_pool(pages=2, high=1.0, low=0.5)
     reservation = pool.reserve(["a"], PAGE)
-    assert reservation is not None and reservation.rows[0] is not None
+    assert reservation.pages[0] is not None
     pool.clear()
     assert pool.free_page_count() == 1  # the reserved page is not handed out meanwhile
     assert reservation.commit([True]) == (False,)
@@ -479,7 +476,28 @@ def test_a_reservation_the_pool_was_cleared_under_stores_nothing() -> None:
     assert pool.free_page_count() == 2
     pool.close()
     closed = pool.reserve(["a"], 10)
-    assert closed is not None and closed.rows == (None,) and closed.commit([False]) == (False,)
+    assert closed.pages == (None,) and closed.commit([False]) == (False,)
+
+
+def test_objects_larger_than_a_page_are_lent_and_reserved_across_their_pages() -> None:
+    pool = make_pool()
+    data = content(7, 2 * PAGE + 100)
+    reservation = pool.reserve(["big"], len(data))
+    (pages,) = reservation.pages
+    assert pages is not None and len(pages) == 3
+    flat = np.concatenate([reservation.memory[page] for page in pages])
+    flat[: len(data)] = np.frombuffer(data, np.uint8)
+    for index, page in enumerate(pages):  # write the object back page by page
+        reservation.memory[page] = flat[index * PAGE : (index + 1) * PAGE]
+    assert reservation.commit([True]) == (True,)
+    assert load(pool, "big", len(data)) == (LoadStatus.HIT, data)  # as a put stored it
+    loan = pool.lend(["big"], len(data))
+    (lent,) = loan.pages
+    assert lent == pages
+    assert bytes(np.concatenate([loan.memory[p] for p in lent])[: len(data)]) == data
+    assert loan.verify() == (LoadStatus.HIT,)
+    loan.release()
+    assert_pages_accounted(pool, ["big"])
 
 
 # ------------------------------------------------------------------ contract edges

@@ -45,8 +45,8 @@ def test_runs_on_the_vllm_version_asked_for() -> None:
      # Unset: each object (32 KiB) fits a page of the embedded pool, which lends it to
      # this host KV cache, so layer by layer; also with a page given that holds one.
      ({}, False), ({"page_bytes": 64 << 10}, False),
-     # Unset with pages smaller than an object: it spans pages, read through staging.
-     ({"page_bytes": 4096}, True)],
+     # Unset with pages smaller than an object: it is lent across its pages, in place.
+     ({"page_bytes": 4096}, False)],
     ids=["async", "sync", "default-embedded-host-kv", "default-object-fits-a-page",
          "default-object-spans-pages"],
 )

@@ -44,6 +44,7 @@ __all__ = [
     "OPTION_NAMES",
     "ConfigError",
     "ConnectorConfig",
+    "borrows_on_model_thread",
     "copies_in_place",
     "effective_load_async",
     "format_config_errors",
@@ -370,21 +371,27 @@ def format_config_errors(errors: Sequence[ConfigError]) -> str:
     return "\n".join(lines)
 
 
-def copies_in_place(mode: str, page_bytes: int, object_bytes: int) -> bool:
-    """Whether objects of ``object_bytes`` move straight between the KV cache and the
-    store's own memory, one copy per byte: the embedded pool lends (loads) and reserves
-    (stores) an object that fits one of its pages (``page_bytes``: the pool's page
-    size, resolved). Every other store is read and written through staging rows. The
-    worker decides it per cache group from its real object sizes, and tells the
-    scheduler (:func:`restores_layer_by_layer`)."""
-    return mode == "embedded" and object_bytes <= page_bytes
+def copies_in_place(mode: str) -> bool:
+    """Whether objects move straight between the KV cache and the store's own memory, one
+    copy per byte: the embedded pool (this process's slab) and the node-local server
+    (its shared memory, mapped in every engine) lend their pages to loads and reserve
+    pages for stores. Mooncake and MORI move bytes themselves: their objects go
+    through the staging area."""
+    return mode in ("embedded", "server")
+
+
+def borrows_on_model_thread(mode: str) -> bool:
+    """Whether a store lends and reserves without I/O (an in-process index operation), so
+    vLLM's model thread may borrow its pages itself; the server answers over its socket,
+    so its pages are borrowed on umbp's I/O lanes."""
+    return mode == "embedded"
 
 
 def restores_layer_by_layer(in_place: bool, kv_in_host_memory: bool) -> bool:
     """Whether loads run layer by layer in the step when ``load_async`` is unset.
 
-    Where every object copies in place (:func:`copies_in_place`) and the KV cache is in
-    host memory, a layer of an object is ready after one layer's copy: running requests
+    Where objects copy in place (:func:`copies_in_place`) and the KV cache is in host
+    memory, a layer of an object is ready after one layer's copy: running requests
     wait for the first layer only, and the restored request gets its first token steps
     sooner than an asynchronous load allows. Where objects are staged first, a
     layer-by-layer restore holds the forward pass for the whole read. On a GPU the

@@ -4,7 +4,9 @@ One stored *object* is one block of every layer of the group, concatenated in la
 (a layer handed as several tensors contributes each in turn; a tensor's block in
 row-major order of its remaining dims). Host memory holds objects as rows of a uint8
 ``[rows, row_bytes]`` array, an object at the start of its row (``row_bytes >=
-object_bytes``): staging, or a store's pages lent or reserved in place, in any order.
+object_bytes``): staging, or a store's pages lent or reserved in place, in any order;
+or, where a store's pages are smaller than an object, as a list of pages per object
+(its bytes in order across them).
 
 A copy is described once, as a :class:`BlockCopy`, and carried out by a device
 (:mod:`umbp.gpu.device`): with the KV in host memory by numpy (:meth:`BlockCopy.run_on_host`,
@@ -17,6 +19,7 @@ hand the forward pass its first layer after one layer's bytes.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -90,6 +93,9 @@ class BlockCopy:
     memory: npt.NDArray[np.uint8]
     rows: tuple[int, ...]
     layer: int | None = None
+    pages: tuple[tuple[int, ...], ...] | None = None
+    """Where objects span several rows (pages): each object's rows, in order (``rows``
+    then holds their first ones)."""
 
     @property
     def nbytes(self) -> int:
@@ -102,25 +108,30 @@ class BlockCopy:
 
     def ranges(self) -> CopyRanges:
         """The copy as byte ranges, in block order, each part's runs in object order
-        (a device's batched copy takes these)."""
+        (split where an object's bytes pass from one page to the next); a device's
+        batched copy takes these."""
         count = len(self.block_ids)
         ids = np.asarray(self.block_ids, dtype=np.uint64)
-        row_addresses = np.uint64(self.memory.ctypes.data) + np.asarray(
-            self.rows, dtype=np.uint64
-        ) * np.uint64(self.memory.strides[0])
+        base, stride = np.uint64(self.memory.ctypes.data), np.uint64(self.memory.strides[0])
+        page_bytes = int(self.memory.shape[1]) if self.pages is not None else None
+        pages = np.asarray(self.pages if self.pages is not None else [[r] for r in self.rows],
+                           dtype=np.uint64).reshape(count, -1 if count else 1)
         kv: list[npt.NDArray[np.uint64]] = []
         host: list[npt.NDArray[np.uint64]] = []
         sizes: list[npt.NDArray[np.uint64]] = []
         for part in self._parts:
             view = part.view
-            runs = view.segment_offsets.shape[0]
+            offsets, lengths, kv_offsets = _pieces(part, page_bytes)
             block_starts = np.uint64(view.address) + ids * np.uint64(view.block_stride)
-            kv.append((block_starts[:, None] + view.segment_offsets[None, :]).reshape(-1))
-            run_columns = np.uint64(part.column) + np.arange(runs, dtype=np.uint64) * np.uint64(
-                view.segment_bytes
-            )
-            host.append((row_addresses[:, None] + run_columns[None, :]).reshape(-1))
-            sizes.append(np.full(count * runs, view.segment_bytes, dtype=np.uint64))
+            kv.append((block_starts[:, None] + kv_offsets[None, :]).reshape(-1))
+            if page_bytes is None:
+                host_starts = base + pages[:, 0] * stride
+                host.append((host_starts[:, None] + offsets[None, :]).reshape(-1))
+            else:
+                within = offsets % np.uint64(page_bytes)
+                page_of = (offsets // np.uint64(page_bytes)).astype(np.intp)
+                host.append((base + pages[:, page_of] * stride + within[None, :]).reshape(-1))
+            sizes.append(np.tile(lengths, count))
         kv_all, host_all = _joined(kv), _joined(host)
         sources, destinations = (host_all, kv_all) if self.to_kv else (kv_all, host_all)
         return CopyRanges(sources, destinations, _joined(sizes))
@@ -128,6 +139,36 @@ class BlockCopy:
     def run_on_host(self) -> None:
         """Carry the copy out with numpy (KV in host memory); releases the GIL."""
         self.copier.run_on_host(self)
+
+
+def _pieces(
+    part: _Part, page_bytes: int | None
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """A part's contiguous runs as (offset in the object, length, offset in the block),
+    each cut where the object passes into its next page (``page_bytes`` None: none)."""
+    view = part.view
+    runs = view.segment_offsets.shape[0]
+    starts = np.uint64(part.column) + np.arange(runs, dtype=np.uint64) * np.uint64(
+        view.segment_bytes
+    )
+    lengths = np.full(runs, view.segment_bytes, dtype=np.uint64)
+    if page_bytes is None or not _crosses(starts, view.segment_bytes, page_bytes):
+        return starts, lengths, view.segment_offsets
+    pieces: list[tuple[int, int, int]] = []
+    for start, kv_offset in zip(starts.tolist(), view.segment_offsets.tolist()):
+        end, at = start + view.segment_bytes, start
+        while at < end:
+            stop = min(end, (at // page_bytes + 1) * page_bytes)
+            pieces.append((at, stop - at, kv_offset + at - start))
+            at = stop
+    columns = np.asarray(pieces, dtype=np.uint64).reshape(-1, 3)
+    return columns[:, 0].copy(), columns[:, 1].copy(), columns[:, 2].copy()
+
+
+def _crosses(starts: npt.NDArray[np.uint64], length: int, page_bytes: int) -> bool:
+    first = starts // np.uint64(page_bytes)
+    last = (starts + np.uint64(max(length, 1) - 1)) // np.uint64(page_bytes)
+    return bool((first != last).any())
 
 
 def _joined(arrays: list[npt.NDArray[np.uint64]]) -> npt.NDArray[np.uint64]:
@@ -197,32 +238,42 @@ class BlockCopier:
         *,
         to_kv: bool,
         layer: int | None = None,
+        pages: Sequence[Sequence[int]] | None = None,
     ) -> BlockCopy:
         """Describe a copy between ``block_ids`` and ``rows`` of ``memory`` (None: its
-        first rows, in order); raises before anything moves when the copy would touch
-        a block or a byte it must not. A load (``to_kv``) names each block once: two
-        rows for one block would leave it undefined."""
+        first rows, in order), or, with rows (pages) narrower than an object, the
+        ``pages`` of ``memory`` holding each object in order; raises before anything
+        moves when the copy would touch a block or a byte it must not. A load
+        (``to_kv``) names each block once: two rows for one block would leave it
+        undefined."""
         ids = self._checked_ids(block_ids)
         if to_kv:
             _check_unique(ids)
         if layer is not None and not 0 <= layer < len(self._layer_parts):
             raise IndexError(f"layer {layer} out of range for {len(self._layer_parts)} layers")
+        if pages is not None:
+            checked_pages = self._checked_pages(memory, len(ids), pages)
+            if checked_pages is not None:
+                return BlockCopy(self, to_kv, tuple(ids), memory,
+                                 tuple(p[0] for p in checked_pages), layer, checked_pages)
+            rows = [p[0] for p in pages]
         checked_rows = self._checked_rows(memory, len(ids), rows)
         return BlockCopy(self, to_kv, tuple(ids), memory, checked_rows, layer)
 
     def gather(
         self, block_ids: Sequence[int], memory: npt.NDArray[np.uint8],
-        rows: Sequence[int] | None = None,
+        rows: Sequence[int] | None = None, *, pages: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """Copy blocks into rows now (KV in host memory)."""
-        self.copy(block_ids, memory, rows, to_kv=False).run_on_host()
+        """Copy blocks into rows (or pages) now (KV in host memory)."""
+        self.copy(block_ids, memory, rows, to_kv=False, pages=pages).run_on_host()
 
     def scatter(
         self, block_ids: Sequence[int], memory: npt.NDArray[np.uint8],
-        rows: Sequence[int] | None = None, layer: int | None = None,
+        rows: Sequence[int] | None = None, layer: int | None = None, *,
+        pages: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """Copy rows into blocks now (KV in host memory)."""
-        self.copy(block_ids, memory, rows, to_kv=True, layer=layer).run_on_host()
+        """Copy rows (or pages) into blocks now (KV in host memory)."""
+        self.copy(block_ids, memory, rows, to_kv=True, layer=layer, pages=pages).run_on_host()
 
     # -- validation -------------------------------------------------------------------
 
@@ -235,12 +286,34 @@ class BlockCopier:
                 )
         return ids
 
+    def _checked_pages(
+        self, memory: npt.NDArray[np.uint8], count: int, pages: Sequence[Sequence[int]]
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """Each object's pages, checked; None when one page holds an object (rows)."""
+        _check_host_memory(memory)
+        page_bytes = int(memory.shape[1])
+        needed = max(1, -(-self._object_bytes // max(1, page_bytes)))
+        if len(pages) != count:
+            raise ValueError(f"{count} blocks need {count} page lists, got {len(pages)}")
+        if needed == 1:
+            return None
+        checked: list[tuple[int, ...]] = []
+        for object_pages in pages:
+            owned = tuple(as_index(page) for page in object_pages)[:needed]
+            if len(owned) < needed:
+                raise ValueError(f"an object of {self._object_bytes} bytes spans {needed} "
+                                 f"pages of {page_bytes} bytes, got {len(owned)}")
+            for page in owned:
+                if not 0 <= page < memory.shape[0]:
+                    raise IndexError(f"page {page} out of range for {memory.shape[0]} pages")
+            checked.append(owned)
+        return tuple(checked)
+
     def _checked_rows(
         self, memory: npt.NDArray[np.uint8], count: int, rows: Sequence[int] | None
     ) -> tuple[int, ...]:
-        if not isinstance(memory, np.ndarray) or memory.dtype != np.uint8 or memory.ndim != 2:
-            raise ValueError("host rows must be a uint8 numpy array of shape [rows, row_bytes]")
-        if (memory.size and memory.strides[1] != 1) or int(memory.shape[1]) < self._object_bytes:
+        _check_host_memory(memory)
+        if int(memory.shape[1]) < self._object_bytes:
             raise ValueError(
                 f"host rows must be contiguous and at least {self._object_bytes} bytes wide "
                 f"(one object), got shape {list(memory.shape)} and strides "
@@ -267,6 +340,9 @@ class BlockCopier:
         if self._scratch is None:
             raise ValueError(f"the KV is on {self._device}: a device carries this copy out")
         if not copy.block_ids:
+            return
+        if copy.pages is not None:  # objects across pages: the ranges a device would move
+            _move_ranges(copy.ranges())
             return
         rows = copy.rows
         first = rows[0]
@@ -325,6 +401,14 @@ class BlockCopier:
         return scratch.numpy()
 
 
+def _move_ranges(ranges: CopyRanges) -> None:
+    """Each range by memmove (a foreign call: the GIL is released while it copies)."""
+    for source, destination, size in zip(
+        ranges.sources.tolist(), ranges.destinations.tolist(), ranges.sizes.tolist()
+    ):
+        ctypes.memmove(destination, source, size)
+
+
 def _rows_by_word(rows: torch.Tensor) -> dict[int, torch.Tensor]:
     """``rows`` read as every word size it allows, widest included (one view each).
 
@@ -356,6 +440,13 @@ def _place_parts(
         parts.append(_Part(view=view, column=column, word_bytes=word))
         column += layout.block_bytes
     return tuple(parts)
+
+
+def _check_host_memory(memory: npt.NDArray[np.uint8]) -> None:
+    if not isinstance(memory, np.ndarray) or memory.dtype != np.uint8 or memory.ndim != 2:
+        raise ValueError("host rows must be a uint8 numpy array of shape [rows, row_bytes]")
+    if memory.size and memory.strides[1] != 1:
+        raise ValueError(f"host rows must be contiguous, got strides {list(memory.strides)}")
 
 
 def _check_unique(ids: Sequence[int]) -> None:

@@ -225,10 +225,11 @@ class LentObjects:
     """Objects a store lends where they lie, for a caller to copy straight out of its
     memory: no staging copy between the store and the KV cache.
 
-    ``memory`` is uint8 ``[rows, row_bytes]``; a lent object is the first ``nbytes``
-    of its row. ``rows`` gives, per key in order, the row of the lent object, or None
-    when it was not lent (missing, another size, the store closed). Lent objects stay
-    where they are (pinned: neither evicted nor overwritten) until ``release``.
+    ``memory`` is uint8 ``[pages, page_bytes]``; a lent object is the first ``nbytes``
+    of its pages' bytes taken in order. ``pages`` gives, per key in order, the pages of
+    the lent object (one when it fits one), or None when it was not lent (missing,
+    another size, the store closed). Lent objects stay where they are (pinned: neither
+    evicted nor overwritten) until ``release``.
 
     ``verify`` checks each lent object's checksum over the memory the caller copies
     from and answers one `LoadStatus` per key (HIT, CORRUPT, or why a key was not lent);
@@ -239,7 +240,7 @@ class LentObjects:
     (on a GPU: when the copy's event completed), verified or not."""
 
     memory: npt.NDArray[np.uint8]
-    rows: tuple[int | None, ...]
+    pages: tuple[tuple[int, ...] | None, ...]
     verify: Callable[[], tuple[LoadStatus, ...]]
     release: Callable[[], None]
 
@@ -247,13 +248,12 @@ class LentObjects:
 @runtime_checkable
 class LendsObjects(Protocol):
     """Optional: a store whose objects lie in memory this process can read (the
-    embedded pool's slab) lends them in place (`LentObjects`) instead of copying them
-    into the caller's buffers."""
+    embedded pool's slab, the node-local server's shared memory) lends them in place
+    (`LentObjects`) instead of copying them into the caller's buffers."""
 
-    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects | None:
-        """Lend the objects under `keys` of `nbytes` each; None when objects of that
-        size are not stored whole in one row (the caller reads them with
-        `get_batch_into`)."""
+    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects:
+        """Lend the objects under `keys` of `nbytes` each. Raises `StoreUnavailable`
+        when the store cannot be reached (nothing is lent then)."""
         ...
 
     def lent_memory(self) -> npt.NDArray[np.uint8]:
@@ -268,31 +268,30 @@ class ReservedObjects:
     """Room a store reserves where objects will lie, for a caller to copy straight
     into: no staging copy between the KV cache and the store.
 
-    ``memory`` is uint8 ``[rows, row_bytes]``; ``rows`` gives, per key in order, the
-    row the caller writes the object's ``nbytes`` into, or None when nothing is to be
-    written (already stored, or no room: ``commit`` says which). Reserved rows are
-    neither visible to lookups nor reused until ``commit``, which the caller calls
-    exactly once, when its copies have finished writing (on a GPU: when the copy's
-    event completed), saying per key whether its row was written. ``commit`` checksums
+    ``memory`` is uint8 ``[pages, page_bytes]``; ``pages`` gives, per key in order, the
+    pages the caller writes the object's ``nbytes`` into (in order), or None when
+    nothing is to be written (already stored, or no room: ``commit`` says which).
+    Reserved pages are neither visible to lookups nor reused until ``commit``, which the
+    caller calls exactly once, when its copies have finished writing (on a GPU: when
+    the copy's event completed), saying per key whether its pages were written. ``commit`` checksums
     and publishes the written objects and answers per key, as `put_batch` does, whether
     the object is stored (a row not written, or written while the store was cleared or
     closed, is not)."""
 
     memory: npt.NDArray[np.uint8]
-    rows: tuple[int | None, ...]
+    pages: tuple[tuple[int, ...] | None, ...]
     commit: Callable[[Sequence[bool]], tuple[bool, ...]]
 
 
 @runtime_checkable
 class ReservesObjects(Protocol):
-    """Optional: a store whose memory this process can write (the embedded pool's slab)
-    reserves room for objects (`ReservedObjects`) instead of copying them out of the
-    caller's buffers."""
+    """Optional: a store whose memory this process can write (the embedded pool's slab,
+    the node-local server's shared memory) reserves room for objects
+    (`ReservedObjects`) instead of copying them out of the caller's buffers."""
 
-    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects | None:
-        """Reserve a row for each key's object of `nbytes`; None when objects of that
-        size are not stored whole in one row (the caller writes them with
-        `put_batch`)."""
+    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects:
+        """Reserve pages for each key's object of `nbytes`. Raises `StoreUnavailable`
+        when the store cannot be reached (nothing is reserved then)."""
         ...
 
 

@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
-__all__ = ["CHUNK_BYTES", "copy_hashing", "read_regions", "write_regions"]
+__all__ = ["CHUNK_BYTES", "copy_hashing", "pages_checksum", "read_regions", "write_regions"]
 
 _GIL_FREE_FROM_BYTES = 128 * 1024
 CHUNK_BYTES: Final = 512 * 1024
@@ -104,4 +105,17 @@ def read_regions(
         _copy_hashing_into(hasher, destination[start : start + length],
                            memory[offset : offset + length])
         start += length
+    return int(hasher.intdigest())
+
+
+def pages_checksum(memory: npt.NDArray[np.uint8], pages: Sequence[int], nbytes: int) -> int:
+    """xxh3-64 of an object of `nbytes` lying across `pages` of `memory` (uint8
+    ``[pages, page_bytes]``) in order: what a store that lends or reserves pages in
+    place checks and records (the same value a copy hashed while it copied)."""
+    page_bytes = int(memory.shape[1])
+    if len(pages) == 1:
+        return int(xxhash.xxh3_64_intdigest(memory[pages[0], :nbytes]))
+    hasher = xxhash.xxh3_64()
+    for index, page in enumerate(pages):
+        hasher.update(memory[page, : min(page_bytes, nbytes - index * page_bytes)])
     return int(hasher.intdigest())

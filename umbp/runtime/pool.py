@@ -56,7 +56,7 @@ from umbp.runtime.contract import (
 )
 from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
-from umbp.runtime.paged_copy import read_regions, write_regions
+from umbp.runtime.paged_copy import pages_checksum, read_regions, write_regions
 from umbp.runtime.paging import PagedLru, Resident, pages_for, watermark_pages
 
 if TYPE_CHECKING:
@@ -213,14 +213,12 @@ class SlabPool(ClosesOnExit):
             [self._get_one(key, destination) for key, destination in zip(keys, destinations)]
         )
 
-    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects | None:
+    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects:
         """Pin the objects under `keys` and lend their pages for copying in place
-        (`LendsObjects`); None when objects of `nbytes` span several pages. A key not
-        resident answers MISSING, one of another size SIZE_MISMATCH, all of them
-        UNAVAILABLE once the pool is closed; `verify` refreshes LRU order and counts
-        like `get_batch_into`, and drops a corrupt object the same way."""
-        if nbytes > self._page_bytes:
-            return None
+        (`LendsObjects`). A key not resident answers MISSING, one of another size
+        SIZE_MISMATCH, all of them UNAVAILABLE once the pool is closed; `verify`
+        refreshes LRU order and counts like `get_batch_into`, and drops a corrupt object
+        the same way."""
         lent: list[_StoredObject | None] = []
         answers: list[LoadStatus] = []  # HIT for a lent object until verified
         with self._lock:
@@ -235,21 +233,19 @@ class SlabPool(ClosesOnExit):
                 else:
                     lent.append(None)
                     answers.append(self._refusal(stored))
-        rows = tuple(None if stored is None else stored.pages[0] for stored in lent)
+        pages = tuple(None if stored is None else stored.pages for stored in lent)
         loan = _Loan(self, memory, tuple(lent), tuple(answers))
-        return LentObjects(memory, rows, loan.verify, loan.release)
+        return LentObjects(memory, pages, loan.verify, loan.release)
 
     def lent_memory(self) -> npt.NDArray[np.uint8]:
         """The slab as page rows: every loan and reservation lies in it."""
         return self._page_rows
 
-    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects | None:
-        """Reserve a page for each key's object of `nbytes` (`ReservesObjects`), evicting
-        as a put does; None when such objects span several pages. A resident key gets
-        no row and is stored (LRU refreshed); a key another reservation is writing, or
-        one the pool has no room for, gets no row and is not."""
-        if nbytes > self._page_bytes:
-            return None
+    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects:
+        """Reserve pages for each key's object of `nbytes` (`ReservesObjects`), evicting
+        as a put does. A resident key gets no pages and is stored (LRU refreshed); a key
+        another reservation is writing, or one the pool has no room for, gets no pages
+        and is not."""
         reserved: list[tuple[int, ...] | None] = []
         stored_already: list[bool] = []
         with self._lock:
@@ -261,8 +257,7 @@ class SlabPool(ClosesOnExit):
         reservation = _Reservation(
             self, tuple(keys), nbytes, memory, generation, tuple(reserved), tuple(stored_already)
         )
-        rows = tuple(None if pages is None else pages[0] for pages in reserved)
-        return ReservedObjects(memory, rows, reservation.commit)
+        return ReservedObjects(memory, tuple(reserved), reservation.commit)
 
     def _reserve_one(self, key: str, nbytes: int) -> tuple[tuple[int, ...] | None, bool]:
         """(the pages reserved for `key` or None, whether it is stored already); under
@@ -272,12 +267,13 @@ class SlabPool(ClosesOnExit):
         if resident is not None:
             pages.touch(resident)
             return None, True
-        if self._closed or key in self._reserved_keys:
+        needed = pages_for(nbytes, self._page_bytes)
+        if self._closed or key in self._reserved_keys or not pages.fits(needed):
             self._counters.put_rejects += 1
             return None, False
-        if pages.needs_room(1):
-            self._evict_for(1)
-        taken = pages.take_pages(1)
+        if pages.needs_room(needed):
+            self._evict_for(needed)
+        taken = pages.take_pages(needed)
         if taken is None:  # what eviction could not free is pinned right now
             self._counters.put_rejects += 1
             return None, False
@@ -555,8 +551,7 @@ class _Loan:
         # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
         intact = [
             stored is not None
-            and xxhash.xxh3_64_intdigest(self._memory[stored.pages[0], : stored.nbytes])
-            == stored.checksum
+            and pages_checksum(self._memory, stored.pages, stored.nbytes) == stored.checksum
             for stored in self._lent
         ]
         with self._pool._lock:
@@ -594,7 +589,7 @@ class _Reservation:
         # Hashed outside the lock: reserved pages are neither reused nor freed.
         checksums = [
             None if pages is None or not wrote
-            else int(xxhash.xxh3_64_intdigest(self.memory[pages[0], : self.nbytes]))
+            else pages_checksum(self.memory, pages, self.nbytes)
             for pages, wrote in zip(self.pages, written)
         ]
         return self.pool._commit_reservation(self, checksums)

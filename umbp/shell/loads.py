@@ -49,7 +49,7 @@ from umbp.gpu.copier import BlockCopy
 from umbp.gpu.device import Event, Stream
 from umbp.gpu.staging import StagingSlot
 from umbp.shell.store_io import GroupSource, unread
-from umbp.shell.transfer_context import STAGING_WAIT_S, TransferContext
+from umbp.shell.transfer_context import MAX_PIECE_OBJECTS, STAGING_WAIT_S, TransferContext
 
 logger = logging.getLogger("umbp")
 
@@ -80,11 +80,11 @@ def _copies(ctx: TransferContext, read: _Read, layer: int | None) -> list[BlockC
     copier = ctx.copiers.get(group.group_id)
     if not outcome.loaded_rows or source.memory is None or copier is None:
         return []
-    rows = [source.rows[index] for index in outcome.loaded_rows]
-    if any(row is None for row in rows):
-        raise ValueError("a store answered HIT for an object it gave no row")
-    return [copier.copy(outcome.loaded_block_ids, source.memory,
-                        [row for row in rows if row is not None], to_kv=True, layer=layer)]
+    pages = [source.pages[index] for index in outcome.loaded_rows]
+    if any(owned is None for owned in pages):
+        raise ValueError("a store answered HIT for an object it gave no pages")
+    return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True, layer=layer,
+                        pages=[owned for owned in pages if owned is not None])]
 
 
 def _verified(reads: Sequence[_Read], copied: bool) -> list[tuple[LoadStatus, ...] | None]:
@@ -116,11 +116,15 @@ def _group_statuses(
     return tuple(status for answer in pieces if answer is not None for status in answer)
 
 
-def _read_in_place(ctx: TransferContext, group: GroupBlocks) -> _Read:
+def _read_in_place(ctx: TransferContext, group: GroupBlocks) -> list[_Read]:
+    """The group's objects borrowed where the store keeps them, a piece of at most
+    ``MAX_PIECE_OBJECTS`` at a time (a server's request takes at most 65,536 keys)."""
     copier = ctx.copiers.get(group.group_id)
     if copier is None:  # asleep: no KV memory to copy into
-        return _Read(group, unread(len(group)))
-    return _Read(group, ctx.access.lend(group, copier.object_bytes))
+        return [_Read(group, unread(len(group)))]
+    pieces = [_piece(group, start, min(start + MAX_PIECE_OBJECTS, len(group)))
+              for start in range(0, len(group), MAX_PIECE_OBJECTS)] or [group]
+    return [_Read(piece, ctx.access.lend(piece, copier.object_bytes)) for piece in pieces]
 
 
 def _read_all(
@@ -147,10 +151,10 @@ def _read_all(
     try:
         for group in groups:
             copier, ring = ctx.copiers.get(group.group_id), ctx.ring
-            if ctx.in_place.get(group.group_id, False) or copier is None or ring is None:
-                read = _read_in_place(ctx, group)  # (asleep: unread)
-                reads.append(read)
-                enqueue(read)
+            if ctx.in_place or copier is None or ring is None:
+                for read in _read_in_place(ctx, group):  # (asleep: unread)
+                    reads.append(read)
+                    enqueue(read)
                 continue
             start = 0
             while start < len(group):
@@ -186,8 +190,9 @@ def _piece(group: GroupBlocks, start: int, stop: int) -> GroupBlocks:
                        group.block_hashes[start:stop])
 
 
-def _staged(ctx: TransferContext, groups: Sequence[GroupBlocks]) -> bool:
-    return not all(ctx.in_place.get(group.group_id, False) for group in groups)
+def _on_lane(ctx: TransferContext) -> bool:
+    """Reads that ask the store over I/O (staging, a server's loans) run on the I/O lane."""
+    return not ctx.in_place or ctx.borrow_on_lane
 
 
 class AsyncLoad:
@@ -205,7 +210,7 @@ class AsyncLoad:
         self._started = time.perf_counter()
 
     def start(self) -> None:
-        if _staged(self._ctx, self._plan.groups):
+        if _on_lane(self._ctx):
             self._ctx.io_lane.submit(self._run)
         else:
             self._run()
@@ -215,32 +220,32 @@ class AsyncLoad:
         stream = ctx.async_load_stream
         reads: list[_Read] = []
         end: Event | None = None
+        copied = True
         try:
             stream.wait_event(self._mark)
             reads = _read_all(ctx, self._plan.groups, lambda read: self._enqueue(stream, read))
-            end = ctx.record(stream)
         except Exception as error:  # noqa: BLE001 - reported as a failed load
             logger.warning("umbp load of request %s failed: %s", self._plan.request_id, error)
-            self._finish(reads, None)
-            return
-        ctx.device.run_beside(stream, lambda: self._finish(reads, end))
+            copied = False
+        # Reported only after whatever was enqueued ran, so vLLM's recompute of a failed
+        # load never races a copy still landing.
+        end = ctx.record(stream)
+        ctx.device.run_beside(stream, lambda: self._finish(reads, end, copied))
 
     def _enqueue(self, stream: Stream, read: _Read) -> Event:
         for copy in _copies(self._ctx, read, None):
             self._ctx.device.copy(stream, copy)
         return self._ctx.record(stream)
 
-    def _finish(self, reads: list[_Read], end: Event | None) -> None:
-        """After the copy (``end`` None: it was not enqueued whole): verify, let go,
+    def _finish(self, reads: list[_Read], end: Event, copied: bool) -> None:
+        """After the copy (``copied`` False: it was not enqueued whole): verify, let go,
         report."""
-        copied = False
         try:
-            if end is not None:
-                end.synchronize()
-                copied = True
+            end.synchronize()
         except Exception as error:  # noqa: BLE001 - reported as a failed load
             logger.warning("umbp load of request %s: the copy failed: %s",
                            self._plan.request_id, error)
+            copied = False
         statuses: list[tuple[LoadStatus, ...] | None] = [None] * len(reads)
         try:
             statuses = _verified(reads, copied)
@@ -287,8 +292,8 @@ class LayerwiseLoad:
 
     def start(self) -> None:
         ctx = self._ctx
-        if _staged(ctx, self._groups):
-            ctx.io_lane.submit(self._run_staged)
+        if _on_lane(ctx):
+            ctx.io_lane.submit(self._run_in_place if ctx.in_place else self._run_staged)
             if not self._mid_block or not self._wait_enqueued():
                 return
         else:
@@ -299,28 +304,30 @@ class LayerwiseLoad:
             ctx.device.current_stream().wait_event(self._last)
 
     def _run_in_place(self) -> None:
-        """Borrow, then one copy per layer of every group, each followed by its event."""
+        """Borrow, then one copy per layer of every group, each followed by its event
+        (on the model thread, or on the I/O lane for a server)."""
         ctx = self._ctx
         stream = ctx.layer_load_stream
         try:
-            self._reads = [_read_in_place(ctx, group) for group in self._groups]
+            self._reads = [read for group in self._groups for read in _read_in_place(ctx, group)]
             copies = {
                 (group_id, layer): [copy for read in self._reads
                                     if read.group.group_id == group_id
                                     for copy in _copies(ctx, read, layer)]
                 for group_id, count in self._layers.items() for layer in range(count)
             }
-            stream.wait_event(self._mark)
-            for key, layer_copies in copies.items():
-                for copy in layer_copies:
-                    ctx.device.copy(stream, copy)
-                self._events[key] = self._last = ctx.record(stream)
-            self._copied = True
+            with self._lock:
+                if self._abandoned:
+                    raise _GivenUp
+                stream.wait_event(self._mark)
+                for key, layer_copies in copies.items():
+                    for copy in layer_copies:
+                        ctx.device.copy(stream, copy)
+                    self._events[key] = self._last = ctx.record(stream)
+                self._copied = True
+                self._enqueued.set()
         except Exception as error:  # noqa: BLE001 - every block then fails
-            logger.warning("umbp: the step's synchronous loads were not copied: %s", error)
-            self._events.clear()
-        finally:
-            self._enqueued.set()
+            self._not_copied(error)
         self._verify_beside(stream)
 
     def _run_staged(self) -> None:
@@ -329,21 +336,32 @@ class LayerwiseLoad:
         ctx = self._ctx
         stream = ctx.layer_load_stream
         try:
+            stream.wait_event(self._mark)
+            self._reads = _read_all(ctx, self._groups, lambda read: self._enqueue_piece(read))
             with self._lock:
                 if self._abandoned:
                     raise _GivenUp
-            stream.wait_event(self._mark)
-            self._reads = _read_all(ctx, self._groups, lambda read: self._enqueue_piece(read))
-            for key in ((g, layer) for g, count in self._layers.items() for layer in range(count)):
-                self._events[key] = self._last = ctx.record(stream)
-            self._copied = True
+                last = self._last = ctx.record(stream)
+                self._events = {(g, layer): last for g, count in self._layers.items()
+                                for layer in range(count)}
+                self._copied = True
+                self._enqueued.set()
         except Exception as error:  # noqa: BLE001 - every block then fails
-            if not isinstance(error, _GivenUp):
-                logger.warning("umbp: the step's synchronous loads were not copied: %s", error)
-            self._events.clear()
-        finally:
-            self._enqueued.set()
+            self._not_copied(error)
         self._verify_beside(stream)
+
+    def _not_copied(self, error: Exception) -> None:
+        """Every block fails; a layer's attention still waits for whatever was enqueued
+        (so no copy can land after the recompute that follows)."""
+        if not isinstance(error, _GivenUp):
+            logger.warning("umbp: the step's synchronous loads were not copied: %s", error)
+        with self._lock:
+            self._copied = False
+            if not self._abandoned:
+                last = self._last = self._ctx.record(self._ctx.layer_load_stream)
+                self._events = {(g, layer): last for g, count in self._layers.items()
+                                for layer in range(count)}
+            self._enqueued.set()
 
     def _enqueue_piece(self, read: _Read) -> Event:
         ctx = self._ctx
@@ -372,11 +390,15 @@ class LayerwiseLoad:
             self._verified.set()
 
     def _wait_enqueued(self) -> bool:
-        """Until a staged read is enqueued (a host wait); False when it was given up."""
+        """Until a read on the I/O lane is enqueued (a host wait); False when it was given
+        up: then nothing more is enqueued, and the forward stream waits for what was."""
         if self._enqueued.wait(LAYER_ENQUEUE_WAIT_S):
             return not self._abandoned
         with self._lock:
-            self._abandoned = not self._enqueued.is_set()
+            if not self._enqueued.is_set():
+                self._abandoned = True
+                self._ctx.device.current_stream().wait_event(
+                    self._ctx.record(self._ctx.layer_load_stream))
         if self._abandoned:
             logger.error("umbp: the step's synchronous loads were not read within %.0f s; "
                          "their blocks are recomputed", LAYER_ENQUEUE_WAIT_S)

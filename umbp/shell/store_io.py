@@ -1,16 +1,16 @@
 """A cache group's objects on the store's side of a copy: where a load's copy reads them
 and where a store's copy writes them.
 
-Where the store lends and reserves rows of its own memory (the embedded pool's slab,
-`LendsObjects` / `ReservesObjects`; :func:`umbp.core.config.copies_in_place` decides
-for which objects), the copy runs straight between the KV blocks and those rows: one
-copy per byte. Every other store is read into staging rows (`get_batch_into`) before
-the copy, and written from them (`put_batch`) after it.
+Where the store lends and reserves pages of its own memory (the embedded pool's slab,
+the node-local server's shared memory: `LendsObjects` / `ReservesObjects`;
+:func:`umbp.core.config.copies_in_place` decides), the copy runs straight between the
+KV blocks and those pages: one copy per byte. Every other store is read into staging
+rows (`get_batch_into`) before the copy, and written from them (`put_batch`) after it.
 
-Either way a load gets a :class:`GroupSource` (rows to copy from; ``verify`` after or
-beside the copy gives the final statuses, ``release`` after it lets the rows go) and a
-store a :class:`GroupTarget` (rows to copy into; ``finish`` after the copy says what
-is stored). A store answers failures as values; one that raises breaks the contract (a
+Either way a load gets a :class:`GroupSource` (pages to copy from, one per object for
+staging rows; ``verify`` after or beside the copy gives the final statuses,
+``release`` after it lets them go) and a store a :class:`GroupTarget` (pages to copy
+into; ``finish`` after the copy says what is stored). A store answers failures as values; one that raises breaks the contract (a
 binding's own error, unknown here), and umbp must never be the reason a request fails:
 the group counts as unread (recomputed) or unwritten.
 """
@@ -42,13 +42,13 @@ def _nothing() -> None:
 class GroupSource:
     """One group's objects as a load copies them. ``statuses``: per key, what is known
     before the copy (a lent object counts as HIT until verified; None: the group could
-    not be read). Key ``i`` is row ``rows[i]`` of ``memory`` (None: nothing to copy).
-    ``verify`` gives the final statuses (once); ``release`` lets the rows go (once,
-    after the copy finished reading them)."""
+    not be read). Key ``i`` is in pages ``pages[i]`` of ``memory`` (None: nothing to
+    copy). ``verify`` gives the final statuses (once); ``release`` lets the pages go
+    (once, after the copy finished reading them)."""
 
     statuses: tuple[LoadStatus, ...] | None
     memory: npt.NDArray[np.uint8] | None
-    rows: tuple[int | None, ...]
+    pages: tuple[tuple[int, ...] | None, ...]
     verify: Callable[[], tuple[LoadStatus, ...] | None]
     release: Callable[[], None] = _nothing
 
@@ -60,13 +60,13 @@ def unread(keys: int) -> GroupSource:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GroupTarget:
-    """Where one group's objects go: key ``i`` into row ``rows[i]`` of ``memory`` (None:
-    nothing to copy). ``finish(copied)`` after the copy (once; ``copied`` False when it
-    failed) says per key whether the object is stored (None: the group was not
+    """Where one group's objects go: key ``i`` into pages ``pages[i]`` of ``memory``
+    (None: nothing to copy). ``finish(copied)`` after the copy (once; ``copied`` False
+    when it failed) says per key whether the object is stored (None: the group was not
     written at all)."""
 
     memory: npt.NDArray[np.uint8]
-    rows: tuple[int | None, ...]
+    pages: tuple[tuple[int, ...] | None, ...]
     finish: Callable[[bool], tuple[bool, ...] | None]
 
 
@@ -96,14 +96,10 @@ class StoreAccess:
         except Exception as error:  # noqa: BLE001 (see the module docstring)
             logger.warning("umbp load failed: %s", error)
             return unread(len(group))
-        if loan is None:  # the rule in core said these fit a row: a store breaking it
-            logger.error("umbp load: the store did not lend objects of %d bytes",
-                         object_bytes)
-            return unread(len(group))
         statuses = tuple(
-            LoadStatus.HIT if row is not None else LoadStatus.MISSING for row in loan.rows
+            LoadStatus.HIT if pages is not None else LoadStatus.MISSING for pages in loan.pages
         )
-        return GroupSource(statuses, loan.memory, loan.rows, loan.verify, loan.release)
+        return GroupSource(statuses, loan.memory, loan.pages, loan.verify, loan.release)
 
     def read_into(
         self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]
@@ -120,12 +116,12 @@ class StoreAccess:
             logger.warning("umbp load failed: %s", error)
             return unread(len(group))
         read = tuple(statuses)
-        return GroupSource(read, memory, tuple(rows), lambda: read)
+        return GroupSource(read, memory, tuple((row,) for row in rows), lambda: read)
 
     # -- stores -------------------------------------------------------------------------
 
     def reserve(self, group: GroupBlocks, object_bytes: int) -> GroupTarget | None:
-        """Rows the store reserves for the group's objects; None: not written at all."""
+        """Pages the store reserves for the group's objects; None: not written at all."""
         store = self._store()
         if not isinstance(store, ReservesObjects):
             return None
@@ -134,20 +130,16 @@ class StoreAccess:
         except Exception as error:  # noqa: BLE001 (see the module docstring)
             logger.warning("umbp store failed: %s", error)
             return None
-        if reserved is None:
-            logger.error("umbp store: the store reserved no rows for objects of %d bytes",
-                         object_bytes)
-            return None
-        rows, commit = reserved.rows, reserved.commit
+        pages, commit = reserved.pages, reserved.commit
 
         def finish(copied: bool) -> tuple[bool, ...] | None:
             try:
-                return commit([copied and row is not None for row in rows])
+                return commit([copied and owned is not None for owned in pages])
             except Exception as error:  # noqa: BLE001 (see the module docstring)
                 logger.warning("umbp store failed: %s", error)
                 return None
 
-        return GroupTarget(reserved.memory, rows, finish)
+        return GroupTarget(reserved.memory, pages, finish)
 
     def write_from(
         self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]

@@ -35,7 +35,7 @@ from umbp.gpu.device import Event
 from umbp.gpu.lanes import Lane
 from umbp.gpu.staging import StagingSlot
 from umbp.shell.store_io import GroupTarget
-from umbp.shell.transfer_context import TransferContext
+from umbp.shell.transfer_context import MAX_PIECE_OBJECTS, TransferContext
 
 logger = logging.getLogger("umbp")
 
@@ -82,6 +82,7 @@ class _Piece:
     group: GroupBlocks
     nbytes: int
     submitted: float
+    in_place: bool = False
     target: GroupTarget | None = None
     slot: StagingSlot | None = None
     identities: tuple[ObjectId, ...] = field(default_factory=tuple)
@@ -178,9 +179,10 @@ class StoreQueue:
             in_flight = self.tally.in_flight_bytes
         if in_flight and in_flight + nbytes > self._budget:
             return None
-        if ctx.in_place.get(group.group_id, False):
-            piece = _Piece(work, rest, nbytes, time.perf_counter(),
-                           target=ctx.access.reserve(rest, copier.object_bytes))
+        if ctx.in_place:  # pages reserved when submitted (on the store lane for a server)
+            rest = _blocks_from(group, work.start, work.start + MAX_PIECE_OBJECTS)
+            piece = _Piece(work, rest, len(rest) * copier.object_bytes, time.perf_counter(),
+                           in_place=True)
         else:
             assert ctx.ring is not None, "a staged group needs the staging area"
             slot = ctx.ring.take(copier.object_bytes, len(rest))
@@ -200,16 +202,26 @@ class StoreQueue:
         return piece
 
     def _submit(self, piece: _Piece, mark: Event) -> None:
+        if piece.in_place and self._ctx.borrow_on_lane:
+            self._store_lane.submit(lambda: self._reserve_and_copy(piece, mark))
+        else:
+            self._reserve_and_copy(piece, mark)
+
+    def _reserve_and_copy(self, piece: _Piece, mark: Event) -> None:
         ctx = self._ctx
         stream = ctx.store_stream
-        copier = ctx.copiers[piece.group.group_id]
+        copier = ctx.copiers.get(piece.group.group_id)
         try:
+            if copier is None:  # asleep since it was queued
+                raise RuntimeError("no KV memory to store from")
+            if piece.in_place:
+                piece.target = ctx.access.reserve(piece.group, copier.object_bytes)
             if piece.target is not None:
-                written = [(block, row) for block, row in zip(piece.group.block_ids,
-                                                              piece.target.rows)
-                           if row is not None]
-                copy = copier.copy([b for b, _ in written], piece.target.memory,
-                                   [r for _, r in written], to_kv=False)
+                written = [(block, owned) for block, owned in zip(piece.group.block_ids,
+                                                                  piece.target.pages)
+                           if owned is not None]
+                copy = copier.copy([b for b, _ in written], piece.target.memory, to_kv=False,
+                                   pages=[p for _, p in written])
             elif piece.slot is not None:
                 copy = copier.copy(piece.group.block_ids, piece.slot.memory, to_kv=False)
             else:  # the store reserved nothing: not written

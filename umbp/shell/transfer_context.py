@@ -23,6 +23,10 @@ from umbp.shell.store_io import StoreAccess
 
 __all__ = ["TransferContext"]
 
+MAX_PIECE_OBJECTS = 4096
+"""Most objects one borrow or reservation asks for (a server's request carries at most
+65,536 keys): larger loads and stores go in pieces."""
+
 STAGING_WAIT_S = 60.0
 """How long a lane waits for room in the staging area before giving up a load."""
 
@@ -38,13 +42,20 @@ class TransferContext:
     async_load_stream: Stream
     store_stream: Stream
     io_lane: Lane
-    """Reads into and writes from staging, on a host thread (never the model's)."""
+    """Loads' store I/O (reads into staging, borrowing from a server), on a host thread
+    (never the model's)."""
+    store_lane: Lane
+    """Stores' store I/O (puts from staging, reserving on a server, commits)."""
     on_done: Callable[[], None]
     """Called when any transfer finished (idle steps wait for it)."""
+    in_place: bool
+    """Objects copy straight from and to the store's memory
+    (:func:`umbp.core.config.copies_in_place`); else through ``ring``."""
+    borrow_on_lane: bool
+    """Borrowing the store's pages asks it over I/O (the server): on ``io_lane``, never
+    the model thread (:func:`umbp.core.config.borrows_on_model_thread`)."""
     copiers: Mapping[int, BlockCopier] = field(default_factory=dict)
     """Per cache group; empty while asleep (no KV memory to copy to or from)."""
-    in_place: Mapping[int, bool] = field(default_factory=dict)
-    """Per cache group: its objects copy straight from and to the store's memory."""
 
     def forward_mark(self) -> Event:
         """An event at the end of what the calling thread's stream (vLLM's, on the

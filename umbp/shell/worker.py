@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 
-from umbp.core.config import ConnectorConfig, copies_in_place, restores_layer_by_layer
+from umbp.core.config import (
+    ConnectorConfig,
+    borrows_on_model_thread,
+    copies_in_place,
+    restores_layer_by_layer,
+)
 from umbp.core.identity import KeySpace, RankCoord
 from umbp.core.loads.failures import computed_over_failed_loads, still_computing_over_failures
 from umbp.core.loads.outcomes import (
@@ -59,6 +64,7 @@ from umbp.runtime.contract import (
     LabelsNamespaces,
     LendsObjects,
     RegistersHostMemory,
+    StoreUnavailable,
     WorkerStore,
 )
 from umbp.runtime.pool import SlabPool
@@ -176,12 +182,9 @@ class UMBPWorker:
         )
         if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
             self._backend.store.register_namespace(self.namespace, self._label)
-        in_place = {
-            g: copies_in_place(self._config.mode, page_bytes, size)
-            for g, size in self._object_bytes.items()
-        }
-        ring = self._staging_for(device, in_place)
-        self._register_lent_memory(device, in_place)
+        in_place = copies_in_place(self._config.mode)
+        ring = None if in_place else self._staging_for(device)
+        self._register_lent_memory(device)
         load_io = Lane("umbp-load-io", on_start=device.bind_thread)
         self._store_io = store_io = Lane("umbp-store-io", on_start=device.bind_thread)
         self._lanes = (load_io, store_io)
@@ -193,9 +196,11 @@ class UMBPWorker:
             async_load_stream=device.new_stream("umbp-async-load"),
             store_stream=device.new_stream("umbp-store"),
             io_lane=load_io,
+            store_lane=store_io,
             on_done=self._count_done,
-            copiers=copiers,
             in_place=in_place,
+            borrow_on_lane=not borrows_on_model_thread(self._config.mode),
+            copiers=copiers,
         )
         self._stores = StoreQueue(self._ctx, self._config.store_inflight_bytes, store_io,
                                   self._store_finished)
@@ -210,8 +215,8 @@ class UMBPWorker:
             "mode %s, %s, KV on %s, %s",
             self._rank, self.namespace, len(copiers), object_sizes, self._config.mode,
             capacity, device.name,
-            "copies straight between the KV cache and the pool's pages"
-            if all(in_place.values()) else
+            "copies straight between the KV cache and the store's pages"
+            if in_place else
             f"staging {self._config.staging_bytes >> 20} MiB",
         )
 
@@ -235,11 +240,9 @@ class UMBPWorker:
                 positions[name] = (group_id, index)
         return positions
 
-    def _staging_for(self, device: Device, in_place: dict[int, bool]) -> StagingRing | None:
-        """The staging area, where some group does not copy in place: registered with
-        the device and with a transport that moves only registered memory."""
-        if all(in_place.values()):
-            return None
+    def _staging_for(self, device: Device) -> StagingRing:
+        """The staging area, for a store whose objects do not copy in place: registered
+        with the device and with a transport that moves only registered memory."""
         largest = max(self._object_bytes.values())
         if self._config.staging_bytes < largest:
             raise ValueError(
@@ -257,12 +260,17 @@ class UMBPWorker:
                                error)
         return ring
 
-    def _register_lent_memory(self, device: Device, in_place: dict[int, bool]) -> None:
-        """The pool's memory, which copies read and write in place, registered with the
-        device once: its copy engines then move those bytes directly."""
+    def _register_lent_memory(self, device: Device) -> None:
+        """The store's memory, which copies read and write in place, registered with the
+        device once: its copy engines then move those bytes directly (a server that
+        restarts maps a new pool, copied from pageable memory until the engine restarts)."""
         store = self._store
-        if any(in_place.values()) and isinstance(store, LendsObjects):
-            memory = store.lent_memory()
+        if isinstance(store, LendsObjects):
+            try:
+                memory = store.lent_memory()
+            except StoreUnavailable as error:
+                logger.warning("umbp: the store's memory could not be registered: %s", error)
+                return
             self._register_with_device(device, int(memory.ctypes.data), int(memory.nbytes))
 
     def _register_with_device(self, device: Device, address: int, nbytes: int) -> None:
@@ -279,9 +287,7 @@ class UMBPWorker:
         return UMBPHandshake(
             self.namespace, self._rank, None if embedded is None else embedded.address,
             self._keyspace.replicated,
-            restores_layer_by_layer(
-                all(self._ctx.in_place.values()), isinstance(self._ctx.device, HostDevice)
-            ),
+            restores_layer_by_layer(self._ctx.in_place, isinstance(self._ctx.device, HostDevice)),
         )
 
     # -- sleep mode (vLLM 0.33) ---------------------------------------------------------

@@ -26,16 +26,23 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from umbp.runtime.batches import Span, json_key_spans
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
     LabelsNamespaces,
+    LendsObjects,
+    LentObjects,
     LoadStatus,
     Medium,
     PoolStats,
     PrefetchesOnLookup,
     ReportsTiers,
     Retains,
+    ReservedObjects,
+    ReservesObjects,
     Retention,
     SchedulerStore,
     StoreRefused,
@@ -44,9 +51,9 @@ from umbp.runtime.contract import (
     WorkerStore,
 )
 from umbp.runtime.host_memory import byte_views
-from umbp.runtime.paged_copy import read_regions, write_regions
+from umbp.runtime.paged_copy import pages_checksum, read_regions, write_regions
 from umbp.runtime.server import protocol
-from umbp.runtime.server.link import ServerLink, ServerRefused, Stale
+from umbp.runtime.server.link import Connection, ServerLink, ServerRefused, Stale
 from umbp.runtime.server.schema import MAX_BATCH, body_limit
 
 if TYPE_CHECKING:
@@ -284,6 +291,48 @@ class ServerStore(ClosesOnExit):
             for start, end in spans
         ])
 
+    # --------------------------------------------------------- copies in place
+
+    def lent_memory(self) -> npt.NDArray[np.uint8]:
+        """The server's shared pool, as this client maps it, in pages: loans and
+        reservations lie in it (connects first if needed; raises `StoreUnavailable`)."""
+        connection = self._link.current()
+        return _page_rows(connection)
+
+    def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects:
+        """Pin the objects under `keys` in the server's DRAM (one BEGIN_GET, as a get
+        does: objects only on SSD are promoted first) and lend their pages where they
+        lie in the shared pool (`LendsObjects`): nothing is copied until the caller
+        copies out of them. `verify` checks their checksums over those pages; `release`
+        unpins them (END_GET, dropping the corrupt ones). Raises `StoreUnavailable`."""
+        if len(request_spans(keys, with_sizes=True)) > 1:
+            raise StoreUnavailable(f"umbp server: a loan of {len(keys)} keys is larger than "
+                                   "one request; read them with get_batch_into")
+        try:
+            connection, answer = self._link.begin(
+                protocol.BEGIN_GET, {"keys": list(keys), "sizes": [nbytes] * len(keys)}
+            )
+            connection.hold()
+        except Stale as error:
+            raise StoreUnavailable("umbp server: the connection went away") from error
+        return _ServerLoan(self._link, connection, answer, nbytes).lent()
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects:
+        """Reserve pages of the server's shared pool for the objects under `keys` (one
+        BEGIN_PUT, as a put does) for the caller to copy into (`ReservesObjects`);
+        `commit` sends their checksums (COMMIT_PUT). Raises `StoreUnavailable`."""
+        if len(request_spans(keys, with_sizes=True)) > 1:
+            raise StoreUnavailable(f"umbp server: a reservation of {len(keys)} keys is "
+                                   "larger than one request; write them with put_batch")
+        try:
+            connection, answer = self._link.begin(
+                protocol.BEGIN_PUT, {"keys": list(keys), "sizes": [nbytes] * len(keys)}
+            )
+            connection.hold()
+        except Stale as error:
+            raise StoreUnavailable("umbp server: the connection went away") from error
+        return _ServerReservation(self._link, connection, answer, nbytes).reserved()
+
     # --------------------------------------------------------------------- puts
 
     def _put(self, keys: Sequence[str], sources: list[memoryview]) -> tuple[bool, ...]:
@@ -345,6 +394,131 @@ class ServerStore(ClosesOnExit):
         return tuple(statuses)
 
 
+def _page_rows(connection: Connection) -> npt.NDArray[np.uint8]:
+    page_bytes = connection.page_bytes
+    pool = np.frombuffer(connection.pool.view, np.uint8)
+    pages = pool.shape[0] // page_bytes
+    return pool[: pages * page_bytes].reshape(pages, page_bytes)
+
+
+def _pages_of(regions: Sequence[Sequence[int]], page_bytes: int) -> tuple[int, ...]:
+    """The pool pages under an object's regions, in order."""
+    pages: list[int] = []
+    for offset, length in regions:
+        first = int(offset) // page_bytes
+        pages.extend(range(first, first + max(1, -(-int(length) // page_bytes))))
+    return tuple(pages)
+
+
+class _ServerLoan:
+    """A BEGIN_GET's pinned objects, lent: verified at most once, released exactly once
+    (END_GET on the connection that pinned them; if it is gone, so are the pins)."""
+
+    def __init__(self, link: ServerLink, connection: Connection, answer: Any, nbytes: int) -> None:
+        self._link, self._connection, self._nbytes = link, connection, nbytes
+        self._token = answer["token"]
+        self._memory = _page_rows(connection)
+        self._found: list[tuple[int, tuple[int, ...]] | None] = []
+        self._refusals: list[LoadStatus] = []
+        for found in answer["answers"]:
+            if isinstance(found, str):
+                self._found.append(None)
+                self._refusals.append(_GET_STATUS.get(found, LoadStatus.UNAVAILABLE))
+            else:
+                size, checksum, regions = found
+                self._found.append((int(checksum), _pages_of(regions, connection.page_bytes))
+                                   if size == nbytes else None)
+                self._refusals.append(LoadStatus.HIT if size == nbytes
+                                      else LoadStatus.SIZE_MISMATCH)
+        self._corrupt: list[int] = []
+        self._verified = self._released = False
+
+    def lent(self) -> LentObjects:
+        pages = tuple(None if found is None else found[1] for found in self._found)
+        return LentObjects(self._memory, pages, self.verify, self.release)
+
+    def verify(self) -> tuple[LoadStatus, ...]:
+        if self._verified or self._released:
+            raise RuntimeError("a loan is verified at most once, before its release")
+        self._verified = True
+        statuses: list[LoadStatus] = []
+        for position, (found, refusal) in enumerate(zip(self._found, self._refusals)):
+            if found is None:
+                statuses.append(refusal)
+            elif pages_checksum(self._memory, found[1], self._nbytes) == found[0]:
+                statuses.append(LoadStatus.HIT)
+            else:
+                statuses.append(LoadStatus.CORRUPT)
+                self._corrupt.append(position)
+        return tuple(statuses)
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("a loan is released exactly once")
+        self._released = True
+        try:  # one-way: the server unpins when it reads this
+            self._link.notify(self._connection, protocol.END_GET,
+                              {"token": self._token, "corrupt": self._corrupt})
+        except (StoreUnavailable, Stale):
+            pass  # the connection is gone, and its pins with it
+        finally:
+            self._connection.let_go()
+
+
+class _ServerReservation:
+    """A BEGIN_PUT's reserved pages: committed exactly once (COMMIT_PUT on the
+    connection that reserved them; if it is gone, so is the reservation)."""
+
+    def __init__(self, link: ServerLink, connection: Connection, answer: Any, nbytes: int) -> None:
+        self._link, self._connection, self._nbytes = link, connection, nbytes
+        self._token = answer["token"]
+        self._memory = _page_rows(connection)
+        self._answers: list[bool | tuple[int, ...]] = [
+            _pages_of(placed, connection.page_bytes) if isinstance(placed, list)
+            else placed is True
+            for placed in answer["answers"]
+        ]
+        self._committed = False
+
+    def reserved(self) -> ReservedObjects:
+        pages = tuple(placed if isinstance(placed, tuple) else None for placed in self._answers)
+        return ReservedObjects(self._memory, pages, self.commit)
+
+    def commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+        if self._committed:
+            raise RuntimeError("a reservation is committed exactly once")
+        if len(written) != len(self._answers):
+            raise ValueError(f"commit needs one answer per key: {len(self._answers)}, got "
+                             f"{len(written)}")
+        self._committed = True
+        try:
+            return self._commit(written)
+        finally:
+            self._connection.let_go()
+
+    def _commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+        reserved = [position for position, placed in enumerate(self._answers)
+                    if isinstance(placed, tuple)]
+        results = [placed is True for placed in self._answers]
+        if not reserved:
+            return tuple(results)
+        checksums = [
+            pages_checksum(self._memory, placed, self._nbytes) if written[position] else None
+            for position in reserved
+            if isinstance(placed := self._answers[position], tuple)
+        ]
+        try:
+            committed = self._link.follow_up(self._connection, protocol.COMMIT_PUT,
+                                             {"token": self._token, "checksums": checksums})
+        except (StoreUnavailable, Stale):
+            return tuple(results)
+        if not isinstance(committed, list) or len(committed) != len(reserved):
+            return tuple(results)
+        for position, stored in zip(reserved, committed):
+            results[position] = bool(stored)
+        return tuple(results)
+
+
 def request_spans(
     keys: Sequence[str],
     *,
@@ -364,6 +538,6 @@ if TYPE_CHECKING:
     def _server_store_honours_the_contract(
         store: ServerStore,
     ) -> tuple[SchedulerStore, WorkerStore, TierAware, ReportsTiers, Retains, LabelsNamespaces,
-               PrefetchesOnLookup]:
+               PrefetchesOnLookup, LendsObjects, ReservesObjects]:
         """Never called: makes mypy prove that ServerStore satisfies the protocols."""
-        return store, store, store, store, store, store, store
+        return store, store, store, store, store, store, store, store, store

@@ -50,9 +50,13 @@ class Connection:
     be handed to someone else while this client may still touch it.
     """
 
-    def __init__(self, sock: socket.socket, pool: SharedPool, server_id: str, pid: int) -> None:
+    def __init__(
+        self, sock: socket.socket, pool: SharedPool, server_id: str, pid: int, page_bytes: int
+    ) -> None:
         self.sock = sock
         self.pool = pool
+        self.page_bytes = page_bytes
+        """The server's page: regions start on one, an object's pages are its regions'."""
         self.server_id = server_id
         self.server_pid = pid
         self._guard = threading.Lock()
@@ -62,18 +66,26 @@ class Connection:
     @contextlib.contextmanager
     def copying(self) -> Iterator[memoryview]:
         """The pool's view for one batch of copies; `Stale` once the connection is gone."""
+        self.hold()
+        try:
+            yield self.pool.view
+        finally:
+            self.let_go()
+
+    def hold(self) -> None:
+        """A copy (or a loan, or a reservation, until :meth:`let_go`) starts: the socket
+        stays open, so the server keeps its pins; `Stale` once the connection is gone."""
         with self._guard:
             if self._dropped:
                 raise Stale()
             self._copies += 1
-        try:
-            yield self.pool.view
-        finally:
-            with self._guard:
-                self._copies -= 1
-                close_now = self._dropped and self._copies == 0
-            if close_now:
-                self.sock.close()
+
+    def let_go(self) -> None:
+        with self._guard:
+            self._copies -= 1
+            close_now = self._dropped and self._copies == 0
+        if close_now:
+            self.sock.close()
 
     def drop(self) -> None:
         """Close now, or when the last copy in flight ends. The mapping is never closed
@@ -219,6 +231,12 @@ class ServerLink:
                 self._fail_locked(error)
                 raise StoreUnavailable(self.describe(error)) from error
 
+    def current(self) -> Connection:
+        """The live connection, made now if a reconnect is due (raises
+        `StoreUnavailable`)."""
+        with self._lock:
+            return self._connection_locked(protocol.Deadline(self._io_timeout_s))[0]
+
     def notify_current(self, op: int, request: Any) -> None:
         """A one-way request on the connection open now; nothing when none is (what it
         says concerns that connection only: the server forgot the rest with it)."""
@@ -268,7 +286,8 @@ class ServerLink:
             sock.close()
             raise
         logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
-        connection = Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]))
+        connection = Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]),
+                                int(hello["page_bytes"]))
         try:
             for op, request in self._greetings.values():
                 try:

@@ -1,0 +1,124 @@
+"""A real ``umbp serve`` lends objects where they lie in its shared memory and reserves
+pages there for objects a client writes in place (`LendsObjects`, `ReservesObjects`):
+what a worker copies to and from its KV cache, with no staging copy between."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from umbp.runtime.contract import LoadStatus, StoreUnavailable
+from umbp.runtime.server.client import ServerStore
+
+PAGE = 4096  # the `server` fixture's page
+
+
+def content(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def object_bytes(memory: np.ndarray, pages: tuple[int, ...], nbytes: int) -> bytes:
+    return bytes(np.concatenate([memory[page] for page in pages])[:nbytes])
+
+
+@pytest.fixture
+def store(server: Any) -> Iterator[ServerStore]:
+    with ServerStore(server.socket_path, io_timeout_s=5.0) as client:
+        yield client
+
+
+def test_a_loan_lends_each_object_across_its_pages_and_verifies_like_a_get(
+    store: ServerStore,
+) -> None:
+    size = 2 * PAGE + 100  # three pages of the server's
+    assert store.put_batch(["a", "b"], [content(1, size), content(2, size)]) == (True, True)
+    loan = store.lend(["b", "gone", "a"], size)
+    pages_b, missing, pages_a = loan.pages
+    assert missing is None and pages_a is not None and pages_b is not None
+    assert len(pages_a) == 3
+    assert object_bytes(loan.memory, pages_a, size) == content(1, size)
+    assert object_bytes(loan.memory, pages_b, size) == content(2, size)
+    assert loan.memory.shape[1] == PAGE
+    assert loan.verify() == (LoadStatus.HIT, LoadStatus.MISSING, LoadStatus.HIT)
+    loan.release()
+    other_size = store.lend(["a"], size - 1)
+    assert other_size.verify() == (LoadStatus.SIZE_MISMATCH,)
+    other_size.release()
+    outs = [bytearray(size)]
+    assert store.get_batch_into(["a"], outs) == (LoadStatus.HIT,)  # the loan changed nothing
+    assert bytes(outs[0]) == content(1, size)
+
+
+def test_a_corrupt_lent_object_fails_and_the_server_drops_it_on_release(
+    store: ServerStore,
+) -> None:
+    assert store.put_batch(["a"], [content(3, 100)]) == (True,)
+    loan = store.lend(["a"], 100)
+    (pages,) = loan.pages
+    assert pages is not None
+    loan.memory[pages[0], 7] ^= 0x10  # damage where the server keeps it
+    assert loan.verify() == (LoadStatus.CORRUPT,)
+    loan.release()
+    assert store.lookup(["a"]) == (False,)
+
+
+def test_lent_objects_stay_pinned_until_released(store: ServerStore, server: Any) -> None:
+    """The server's pool is 16 MiB: fill it twice over while one object is lent; the
+    lent object is neither evicted nor overwritten."""
+    assert store.put_batch(["kept"], [content(4, PAGE)]) == (True,)
+    loan = store.lend(["kept"], PAGE)
+    (pages,) = loan.pages
+    assert pages is not None
+    filler = content(10, 16 * PAGE)
+    stored = 0
+    for batch in range(2):
+        keys = [f"fill-{batch}-{i}" for i in range(256)]  # 16 MiB a batch
+        stored += sum(store.put_batch(keys, [filler] * len(keys)))
+    assert stored > 256  # the pool turned over: others were evicted
+    assert object_bytes(loan.memory, pages, PAGE) == content(4, PAGE)
+    assert loan.verify() == (LoadStatus.HIT,)
+    loan.release()
+
+
+def test_a_reservation_written_in_place_is_stored_like_a_put(store: ServerStore) -> None:
+    size = PAGE + 10
+    assert store.put_batch(["old"], [content(5, size)]) == (True,)
+    reservation = store.reserve(["new", "old", "unwritten"], size)
+    new_pages, old_pages, unwritten_pages = reservation.pages
+    assert old_pages is None  # resident: nothing to write
+    assert new_pages is not None and unwritten_pages is not None and len(new_pages) == 2
+    assert store.lookup(["new"]) == (False,)  # invisible until committed
+    data = content(6, size)
+    reservation.memory[new_pages[0]] = np.frombuffer(data[:PAGE], np.uint8)
+    reservation.memory[new_pages[1], : size - PAGE] = np.frombuffer(data[PAGE:], np.uint8)
+    assert reservation.commit([True, False, False]) == (True, True, False)
+    outs = [bytearray(size)]
+    assert store.get_batch_into(["new"], outs) == (LoadStatus.HIT,)
+    assert bytes(outs[0]) == data
+    assert store.lookup(["unwritten"]) == (False,)
+    with pytest.raises(RuntimeError, match="exactly once"):
+        reservation.commit([True, False, False])
+
+
+def test_a_server_killed_under_a_loan_loses_nothing_of_the_client(
+    store: ServerStore, server: Any,
+) -> None:
+    """kill -9 with a loan and a reservation out: verify still answers from the mapping
+    the client holds, release and commit do not raise (the pins went with the server),
+    and the next borrow says the server is unreachable."""
+    import signal
+
+    assert store.put_batch(["a"], [content(7, 100)]) == (True,)
+    loan = store.lend(["a"], 100)
+    reservation = store.reserve(["b"], 100)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    assert loan.verify() == (LoadStatus.HIT,)
+    loan.release()
+    assert reservation.commit([True]) == (False,)
+    with pytest.raises(StoreUnavailable):
+        store.lend(["a"], 100)
