@@ -99,7 +99,7 @@ def filled_core(objects: int, namespaces: int) -> tuple[StoreCore, TimedLock]:
     index = PoolIndex(pages, PAGE, high_pages=pages - 1, low_pages=pages - 2)
     core = StoreCore(memoryview(bytearray(pages * PAGE)), index, None)
     lock = TimedLock()
-    core._lock = core._tiers._lock = lock  # type: ignore[assignment]  # noqa: SLF001
+    core._lock = core._tiers._lock = lock  # type: ignore[assignment]
     core.configure_retention(3600.0, RETAINED_PER_NAMESPACE * PAGE, capped=True)
     session = core.open_session()
     for start in range(0, objects, PUT_BATCH):
@@ -137,11 +137,11 @@ def recount(core: StoreCore) -> Callable[[], None]:
     """The figures the listing and stats now keep, counted the way they were before."""
 
     def run() -> None:
-        with core._lock:  # noqa: SLF001
-            index = core._index  # noqa: SLF001
+        with core._lock:
+            index = core._index
             sum(len(entry.pages) for entry in index.entries())
             sum(1 for entry in index.entries() if entry.pins)
-            len(index) + sum(1 for key in core._tiers.cold_keys if key not in index)  # noqa: SLF001
+            len(index) + sum(1 for key in core._tiers.cold_keys if key not in index)
             for name in index.namespaces():
                 usage = index.usage(name)
                 if usage is not None and usage.retained_objects:

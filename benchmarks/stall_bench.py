@@ -3,6 +3,7 @@ latency, and the restored requests' time to first token.
 
     python benchmarks/stall_bench.py [--before REV] [--prefix-tokens 4096] [--events 4]
                                      [--repeats 2] [--quick] [--json FILE]
+                                     [--mode embedded|server]
 
 Each engine runs alone, in a process of its own, one after another (the order
 rotates every repeat): vLLM without a connector, umbp of ``--before`` (default: the
@@ -35,6 +36,10 @@ The scenario, driven step by step on vLLM's ``LLMEngine``:
    prompt prefilled before run beside them), the restored requests' time to first
    token (median), and the tokens each restore reused.
 
+``--mode server``: every umbp engine (this checkout's and ``--before``'s) uses one
+``umbp serve`` of this checkout (4 GiB, started for the run), each engine and repeat in a
+namespace of its own, so each stores its prefixes before restoring them.
+
 Goals (issue 24): decode ITL p99 with umbp within 5% of no connector while restores
 and stores run (judged on the copy steps: a new prompt's prefill stalls the decodes
 alike with or without umbp and would hide the copies); restored TTFT <= 1.1x vLLM's own prefix hit with requests running.
@@ -44,6 +49,7 @@ Figures are compared within one run, never against a constant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -54,7 +60,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -273,6 +279,22 @@ def run_engine(name: str, model_dir: str, connector: dict[str, Any] | None,
     return dict(result)
 
 
+@contextlib.contextmanager
+def _server_for(mode: str, scratch: Path) -> Iterator[str | None]:
+    """A ``umbp serve`` of this checkout for ``--mode server`` (its socket), else None."""
+    if mode != "server":
+        yield None
+        return
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    socket_path = str(scratch / "umbp.sock")
+    process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"))
+    try:
+        yield socket_path
+    finally:
+        stop_server(process, socket_path)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -288,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", default="none,before,default,async",
                         help="which engines to run, comma-separated (none is the reference)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--mode", choices=("embedded", "server"), default="embedded",
+                        help="where umbp's engines keep their objects")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
     args = parser.parse_args(argv)
@@ -305,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenario = {"prefix_tokens": prefix, "events": args.events, "seed": 2026,
                 "decode_tokens": 3 * ARRIVAL_EVERY * args.events + 40,
                 "max_model_len": 8192, "kv_bytes": 2 << 30}
-    umbp = {"mode": "embedded", "capacity_bytes": 2 << 30}
+    umbp: dict[str, Any] = {"mode": "embedded", "capacity_bytes": 2 << 30}
     connectors: dict[str, dict[str, Any] | None] = {
         "none": None, "before": umbp, "default": umbp, "async": {**umbp, "load_async": True},
         "layered": {**umbp, "load_async": False},
@@ -316,7 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--engines takes none (required) and any of {list(connectors)[1:]}, "
                      f"got {args.engines!r}")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
-    with tempfile.TemporaryDirectory(prefix="umbp-stall-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="umbp-stall-", dir="/tmp") as scratch, \
+            _server_for(args.mode, Path(scratch)) as endpoint:
+        if endpoint is not None:
+            for name, connector in connectors.items():
+                if connector is not None:
+                    connectors[name] = {**{k: v for k, v in connector.items()
+                                           if k != "capacity_bytes"},
+                                        "mode": "server", "endpoint": endpoint}
         before_tree = Path(scratch) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before],
                        cwd=ROOT, check=True, capture_output=True)
@@ -327,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 order = names[repeat % len(names):] + names[:repeat % len(names)]
                 for name in order:
                     started = time.perf_counter()
+                    if endpoint is not None and connectors[name] is not None:
+                        connectors[name] = {**connectors[name],  # type: ignore[dict-item]
+                                            "namespace": f"stall-{name}-{repeat}"}
                     results[name].append(run_engine(
                         name, model_dir, connectors[name], scenario, trees[name]))
                     print(f"  repeat {repeat + 1}: {name} in {time.perf_counter() - started:.0f} s",
@@ -349,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model_threads": runs[-1]["model_threads"],
             "thread_cpus": runs[-1]["thread_cpus"],
         }
-    print(f"model: {layers} layers, {kv_per_token} KV bytes/token (float32); {DECODERS} "
+    print(f"umbp mode: {args.mode}; model: {layers} layers, {kv_per_token} KV bytes/token "
+          f"(float32); {DECODERS} "
           f"decoding requests; every {ARRIVAL_EVERY} steps a {prefix}-token document "
           f"restored and a new {prefix}-token prompt stored ({args.events} each); "
           f"{args.repeats} repeats; the model's OpenMP threads: "
@@ -380,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{'met' if itl <= GOAL_ITL_P99 else 'NOT met'}), restored TTFT {ttft:.2f}x "
               f"vLLM's own hit (goal <= {GOAL_TTFT}: {'met' if ttft <= GOAL_TTFT else 'NOT met'})")
     if args.json is not None:
-        args.json.write_text(json.dumps({"benchmark": "stall", "quick": args.quick,
+        args.json.write_text(json.dumps({"benchmark": "stall", "quick": args.quick, "mode": args.mode,
                                          "before": args.before, "figures": figures,
                                          "raw": results}, indent=2))
     return 0

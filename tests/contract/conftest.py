@@ -10,13 +10,13 @@ opens further clients of the same data, and corrupts a stored object in place.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from tests.mooncake_master import running_master
 from umbp.runtime import SlabPool
 from umbp.testing.faults import flip_pool_objects
 
@@ -80,15 +80,7 @@ def _embedded(request: pytest.FixtureRequest) -> Backend:
 @pytest.fixture(scope="session")
 def mooncake_master() -> Iterator[Any]:
     """A real mooncake_master on loopback, shared by the session's Mooncake tests."""
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.skip("mooncake-transfer-engine is not installed")
-    from umbp.testing.mooncake_master import MooncakeMaster, find_master_binary
-
-    try:
-        find_master_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    with MooncakeMaster.start() as master:
+    for master in running_master():
         yield master
         store = _MOONCAKE_STORES.pop(master.address, None)
         if store is not None:

@@ -279,8 +279,8 @@ class ServerFiguresMachine(RuleBasedStateMachine):
     @invariant()
     def listing_and_stats_equal_a_recount(self) -> None:
         core = self.rig.core
-        index: PoolIndex = core._index  # noqa: SLF001 - the recount reads the objects
-        cold_keys = core._tiers.cold_keys  # noqa: SLF001
+        index: PoolIndex = core._index
+        cold_keys = core._tiers.cold_keys
         entries = list(index.entries())
         stats = core.stats()
         assert stats["objects"] == len({entry.key for entry in entries} | set(cold_keys))

@@ -69,34 +69,20 @@ class CudaDriver(Driver):
 
     # -- one engine step, as vLLM's model runner enqueues it --------------------------------
 
-    def execute(self, output: Any) -> tuple[Any, dict[str, list[tuple[int, int]]]]:
-        from vllm.v1.outputs import KVConnectorOutput
-
-        worker, fake = self.worker, self.fake
-        fake.in_step = True
+    def _execute_rank(
+        self, output: Any, track: bool = True
+    ) -> tuple[Any, dict[str, list[tuple[int, int]]]]:
+        self.fake.in_step = True
         try:
-            worker.bind_connector_metadata(output.kv_connector_metadata)
-            self._zero_blocks_loads_fill(output.kv_connector_metadata)
-            if output.has_sync_kv_loads:
-                worker.start_load_kv(None)
-            self._forward(output)
-            if not output.has_sync_kv_loads:
-                worker.start_load_kv(None)
-            worker.wait_for_save()
-            results = worker.get_transfer_results(output.finished_req_ids)
-            kv_output = KVConnectorOutput(
-                finished_sending=results.finished_sending,
-                finished_recving=results.finished_recving,
-                failed_recving=results.failed_recving,
-                invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                kv_connector_stats=worker.get_kv_connector_stats(),
-                kv_connector_worker_meta=worker.build_connector_worker_meta(),
-            )
-            worker.clear_connector_metadata()
-            fake.end_step()
+            return super()._execute_rank(output, track)
         finally:
-            fake.in_step = False
-        return kv_output, {}
+            self.fake.in_step = False
+
+    def before_forward(self, output: Any) -> None:
+        self._zero_blocks_loads_fill(output.kv_connector_metadata)
+
+    def after_step(self) -> None:
+        self.fake.end_step()
 
     def _zero_blocks_loads_fill(self, meta: Any) -> None:
         for plan in getattr(meta, "loads", ()):

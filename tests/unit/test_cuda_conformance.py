@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests.mooncake_master import running_master
 from tests.unit.cuda_harness import CudaDriver
 
 pytestmark = pytest.mark.vllm_versions
@@ -115,19 +116,8 @@ def test_a_layer_by_layer_restore_moves_each_layer_once_from_the_pools_pages(
 
 @pytest.fixture(scope="module")
 def mooncake_master() -> Iterator[Any]:
-    """A real mooncake_master on loopback (a store that cannot lend: staging)."""
-    import importlib.util
-
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.skip("mooncake-transfer-engine is not installed")
-    from umbp.testing.mooncake_master import MooncakeMaster, find_master_binary
-
-    try:
-        find_master_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    with MooncakeMaster.start() as master:
-        yield master
+    """A store that cannot lend (its transport moves bytes itself): staging."""
+    yield from running_master()
 
 
 @pytest.mark.parametrize("load_async", [True, False], ids=["async", "layer-by-layer"])
@@ -248,13 +238,7 @@ def test_preempted_requests_resume_and_every_copy_stays_ordered(
     a, b = prompt(5, tail=0, seed=1), prompt(5, tail=0, seed=2)
     driver.add("a", a, max_tokens=90)
     driver.add("b", b, max_tokens=90)
-    preempted: set[str] = set()
-    for _ in range(400):
-        record = driver.step()
-        preempted |= set(record.output.preempted_req_ids or ())
-        if not {"a", "b"} & set(driver.scheduler.requests):
-            break
-    assert preempted, "the set-up must force a preemption"
+    assert driver.run_collecting_preemptions(["a", "b"]), "the set-up must force a preemption"
     driver.drain()
     assert driver.scheduler.reset_prefix_cache()
     for name, tokens in (("a2", a), ("b2", b)):

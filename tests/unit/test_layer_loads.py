@@ -57,7 +57,7 @@ def context(device: HostDevice, pool: SlabPool, kv: list[torch.Tensor]) -> Trans
         layer_load_stream=device.new_stream("test-layer-load"),
         async_load_stream=device.new_stream("test-async-load"),
         store_stream=device.new_stream("test-store"), io_lane=lane, store_lane=lane,
-        on_done=lambda: None, in_place=True, borrow_on_lane=False,
+        in_place=True, borrow_on_lane=False,
         copiers={0: BlockCopier(kv, NUM_BLOCKS)},
     )
 

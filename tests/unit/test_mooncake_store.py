@@ -134,14 +134,14 @@ def _counted_over_http(listing: str) -> dict[str, int]:
     Mooncake's master does (one key a line), on loopback."""
 
     class Master(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             body = listing.encode() if self.path == "/get_all_keys" else b""
             self.send_response(200 if body or self.path == "/get_all_keys" else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Master) as master:

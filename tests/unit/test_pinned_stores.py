@@ -54,3 +54,17 @@ def test_a_finished_tail_stays_pinned_through_its_event_until_every_worker_repor
 
     assert pinned.open_event(()) == ((), None), "nothing to store: no event"
     assert not pinned.events_in_flight
+
+
+def test_a_request_whose_shared_prefix_another_request_stores_waits_for_that_store() -> None:
+    """Two requests of one batch share prefix blocks; only the first stores them. The
+    second finishing before that store lands must wait for it too (a retention asked
+    then would find the shared objects not stored yet), and not for unrelated stores."""
+    pinned = PinnedStores()
+    plans, event_id = pinned.open_event((_batch("first", [1, 2, 3]),))
+    assert event_id is not None
+    assert pinned.stores_for("first", [bytes([1])])
+    assert pinned.stores_for("second", [bytes([1]), bytes([9])]), "shares block 1"
+    assert not pinned.stores_for("third", [bytes([7]), bytes([9])]), "shares nothing"
+    pinned.acknowledge({event_id: StoreEventResult(1)}, 1)
+    assert not pinned.stores_for("second", [bytes([1]), bytes([9])])

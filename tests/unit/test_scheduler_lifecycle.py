@@ -177,13 +177,7 @@ def test_preempted_request_resumes_and_its_blocks_stay_right(make_driver: Any) -
     a, b = prompt(5, tail=0, seed=1), prompt(5, tail=0, seed=2)
     driver.add("a", a, max_tokens=90)
     driver.add("b", b, max_tokens=90)
-    preempted: set[str] = set()
-    for _ in range(400):
-        record = driver.step()
-        preempted |= set(record.output.preempted_req_ids or ())
-        if not {"a", "b"} & set(driver.scheduler.requests):
-            break
-    assert preempted, "the set-up must force a preemption"
+    assert driver.run_collecting_preemptions(["a", "b"]), "the set-up must force a preemption"
     driver.drain()
     assert driver.connector_stats().get("worker_store_failures", 0) == 0
     # Both prompts are in the pool intact: a fresh engine-side cache restores them.

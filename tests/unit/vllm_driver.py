@@ -348,6 +348,7 @@ class Driver:
 
         worker = self.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
+        self.before_forward(output)
         before = self._kv_seen
         if output.has_sync_kv_loads:
             worker.start_load_kv(None)
@@ -365,10 +366,18 @@ class Driver:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
+        self.after_step()
         if not (self.track_loads and track):
             return kv_output, {}
         self._kv_seen = {name: tensor.clone() for name, tensor in self.kv.items()}
         return kv_output, self._changed_blocks(before, output)
+
+    def before_forward(self, output: Any) -> None:
+        """What the model runner enqueues before the step's forward pass (a subclass
+        adds to it)."""
+
+    def after_step(self) -> None:
+        """What the model runner does once the step's hooks ran (a subclass adds to it)."""
 
     def finish(self, output: Any, kv_output: Any) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -402,6 +411,18 @@ class Driver:
             records.append(self.step())
             if not wanted & set(self.scheduler.requests):
                 return records
+        raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
+
+    def run_collecting_preemptions(self, request_ids: Iterable[str],
+                                   max_steps: int = 400) -> set[str]:
+        """Step until every named request has finished; the requests vLLM preempted on
+        the way."""
+        wanted = set(request_ids)
+        preempted: set[str] = set()
+        for _ in range(max_steps):
+            preempted |= set(self.step().output.preempted_req_ids or ())
+            if not wanted & set(self.scheduler.requests):
+                return preempted
         raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
 
     def until_scheduled(self, request_id: str, max_steps: int = 200) -> list[StepRecord]:

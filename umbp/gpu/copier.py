@@ -33,7 +33,7 @@ import torch
 from umbp.gpu.block_view import WORD_SIZES, BlockView, block_view, widest_word, word_dtype
 from umbp.gpu.layout import LayerLayout, LayerTensors, block_major, describe_layer, layer_parts
 
-__all__ = ["BlockCopier", "BlockCopy", "CopyRanges", "HOST_CHUNK_BYTES"]
+__all__ = ["HOST_CHUNK_BYTES", "BlockCopier", "BlockCopy", "CopyRanges"]
 
 HOST_CHUNK_BYTES = 2 << 20
 """Host scratch for rows that are not contiguous (a pool's pages in any order): blocks

@@ -153,7 +153,7 @@ class _HostStream:
         def job() -> None:
             try:
                 copy.run_on_host()
-            except BaseException as error:  # surfaces at the next event: see the class
+            except Exception as error:  # noqa: BLE001 - surfaces at the next event: see the class
                 self._error = error
         self._lane.submit(job)
 

@@ -78,11 +78,6 @@ class Lane:
             self._pending += 1
         self._jobs.put(job)
 
-    @property
-    def busy(self) -> bool:
-        with self._idle:
-            return self._pending > 0
-
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every job submitted so far has run; False on timeout."""
         with self._idle:

@@ -93,11 +93,6 @@ class StagingRing:
             self._free.insert(index, (start, end - start))
             self._changed.notify_all()
 
-    @property
-    def free_bytes(self) -> int:
-        with self._changed:
-            return sum(length for _, length in self._free)
-
     def _take_locked(self, row_bytes: int, rows_wanted: int) -> StagingSlot | None:
         for index, (offset, length) in enumerate(self._free):
             rows = min(rows_wanted, length // row_bytes)

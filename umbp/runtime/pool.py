@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from umbp.core.rank_keys import HashRuns
 from umbp.runtime.closing import ClosesOnExit

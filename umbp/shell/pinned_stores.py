@@ -10,7 +10,7 @@ until the next step's event takes them over). The events' identities are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 from umbp.core.plans import StorePlan
@@ -51,10 +51,16 @@ class PinnedStores:
     def has_tail(self, request_id: str) -> bool:
         return request_id in self._finished_tails
 
-    def stores_of(self, request_id: str) -> bool:
-        """Whether a store of the request is in flight or waits for its step."""
-        return request_id in self._finished_tails or any(
+    def stores_for(self, request_id: str, block_hashes: Iterable[bytes]) -> bool:
+        """Whether a store in flight (or waiting for its step) writes one of the
+        request's blocks: one of its own, or a prefix block it shares with the request
+        that stores it."""
+        if request_id in self._finished_tails:
+            return True
+        wanted = frozenset(block_hashes)
+        return any(
             plan.request_id == request_id
+            or any(not wanted.isdisjoint(group.block_hashes) for group in plan.groups)
             for event, _ in self._events.values() for plan in event.plans
         )
 

@@ -287,7 +287,7 @@ class UMBPScheduler:
         if not (acknowledged and self._retain_after_stores):
             return  # a request's stores end only when an event is acknowledged
         for request_id, (hashes, seconds) in list(self._retain_after_stores.items()):
-            if not self._pinned.stores_of(request_id):
+            if not self._pinned.stores_for(request_id, hashes):
                 del self._retain_after_stores[request_id]
                 self.retention.ask(request_id, hashes, seconds, self._store, self._keyspace)
 
@@ -350,7 +350,7 @@ class UMBPScheduler:
         seconds = self.retention.wanted(request)
         if seconds is not None:
             hashes = tuple(request.block_hashes)
-            if self._pinned.stores_of(request.request_id):
+            if self._pinned.stores_for(request.request_id, hashes):
                 self._retain_after_stores[request.request_id] = (hashes, seconds)
             else:
                 self.retention.ask(request.request_id, hashes, seconds, self._store,

@@ -104,12 +104,6 @@ class StoreQueue:
         self._lock = threading.Condition()
         self.tally = StoreTally()
 
-    @property
-    def pending(self) -> bool:
-        """Stores queued or running."""
-        with self._lock:
-            return bool(self._queue) or self.tally.in_flight_bytes > 0
-
     def add(self, event: int, stores: Sequence[StorePlan], not_stored: frozenset[ObjectId]) -> None:
         groups = [group for plan in stores for group in plan.groups if len(group)]
         owner = _Event(event, set(not_stored), queued=len(groups))
@@ -153,17 +147,11 @@ class StoreQueue:
                     return True
                 in_flight = self.tally.in_flight_bytes
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._lock.wait_for(
-                    lambda: self.tally.in_flight_bytes < in_flight, left
-                ):
+                if left <= 0 or not self._lock.wait_for(self._fewer_than(in_flight), left):
                     return False
 
-    def fail_queued(self) -> None:
-        """Every queued store stores nothing (no KV memory to read: sleep mode)."""
-        with self._lock:
-            works, self._queue = list(self._queue), deque()
-        for work in works:
-            self._finish_work(work, work.group, None, queued_done=True)
+    def _fewer_than(self, in_flight: int) -> Callable[[], bool]:
+        return lambda: self.tally.in_flight_bytes < in_flight
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -235,7 +223,12 @@ class StoreQueue:
                            error)
             self._after_copy(piece, None)
             return
-        ctx.device.run_beside(stream, lambda: self._after_copy(piece, end))
+        if piece.in_place and ctx.borrow_on_lane:
+            # On the store lane: committed before the next piece reserves, as a put
+            # would, so a server short of DRAM can still demote what the last one wrote.
+            self._after_copy(piece, end)
+        else:
+            ctx.device.run_beside(stream, lambda: self._after_copy(piece, end))
 
     # -- finishing ------------------------------------------------------------------------
 

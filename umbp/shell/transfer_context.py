@@ -12,7 +12,7 @@ the token sampling that followed it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from umbp.gpu.copier import BlockCopier
@@ -46,8 +46,6 @@ class TransferContext:
     (never the model's)."""
     store_lane: Lane
     """Stores' store I/O (puts from staging, reserving on a server, commits)."""
-    on_done: Callable[[], None]
-    """Called when any transfer finished (idle steps wait for it)."""
     in_place: bool
     """Objects copy straight from and to the store's memory
     (:func:`umbp.core.config.copies_in_place`); else through ``ring``."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -197,7 +196,6 @@ class UMBPWorker:
             store_stream=device.new_stream("umbp-store"),
             io_lane=load_io,
             store_lane=store_io,
-            on_done=self._count_done,
             in_place=in_place,
             borrow_on_lane=not borrows_on_model_thread(self._config.mode),
             copiers=copiers,

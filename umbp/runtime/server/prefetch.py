@@ -16,9 +16,9 @@ during a read and never while the server's index lock is waited for.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias

@@ -24,7 +24,6 @@ from umbp.runtime.server.cold import ColdTier, stats_dict
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
 from umbp.runtime.server.labels import LabelFile
 from umbp.runtime.server.namespaces import NamespaceBook, namespace_of, shared_namespace
-from umbp.runtime.server.prefetch import Prefetcher
 from umbp.runtime.server.operations import (
     DEFAULT_MAX_RETAIN_S,
     check_retention,
@@ -32,6 +31,7 @@ from umbp.runtime.server.operations import (
     namespace_listing,
     require_known,
 )
+from umbp.runtime.server.prefetch import Prefetcher
 from umbp.runtime.server.sessions import (
     PinnedGet,
     RequestRefused,
