@@ -673,3 +673,54 @@ def test_cuda_store_copy_waits_for_the_forward_mark() -> None:
     thread.join()
     assert bool((out.view(np.float32) == 3.5).all())
     device.close()
+
+
+def test_copies_of_one_copier_on_several_threads_keep_their_bytes_apart() -> None:
+    """A host device runs a copier's loads and stores on separate lanes at once; rows
+    in any order pass through scratch memory, which each thread has its own of (one
+    shared buffer mixed a store's blocks into a load)."""
+    import threading
+
+    case = cpu_attention_case(torch.float32, num_layers=2)
+    source = random_base(case.base_bytes, seed=13)
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    block_ids = [6, 1, 4, 2]
+    staged = rows_for(copier, len(block_ids))
+    copier.gather(block_ids, staged)
+    pages = np.zeros((9, copier.object_bytes + 64), np.uint8)
+    lent = [7, 0, 5, 3]
+    for row, page in enumerate(lent):
+        pages[page, : copier.object_bytes] = staged[row]
+    failures: list[str] = []
+
+    def loads() -> None:
+        restored = torch.zeros_like(source)
+        restorer = BlockCopier(case.build(restored), case.num_blocks)
+        for _ in range(300):
+            restorer.copy(block_ids, pages, lent, to_kv=True).run_on_host()
+        if not torch.equal(restored, expected_restore(case, source, block_ids)):
+            failures.append("a load got other bytes")
+
+    shared = BlockCopier(case.build(source), case.num_blocks)
+    out = np.zeros_like(pages)
+
+    def stores() -> None:
+        for _ in range(300):
+            shared.copy(block_ids, out, lent, to_kv=False).run_on_host()
+
+    def loads_on_the_shared_copier() -> None:
+        into = np.zeros_like(pages)
+        for _ in range(300):
+            shared.copy(list(reversed(block_ids)), into, list(reversed(lent)),
+                        to_kv=False).run_on_host()
+            if not np.array_equal(into[lent, : copier.object_bytes], staged):
+                failures.append("a gather got another thread's blocks")
+                return
+
+    threads = [threading.Thread(target=f) for f in (loads, stores, loads_on_the_shared_copier)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert np.array_equal(out[lent, : copier.object_bytes], staged)

@@ -20,6 +20,7 @@ hand the forward pass its first layer after one layer's bytes.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -197,10 +198,8 @@ class BlockCopier:
         self._object_bytes = sum(layout.block_bytes for layout in self._layouts)
         self._parts = _place_parts(tensors, self._layouts, self._object_bytes)
         self._layer_parts = tuple(self._parts[start:stop] for start, stop in pairwise(bounds))
-        self._scratch = (
-            torch.zeros(HOST_CHUNK_BYTES, dtype=torch.uint8)
-            if self._device.type == "cpu" else None
-        )
+        # Per thread: a host device runs a copier's copies on several lanes at once.
+        self._scratch = threading.local()
 
     @property
     def object_bytes(self) -> int:
@@ -337,7 +336,7 @@ class BlockCopier:
     def run_on_host(self, copy: BlockCopy) -> None:
         # numpy's fancy indexing moves whole rows at about memcpy speed (1.6x faster
         # than torch's index ops on CPU, docs/performance.md); both release the GIL.
-        if self._scratch is None:
+        if self._device.type != "cpu":
             raise ValueError(f"the KV is on {self._device}: a device carries this copy out")
         if not copy.block_ids:
             return
@@ -352,7 +351,7 @@ class BlockCopier:
         if in_order:
             self._copy_contiguous(copy, memory[first : first + len(rows)], blocks)
         else:
-            self._copy_through_scratch(copy, memory, blocks, np.asarray(rows, dtype=np.intp))
+            self._copy_through_scratch(copy, memory, blocks, np.asarray(rows, dtype=np.int64))
 
     def _copy_contiguous(
         self, copy: BlockCopy, rows: torch.Tensor, blocks: npt.NDArray[np.intp]
@@ -369,15 +368,15 @@ class BlockCopier:
 
     def _copy_through_scratch(
         self, copy: BlockCopy, memory: torch.Tensor, blocks: npt.NDArray[np.intp],
-        rows: npt.NDArray[np.intp],
+        rows: npt.NDArray[np.int64],
     ) -> None:
         """Rows in any order: ``kv[blocks] = memory[rows]`` (or back), a chunk of rows at
         a time through the scratch (in cache)."""
         row_words = _rows_by_word(memory)
         for part in copy.copier.parts(copy.layer):
             word = min(part.word_bytes, max(row_words))
-            objects = part.rows_as_blocks(row_words[word], word).numpy()
-            kv = part.view.words(word).numpy()
+            objects = part.rows_as_blocks(row_words[word], word)
+            kv = part.view.words(word)
             per_chunk = max(1, HOST_CHUNK_BYTES // max(1, part.view.block_bytes))
             scratch = self._scratch_for(per_chunk * part.view.block_bytes)
             for start in range(0, len(blocks), per_chunk):
@@ -385,20 +384,24 @@ class BlockCopier:
                 chunk_blocks = blocks[start : start + per_chunk]
                 staged = scratch[: len(chunk_rows) * part.view.block_bytes].view(
                     kv.dtype
-                ).reshape(len(chunk_rows), *kv.shape[1:])
+                ).view(len(chunk_rows), *kv.shape[1:])
+                # torch's index_select gathers from a strided view in place (numpy's take
+                # made a contiguous copy of the whole view first: the pool's slab, per
+                # chunk); numpy's fancy assignment scatters at memcpy speed.
                 if copy.to_kv:
-                    np.take(objects, chunk_rows, axis=0, out=staged)
-                    kv[chunk_blocks] = staged
+                    torch.index_select(objects, 0, torch.from_numpy(chunk_rows), out=staged)
+                    kv.numpy()[chunk_blocks] = staged.numpy()
                 else:
-                    np.take(kv, chunk_blocks, axis=0, out=staged)
-                    objects[chunk_rows] = staged
+                    torch.index_select(kv, 0, torch.from_numpy(chunk_blocks), out=staged)
+                    objects.numpy()[chunk_rows] = staged.numpy()
 
-    def _scratch_for(self, nbytes: int) -> npt.NDArray[Any]:
-        scratch = self._scratch
-        assert scratch is not None
-        if scratch.numel() < nbytes:
-            scratch = self._scratch = torch.zeros(nbytes, dtype=torch.uint8)
-        return scratch.numpy()
+    def _scratch_for(self, nbytes: int) -> torch.Tensor:
+        """This thread's scratch, at least ``nbytes`` (faulted in when made)."""
+        scratch: torch.Tensor | None = getattr(self._scratch, "buffer", None)
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = self._scratch.buffer = torch.zeros(max(nbytes, HOST_CHUNK_BYTES),
+                                                         dtype=torch.uint8)
+        return scratch
 
 
 def _move_ranges(ranges: CopyRanges) -> None:
