@@ -61,7 +61,7 @@ def test_a_request_whose_shared_prefix_another_request_stores_waits_for_that_sto
     second finishing before that store lands must wait for it too (a retention asked
     then would find the shared objects not stored yet), and not for unrelated stores."""
     pinned = PinnedStores()
-    plans, event_id = pinned.open_event((_batch("first", [1, 2, 3]),))
+    _, event_id = pinned.open_event((_batch("first", [1, 2, 3]),))
     assert event_id is not None
     assert pinned.stores_for("first", [bytes([1])])
     assert pinned.stores_for("second", [bytes([1]), bytes([9])]), "shares block 1"

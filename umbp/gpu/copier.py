@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from operator import index as as_index
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
