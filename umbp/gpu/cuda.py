@@ -81,6 +81,8 @@ class _CudaEvent:
 class CudaDevice:
     """One GPU of vLLM's: its current stream, side streams, DMA copies."""
 
+    stores_start_at_save = False
+
     def __init__(self, device: torch.device) -> None:
         self._device = torch.device(device)
         self.name = str(self._device)

@@ -64,6 +64,15 @@ class Device(Protocol):
         """The device as logs name it (``cpu``, ``cuda:0``)."""
         ...
 
+    @property
+    def stores_start_at_save(self) -> bool:
+        """Whether a step's stores start in ``wait_for_save``: True where the forward
+        pass has finished by then (it ran on the calling thread), so the copies overlap
+        what is left of the step and the next one's scheduling; False on a GPU, where
+        the step is still running and its sampled tokens must not queue behind them
+        (they start with the next step, as vLLM's offloading does)."""
+        ...
+
     def current_stream(self) -> Stream:
         """The calling thread's stream (vLLM's forward stream on the model thread)."""
         ...
@@ -182,6 +191,7 @@ class HostDevice:
     """KV in host memory: copies run on lanes (a stream each) with numpy."""
 
     name = "cpu"
+    stores_start_at_save = True
 
     def __init__(self) -> None:
         self._streams: list[_HostStream] = []

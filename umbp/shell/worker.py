@@ -479,7 +479,9 @@ class UMBPWorker:
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
         """Hand the step's stores over (once the step's synchronous loads are known:
-        nothing computed over a failed one is stored); the next step submits them."""
+        nothing computed over a failed one is stored). On a GPU the next step submits
+        them (after this step's sampled tokens); with KV in host memory the forward pass
+        is over when this runs, so they start now, between the steps."""
         self._report_step_loads()
         if meta.store_event is None:
             return
@@ -498,6 +500,9 @@ class UMBPWorker:
             return
         self._count_started()
         self._stores.add(meta.store_event, stores, not_stored)
+        ctx = self._ctx
+        if ctx is not None and ctx.device.stores_start_at_save:
+            self._stores.submit(ctx.forward_mark())
 
     def _store_finished(self, event: int, result: StoreEventResult) -> None:
         with self._lock:

@@ -130,6 +130,7 @@ class FakeCuda:
     """The recording device. ``name`` reads like CUDA's, so umbp treats it as a GPU."""
 
     name = "cuda:0 (fake)"
+    stores_start_at_save = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
