@@ -502,6 +502,9 @@ class UMBPWorker:
         self._stores.add(meta.store_event, stores, not_stored)
         ctx = self._ctx
         if ctx is not None and ctx.device.stores_start_at_save:
+            # The forward pass read every layer: the step's loans end first, so a full
+            # pool can evict what this step restored to make room for what it computed.
+            self._let_go_of_finished_loads()
             self._stores.submit(ctx.forward_mark())
 
     def _store_finished(self, event: int, result: StoreEventResult) -> None:
