@@ -2,8 +2,7 @@
 same prefix restored from its DRAM tier, side by side in one run.
 
     python benchmarks/ssd_restore_bench.py [--json FILE] [--prefix-tokens 4096] [--repeats 5]
-                                           [--load-async default|true|false]
-                                           [--write-ahead-bytes N] [--quick]
+                                           [--load-async default|true|false] [--quick]
 
 A real `umbp serve` (256 MiB of DRAM, an SSD tier in a temporary directory on the root
 filesystem, the default prefetch bound) and one in-process vLLM engine in server mode
@@ -72,8 +71,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--load-async", choices=tuple(LOAD_ASYNC), default="default")
-    parser.add_argument("--write-ahead-bytes", default=None,
-                        help="the server's --write-ahead-bytes (default: its own; 0: off)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
@@ -127,14 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     directory = Path(tempfile.mkdtemp(prefix="umbp-ssd-restore-", dir="/tmp"))
     endpoint = str(directory / "umbp.sock")
     server = start_server(endpoint, DRAM_BYTES, ssd_dir=str(directory / "ssd"),
-                          ssd_capacity_bytes=SSD_BYTES, log_path=str(directory / "serve.log"),
-                          extra_args=([] if args.write_ahead_bytes is None
-                                      else ["--write-ahead-bytes", args.write_ahead_bytes]))
+                          ssd_capacity_bytes=SSD_BYTES, log_path=str(directory / "serve.log"))
     started = time.perf_counter()
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"dram": [], "ssd": []}
     restored: dict[str, list[int]] = {"dram": [], "ssd": []}
-    prefetched = read_from_ssd = written_ahead = 0
+    prefetched = read_from_ssd = 0
     try:
         bench = Bench(start_engine(model_dir, endpoint, LOAD_ASYNC[args.load_async]))
         with ServerStore(endpoint) as store:
@@ -157,7 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 restored["ssd"].append(ssd_tokens)
                 prefetched += after["prefetched"] - before["prefetched"]
                 read_from_ssd += after["hits_from_ssd"] - before["hits_from_ssd"]
-                written_ahead = after["written_ahead"]
     finally:
         stop_server(server, endpoint)
         shutil.rmtree(directory, ignore_errors=True)
@@ -169,9 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           str(min(restored[name]))] for name in samples],
     ))
     print(f"ssd / dram: {ratio:.2f} (goal <= {GOAL_SSD_OVER_DRAM}); objects prefetched at "
-          f"lookup: {prefetched}, read from SSD by loads: {read_from_ssd}, written ahead "
-          f"in all: {written_ahead}; load_async {args.load_async}; write-ahead "
-          f"{args.write_ahead_bytes or 'default'}; {args.prefix_tokens}-token prefix, {shape.name}, "
+          f"lookup: {prefetched}, read from SSD by loads: {read_from_ssd}; load_async "
+          f"{args.load_async}; {args.prefix_tokens}-token prefix, {shape.name}, "
           f"{time.perf_counter() - started:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({
@@ -179,8 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefix_tokens": args.prefix_tokens, "model": shape.name,
             "median_ms": medians, "samples_ms": samples, "ratio_ssd_over_dram": ratio,
             "restored_tokens": restored, "prefetched": prefetched,
-            "read_from_ssd_by_loads": read_from_ssd, "written_ahead": written_ahead,
-            "write_ahead_bytes": args.write_ahead_bytes,
+            "read_from_ssd_by_loads": read_from_ssd,
         }, indent=2))
     return 0
 

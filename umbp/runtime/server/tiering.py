@@ -7,8 +7,7 @@ demoted to it, without the index lock. Promotion reads an object from the cold t
 into fresh DRAM pages and pins it like a DRAM hit.
 
 Tiers are inclusive: an object promoted from SSD keeps its SSD copy, so demoting it again
-costs no write (the SSD tier evicts its own LRU objects when it needs room); the objects
-next in line for eviction are copied ahead for the same reason (`write_ahead`). Lookups never
+costs no write (the SSD tier evicts its own LRU objects when it needs room). Lookups never
 wait for the disk: the SSD tier holds its own lock during its I/O, so `cold_keys` mirrors
 its key set under the index lock, updated on every demotion, promotion failure and clear,
 and pruned with the keys the SSD tier reports as evicted after each write. The mirror may
@@ -77,11 +76,6 @@ class Tiering:
         self.generation = 0
         """Bumped by a clear: a demotion or promotion that straddles a clear must not
         bring back what the clear dropped."""
-        self.ahead_pages = 0
-        """How many of the least recently used pages `write_ahead` keeps on the cold
-        tier, less those free below the high watermark."""
-        self.writing_ahead: set[str] = set()
-        """Keys `write_ahead` has pinned: in use by no client (a drop may take them)."""
 
     @property
     def cold(self) -> ColdTier | None:
@@ -204,76 +198,6 @@ class Tiering:
         # The tier writes what the hash just read (in cache) and keeps its checksum.
         return (Demotion.WRITTEN if cold.put(victim.key, payload, victim.checksum)
                 else Demotion.FAILED)
-
-    def write_ahead(self, limit: int) -> tuple[int, bool]:
-        """Copy to the cold tier at most `limit` of the DRAM objects next in line for
-        eviction that it lacks (`umbp.runtime.server.write_ahead`); they stay in DRAM.
-        Returns (objects taken, whether the cold tier refused one)."""
-        cold = self._cold
-        assert cold is not None
-        with self._lock:
-            chosen = self._next_to_write_locked(limit)
-            for entry in chosen:
-                self._index.pin(entry)
-                self.writing_ahead.add(entry.key)
-            generation = self.generation
-        outcomes: list[Demotion] = []
-        for entry in chosen:
-            try:
-                outcomes.append(self._demote_one(cold, entry))
-            except Exception:
-                logger.exception("umbp serve: writing %r ahead to the SSD tier failed", entry.key)
-                outcomes.append(Demotion.FAILED)
-        evicted = self._evicted_from_cold(cold)
-        stale: list[str] = []
-        with self._lock:
-            for entry, outcome in zip(chosen, outcomes):
-                self.writing_ahead.discard(entry.key)
-                if not self._settle_written_ahead_locked(entry, outcome, generation):
-                    stale.append(entry.key)
-                self._index.unpin(entry)
-            self.cold_keys.difference_update(evicted)
-            self.cold_keys.difference_update(stale)
-        for key in stale:  # dropped or cleared while written: its copy must not outlive it
-            cold.remove(key)
-        return len(chosen), Demotion.FAILED in outcomes
-
-    def _next_to_write_locked(self, limit: int) -> list[Entry]:
-        """The least recently used evictable objects covering `ahead_pages` less the free
-        pages below the high watermark: the first `limit` of them the cold tier lacks."""
-        index = self._index
-        room = self.ahead_pages - max(0, index.high_pages - index.used_pages)
-        chosen: list[Entry] = []
-        covered = 0
-        for entry in index.entries():  # least recently used first
-            if covered >= room or len(chosen) >= limit:
-                break
-            if entry.pins or entry.leaving or entry.retained_until:
-                continue
-            covered += len(entry.pages)
-            if entry.key not in self.cold_keys:
-                chosen.append(entry)
-        return chosen
-
-    def _settle_written_ahead_locked(
-        self, entry: Entry, outcome: Demotion, generation: int
-    ) -> bool:
-        """Count one object `write_ahead` took; False when it was written but is no longer
-        the resident object (dropped, cleared): then its copy goes."""
-        resident = generation == self.generation and self._index.get(entry.key) is entry
-        counters = self._counters
-        if outcome is Demotion.WRITTEN:
-            counters.written_ahead += 1
-            counters.bytes_to_ssd += entry.nbytes
-            if not resident:
-                return False
-            self.cold_keys.add(entry.key, entry.nbytes)
-        elif outcome is Demotion.CORRUPT and resident:
-            self._index.retire(entry)  # a get would find the damage: dropped now
-            counters.corrupt_loads += 1
-        elif outcome is Demotion.FAILED:
-            counters.ssd_put_failures += 1
-        return True
 
     def _settle_victim_locked(self, victim: Entry, outcome: Demotion) -> None:
         counters = self._counters
