@@ -333,8 +333,9 @@ class BlockCopier:
     # -- on the host --------------------------------------------------------------------
 
     def run_on_host(self, copy: BlockCopy) -> None:
-        # numpy's fancy indexing moves whole rows at about memcpy speed (1.6x faster
-        # than torch's index ops on CPU, docs/performance.md); both release the GIL.
+        # numpy's fancy assignment moves whole rows at about memcpy speed (1.6x faster
+        # than torch's index ops on CPU, docs/performance.md); gathers from a strided
+        # view use torch's index_select (see _copy_through_scratch); both release the GIL.
         if self._device.type != "cpu":
             raise ValueError(f"the KV is on {self._device}: a device carries this copy out")
         if not copy.block_ids:

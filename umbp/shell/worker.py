@@ -409,6 +409,9 @@ class UMBPWorker:
                 self._count_loaded(outcome, loads.seconds if index == 0 else 0.0)
                 self._report_load(outcome)
             self._releasing.append(loads)
+            # Loans whose copies completed end now, before this step's stores reserve:
+            # a pool full of what the step restored can then evict it for what it computed.
+            self._let_go_of_finished_loads()
         if meta is not None:
             self._computed_over_failures = still_computing_over_failures(
                 self._computed_over_failures, frozenset(),
@@ -502,9 +505,6 @@ class UMBPWorker:
         self._stores.add(meta.store_event, stores, not_stored)
         ctx = self._ctx
         if ctx is not None and ctx.device.stores_start_at_save:
-            # The forward pass read every layer: the step's loans end first, so a full
-            # pool can evict what this step restored to make room for what it computed.
-            self._let_go_of_finished_loads()
             self._stores.submit(ctx.forward_mark())
 
     def _store_finished(self, event: int, result: StoreEventResult) -> None:
