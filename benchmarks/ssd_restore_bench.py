@@ -2,7 +2,8 @@
 same prefix restored from its DRAM tier, side by side in one run.
 
     python benchmarks/ssd_restore_bench.py [--json FILE] [--prefix-tokens 4096] [--repeats 5]
-                                           [--load-async default|true|false] [--quick]
+                                           [--load-async default|true|false]
+                                           [--write-ahead-bytes N] [--settle-s S] [--quick]
 
 A real `umbp serve` (256 MiB of DRAM, an SSD tier in a temporary directory on the root
 filesystem, the default prefetch bound) and one in-process vLLM engine in server mode
@@ -13,7 +14,8 @@ filesystem, the default prefetch bound) and one in-process vLLM engine in server
    restored from the server's DRAM tier;
 3. the prefix is pushed to SSD: objects of the same namespace, 1.25 x the DRAM tier, are
    put by a second client, so that the prefix's objects are the namespace's least
-   recently used and leave DRAM for SSD (checked: the server's SSD tier then holds them);
+   recently used and leave DRAM for SSD (checked: the server's SSD tier then holds them),
+   then ``--settle-s`` seconds pass (the server's write-ahead catches up with the push);
 4. ``ssd``: vLLM's cache emptied again, the prefix plus another new suffix is timed: the
    lookup finds the objects on SSD only and starts bringing them into DRAM (prefetch);
    a synchronous load waits for them ("not yet"), an asynchronous one reads what is
@@ -71,6 +73,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--load-async", choices=tuple(LOAD_ASYNC), default="default")
+    parser.add_argument("--write-ahead-bytes", default=None,
+                        help="the server's --write-ahead-bytes (default: its own; 0: off)")
+    parser.add_argument("--settle-s", type=float, default=0.0,
+                        help="seconds between the push to SSD and the timed restore")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
@@ -124,12 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     directory = Path(tempfile.mkdtemp(prefix="umbp-ssd-restore-", dir="/tmp"))
     endpoint = str(directory / "umbp.sock")
     server = start_server(endpoint, DRAM_BYTES, ssd_dir=str(directory / "ssd"),
-                          ssd_capacity_bytes=SSD_BYTES, log_path=str(directory / "serve.log"))
+                          ssd_capacity_bytes=SSD_BYTES, log_path=str(directory / "serve.log"),
+                          extra_args=([] if args.write_ahead_bytes is None
+                                      else ["--write-ahead-bytes", args.write_ahead_bytes]))
     started = time.perf_counter()
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"dram": [], "ssd": []}
     restored: dict[str, list[int]] = {"dram": [], "ssd": []}
-    prefetched = read_from_ssd = 0
+    prefetched = read_from_ssd = written_ahead = 0
     try:
         bench = Bench(start_engine(model_dir, endpoint, LOAD_ASYNC[args.load_async]))
         with ServerStore(endpoint) as store:
@@ -140,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bench, prefix + random_tokens(rng, SUFFIX_TOKENS))
                 (row,) = [r for r in store.namespaces() if r["label"]]
                 push_to_ssd(store, row["namespace"], object_bytes, round_)
+                time.sleep(args.settle_s)
                 before = counters(store)
                 ssd_ms, ssd_tokens = timed_restore(
                     bench, prefix + random_tokens(rng, SUFFIX_TOKENS))
@@ -152,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 restored["ssd"].append(ssd_tokens)
                 prefetched += after["prefetched"] - before["prefetched"]
                 read_from_ssd += after["hits_from_ssd"] - before["hits_from_ssd"]
+                written_ahead = after["written_ahead"]
     finally:
         stop_server(server, endpoint)
         shutil.rmtree(directory, ignore_errors=True)
@@ -163,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           str(min(restored[name]))] for name in samples],
     ))
     print(f"ssd / dram: {ratio:.2f} (goal <= {GOAL_SSD_OVER_DRAM}); objects prefetched at "
-          f"lookup: {prefetched}, read from SSD by loads: {read_from_ssd}; load_async "
-          f"{args.load_async}; {args.prefix_tokens}-token prefix, {shape.name}, "
+          f"lookup: {prefetched}, read from SSD by loads: {read_from_ssd}, written ahead "
+          f"in all: {written_ahead}; load_async {args.load_async}; write-ahead "
+          f"{args.write_ahead_bytes or 'default'}; {args.prefix_tokens}-token prefix, {shape.name}, "
           f"{time.perf_counter() - started:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({
@@ -172,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefix_tokens": args.prefix_tokens, "model": shape.name,
             "median_ms": medians, "samples_ms": samples, "ratio_ssd_over_dram": ratio,
             "restored_tokens": restored, "prefetched": prefetched,
-            "read_from_ssd_by_loads": read_from_ssd,
+            "read_from_ssd_by_loads": read_from_ssd, "written_ahead": written_ahead,
+            "write_ahead_bytes": args.write_ahead_bytes,
         }, indent=2))
     return 0
 

@@ -223,6 +223,10 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
                        help="most bytes of SSD objects a lookup may have on their way into "
                             "DRAM ahead of their load (default: half of --capacity; "
                             "0: none)")
+    serve.add_argument("--write-ahead-bytes", type=_byte_option(0), default=None,
+                       help="how much of DRAM's least recently used end is kept copied on "
+                            "the SSD tier before eviction, so making room writes nothing "
+                            "(default: the watermarks' gap plus --prefetch-bytes; 0: none)")
     serve.add_argument("--persist-on-exit", action="store_true",
                        help="on SIGTERM/SIGINT copy DRAM objects to the SSD tier first")
     serve.add_argument("--max-connections", type=_count(MAX_CONNECTIONS_LIMIT),
@@ -301,6 +305,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ssd_capacity_bytes=args.ssd_capacity,
         persist_on_exit=args.persist_on_exit,
         prefetch_bytes=args.prefetch_bytes,
+        write_ahead_bytes=args.write_ahead_bytes,
         max_connections=args.max_connections,
         frame_timeout_s=args.frame_timeout,
         quotas=tuple(args.quota),

@@ -432,7 +432,9 @@ def test_objects_move_to_ssd_past_the_watermark_and_come_back_bit_identical(
 
 
 def test_a_restarted_server_serves_what_its_predecessor_put_on_ssd(servers: Servers) -> None:
-    process = servers.start_with_ssd(128 * KIB, 8 * MIB)
+    # Without write-ahead: what never left DRAM has no SSD copy.
+    process = servers.start(128 * KIB, ssd_dir=servers.ssd_dir, ssd_capacity_bytes=8 * MIB,
+                            extra_args=["--write-ahead-bytes", "0"])
     data = payloads(16, 20 * KIB, seed=6)
     keys = keys_of(16)
     with ServerStore(servers.socket) as store:
@@ -452,6 +454,35 @@ def test_a_restarted_server_serves_what_its_predecessor_put_on_ssd(servers: Serv
         statuses, outs = load(store, on_disk, 20 * KIB)
         assert statuses == (LoadStatus.HIT,) * len(on_disk)
         assert np.array_equal(outs, data[positions])
+
+
+def test_objects_written_ahead_outlive_a_restart_beside_those_evicted(servers: Servers) -> None:
+    process = servers.start_with_ssd(128 * KIB, 8 * MIB)
+    data = payloads(16, 20 * KIB, seed=6)
+    keys = keys_of(16)
+    with ServerStore(servers.socket) as store:
+        for index in range(16):
+            assert store.put_batch([keys[index]], [data[index]]) == (True,)
+        evicted = [key for key, medium in zip(keys, store.where(keys)) if medium == "DISK"]
+        figures = store.server_stats()
+        deadline = time.monotonic() + 10.0
+        while True:  # until the write-ahead thread has nothing left to write
+            time.sleep(0.2)
+            settled, figures = figures, store.server_stats()
+            if settled["counters"]["written_ahead"] == figures["counters"]["written_ahead"]:
+                break
+            assert time.monotonic() < deadline, "the write-ahead never settled"
+        on_ssd = figures["ssd"]["objects"]
+    assert figures["counters"]["written_ahead"] > 0 and on_ssd > len(evicted) > 0
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    servers.start_with_ssd(128 * KIB, 8 * MIB)
+    with ServerStore(servers.socket) as store:
+        held = [key for key, found in zip(keys, store.lookup(keys)) if found]
+        assert len(held) == on_ssd and set(evicted) <= set(held)
+        statuses, outs = load(store, held, 20 * KIB)
+        assert statuses == (LoadStatus.HIT,) * len(held)
+        assert np.array_equal(outs, data[[keys.index(key) for key in held]])
 
 
 def test_persist_on_exit_hands_the_dram_tier_to_the_next_server(servers: Servers) -> None:

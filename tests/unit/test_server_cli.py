@@ -110,3 +110,14 @@ def test_frames_round_trip_and_a_deadline_expires() -> None:
         protocol.decode_json(b"{not json")
     with pytest.raises(TimeoutError):
         protocol.Deadline(0.0).remaining()
+
+
+def test_serve_refuses_a_write_ahead_past_the_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    socket_path = str(tmp_path / "s.sock")
+    code = main(["serve", "--socket", socket_path, "--capacity", "1M",
+                 "--write-ahead-bytes", "2M"])
+    assert code == 1 and "write_ahead_bytes must be in [0, capacity_bytes]" in \
+        capsys.readouterr().err
+    assert not Path(socket_path).exists()

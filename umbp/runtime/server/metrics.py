@@ -107,7 +107,9 @@ def render(
          "Objects found corrupt (checksum mismatch) and dropped."),
         ("umbp_server_promotions_total", "promotions", "Objects read back from SSD to DRAM."),
         ("umbp_server_ssd_put_failures_total", "ssd_put_failures",
-         "Demotions the SSD tier refused."),
+         "Writes to the SSD tier it refused (demotions and writes ahead)."),
+        ("umbp_server_written_ahead_total", "written_ahead",
+         "DRAM objects copied to SSD ahead of their eviction, kept in DRAM."),
         ("umbp_server_connections_accepted_total", "connections",
          "Client connections accepted since start."),
     ):

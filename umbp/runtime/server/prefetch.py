@@ -105,6 +105,11 @@ class Prefetcher:
             if reading is not None and reading in keys:
                 self._lock.wait_for(lambda: self._reading != reading, timeout_s)
 
+    def busy(self) -> bool:
+        """Keys are queued or being read."""
+        with self._lock:
+            return bool(self._queue) or self._reading is not None
+
     def figures(self) -> PrefetchFigures:
         with self._lock:
             return PrefetchFigures(self._queued_bytes + self._reading_bytes, self._skipped,

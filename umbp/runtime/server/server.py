@@ -73,6 +73,11 @@ class ServerConfig:
     """Most bytes of SSD objects a lookup may have on their way into DRAM ahead of their
     load (`umbp.runtime.server.prefetch`); None: half of `capacity_bytes` (more would
     push out what was prefetched before its load came); 0: none."""
+    write_ahead_bytes: int | None = None
+    """How much of the DRAM tier's least recently used end is kept copied on the SSD
+    tier ahead of its eviction (`umbp.runtime.server.write_ahead`), so that making room
+    writes nothing; None: the watermarks' gap plus the prefetch bound (one round of
+    room-making and one full prefetch); 0: none (victims are written when they leave)."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     """Client connections served at once (one thread each); more are refused."""
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
@@ -111,6 +116,10 @@ class ServerConfig:
         if self.prefetch_bytes is not None and not 0 <= self.prefetch_bytes <= self.capacity_bytes:
             raise ValueError(f"prefetch_bytes must be in [0, capacity_bytes], got "
                              f"{self.prefetch_bytes}")
+        if (self.write_ahead_bytes is not None
+                and not 0 <= self.write_ahead_bytes <= self.capacity_bytes):
+            raise ValueError(f"write_ahead_bytes must be in [0, capacity_bytes], got "
+                             f"{self.write_ahead_bytes}")
         if not 1 <= self.max_connections <= MAX_CONNECTIONS_LIMIT:
             raise ValueError(
                 f"max_connections must be in [1, {MAX_CONNECTIONS_LIMIT}], "
@@ -144,7 +153,8 @@ def serve(config: ServerConfig) -> int:
             _report_cold_tier(cold)
         prefetch_bytes = (config.capacity_bytes // 2 if config.prefetch_bytes is None
                           else config.prefetch_bytes)
-        core = StoreCore(pool.view, _index_for(config, pool), cold, prefetch_bytes)
+        core = StoreCore(pool.view, _index_for(config, pool), cold, prefetch_bytes,
+                         _write_ahead_bytes(config, prefetch_bytes))
         if cold is not None and config.ssd_dir is not None:
             core.restore_labels(LabelFile(config.ssd_dir))
         _apply_limits(config, core)
@@ -164,6 +174,13 @@ def serve(config: ServerConfig) -> int:
             metrics.close()
         _shut_down(server, core, ownership, pool, cold)
     return 0
+
+
+def _write_ahead_bytes(config: ServerConfig, prefetch_bytes: int) -> int:
+    if config.write_ahead_bytes is not None:
+        return config.write_ahead_bytes
+    gap = int((config.high_watermark - config.low_watermark) * config.capacity_bytes)
+    return min(config.capacity_bytes, gap + prefetch_bytes)
 
 
 def _apply_limits(config: ServerConfig, core: StoreCore) -> None:
@@ -318,7 +335,7 @@ def _shut_down(
         server.server_close()
         server.drop_connections()
     if core is not None:
-        core.close()  # the prefetch thread reads the cold tier
+        core.close()  # its prefetch and write-ahead threads use the cold tier and pool
     if pool is not None:
         release_shared_pool(pool)
     if cold is not None:

@@ -78,6 +78,8 @@ class ServerCounters:
     promotions: int = 0
     prefetched: int = 0
     """Of the promotions, those made ahead of their load (a lookup found them on SSD)."""
+    written_ahead: int = 0
+    """DRAM objects copied to SSD before their eviction (`write_ahead`), kept in DRAM."""
     bytes_written: int = 0
     bytes_read: int = 0
     bytes_to_ssd: int = 0

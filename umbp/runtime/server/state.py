@@ -40,6 +40,7 @@ from umbp.runtime.server.sessions import (
     Session,
 )
 from umbp.runtime.server.tiering import GetAnswer, Tiering
+from umbp.runtime.server.write_ahead import WriteAhead
 
 __all__ = ["StoreCore"]
 
@@ -49,7 +50,7 @@ class StoreCore:
 
     def __init__(
         self, view: memoryview, index: PoolIndex, cold: ColdTier | None,
-        prefetch_bytes: int = 0,
+        prefetch_bytes: int = 0, write_ahead_bytes: int = 0,
     ) -> None:
         self._index = index
         self._cold = cold
@@ -57,9 +58,13 @@ class StoreCore:
         self._counters = ServerCounters()
         self._sessions: list[Session] = []
         self._tiers = Tiering(view, index, cold, self._lock, self._counters)
-        self._prefetcher = (Prefetcher(self._tiers.prefetch_one, prefetch_bytes)
+        self._prefetcher = (Prefetcher(self._prefetch_one, prefetch_bytes)
                             if cold is not None and prefetch_bytes > 0 else None)
         """SSD objects a lookup found, brought into DRAM before their load (`prefetch`)."""
+        self._tiers.ahead_pages = pages_for(write_ahead_bytes, index.page_bytes)
+        self._write_ahead = (WriteAhead(self._tiers.write_ahead, self._cold_is_read)
+                             if cold is not None and write_ahead_bytes > 0 else None)
+        """DRAM objects next in line for eviction, copied to SSD beforehand (`write_ahead`)."""
         self.book = NamespaceBook()
         """Labels and counters per namespace (`umbp.runtime.server.operations`)."""
         self.max_retain_s = DEFAULT_MAX_RETAIN_S
@@ -96,9 +101,25 @@ class StoreCore:
             self._prefetcher.cancel(lambda owner: owner == (id(session), request))
 
     def close(self) -> None:
-        """Stop prefetching (before the cold tier closes)."""
+        """Stop prefetching and writing ahead (before the cold tier closes and the pool
+        is unmapped)."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+        if self._write_ahead is not None:
+            self._write_ahead.close()
+
+    def _dram_gained(self) -> None:
+        if self._write_ahead is not None:
+            self._write_ahead.poke()
+
+    def _cold_is_read(self) -> bool:
+        """A prefetch is queued or reading, or a get is promoting from the SSD tier."""
+        prefetcher = self._prefetcher
+        return self._tiers.cold_reads > 0 or (prefetcher is not None and prefetcher.busy())
+
+    def _prefetch_one(self, key: str, nbytes: int) -> None:
+        self._tiers.prefetch_one(key, nbytes)
+        self._dram_gained()
 
     def _unpin_all_locked(self, get: PinnedGet) -> None:
         for entry in get.pinned:
@@ -213,8 +234,10 @@ class StoreCore:
                 raise RequestRefused(f"{len(checksums)} checksums for {len(items)} reserved keys")
             del session.reservations[token]
             now = time.time()
-            return [self._commit_one(item, checksum, now)
-                    for item, checksum in zip(items, checksums)]
+            stored = [self._commit_one(item, checksum, now)
+                      for item, checksum in zip(items, checksums)]
+        self._dram_gained()
+        return stored
 
     def _commit_one(self, item: Reserved, checksum: int | None, now: float) -> bool:
         index = self._index
@@ -268,6 +291,7 @@ class StoreCore:
                     if session.gets.pop(token, None) is get:
                         self._unpin_all_locked(get)
                 raise
+            self._dram_gained()
         return token, answers
 
     def end_get(self, session: Session, token: int, corrupt: Sequence[int]) -> None:
@@ -408,7 +432,9 @@ class StoreCore:
                 require_known(namespace, self._index, cold_keys, self.book)
             entries = (tuple(self._index.entries()) if namespace is None
                        else self._index.entries_of(namespace))
-            in_use = {entry.key for entry in entries if entry.pins or entry.leaving}
+            ahead = self._tiers.writing_ahead  # pinned only to be copied: not in use
+            in_use = {entry.key for entry in entries
+                      if entry.leaving or entry.pins > (entry.key in ahead)}
             dropped = [entry for entry in entries if entry.key not in in_use]
             for entry in dropped:
                 self._index.retire(entry)

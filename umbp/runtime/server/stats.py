@@ -13,7 +13,8 @@ The stats dict (`ServerStore.server_stats()`, `umbp stats --json`) has these par
   tiers), hits_from_ssd (of those, the objects promoted from SSD for that get), misses
   (loads that found nothing: what every store's `PoolStats` counts; a namespace's
   lookups are counted in the listing, `umbp ls`), puts, put_rejects, corrupt_loads,
-  evictions_to_ssd, evictions_dropped, ssd_put_failures, promotions, prefetched (of the
+  evictions_to_ssd, evictions_dropped, written_ahead (objects copied to SSD before their
+  eviction, `write_ahead`), ssd_put_failures, promotions, prefetched (of the
   promotions, those made ahead of their load), and with an SSD tier prefetch_queued_bytes,
   prefetch_skipped, prefetch_cancelled, prefetch_claimed (`prefetch`), bytes_written,
   bytes_read, bytes_to_ssd, bytes_from_ssd, connections (accepted in all);
@@ -41,6 +42,7 @@ _COUNTER_ROWS = (
     ("corrupt loads (dropped)", "corrupt_loads", False),
     ("evictions to SSD", "evictions_to_ssd", False),
     ("evictions dropped", "evictions_dropped", False),
+    ("written ahead to SSD", "written_ahead", False),
     ("SSD write failures", "ssd_put_failures", False),
     ("promotions from SSD", "promotions", False),
     ("  of them prefetched", "prefetched", False),

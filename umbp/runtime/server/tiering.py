@@ -7,7 +7,8 @@ demoted to it, without the index lock. Promotion reads an object from the cold t
 into fresh DRAM pages and pins it like a DRAM hit.
 
 Tiers are inclusive: an object promoted from SSD keeps its SSD copy, so demoting it again
-costs no write (the SSD tier evicts its own LRU objects when it needs room). Lookups never
+costs no write (the SSD tier evicts its own LRU objects when it needs room); the objects
+next in line for eviction are copied ahead for the same reason (`write_ahead`). Lookups never
 wait for the disk: the SSD tier holds its own lock during its I/O, so `cold_keys` mirrors
 its key set under the index lock, updated on every demotion, promotion failure and clear,
 and pruned with the keys the SSD tier reports as evicted after each write. The mirror may
@@ -21,7 +22,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -76,6 +77,13 @@ class Tiering:
         self.generation = 0
         """Bumped by a clear: a demotion or promotion that straddles a clear must not
         bring back what the clear dropped."""
+        self.ahead_pages = 0
+        """How many of the least recently used pages `write_ahead` keeps on the cold
+        tier, less those free below the high watermark."""
+        self.writing_ahead: set[str] = set()
+        """Keys `write_ahead` has pinned: in use by no client (a drop may take them)."""
+        self.cold_reads = 0
+        """Gets promoting from the cold tier now: `write_ahead` gives way to them."""
 
     @property
     def cold(self) -> ColdTier | None:
@@ -199,6 +207,81 @@ class Tiering:
         return (Demotion.WRITTEN if cold.put(victim.key, payload, victim.checksum)
                 else Demotion.FAILED)
 
+    def write_ahead(self, limit: int, give_way: Callable[[], bool]) -> tuple[int, bool]:
+        """Copy to the cold tier at most `limit` of the DRAM objects next in line for
+        eviction that it lacks (`umbp.runtime.server.write_ahead`); they stay in DRAM.
+        Stops before the next object once `give_way()`: a read of the cold tier (a
+        prefetch, a get promoting) waits for the tier's lock, held through each write.
+        Returns (objects written or refused, whether the cold tier refused one)."""
+        cold = self._cold
+        assert cold is not None
+        with self._lock:
+            chosen = self._next_to_write_locked(limit)
+            for entry in chosen:
+                self._index.pin(entry)
+                self.writing_ahead.add(entry.key)
+            generation = self.generation
+        outcomes: list[Demotion] = []
+        for entry in chosen:
+            if give_way():
+                break
+            try:
+                outcomes.append(self._demote_one(cold, entry))
+            except Exception:
+                logger.exception("umbp serve: writing %r ahead to the SSD tier failed", entry.key)
+                outcomes.append(Demotion.FAILED)
+        evicted = self._evicted_from_cold(cold)
+        stale: list[str] = []
+        with self._lock:
+            for position, entry in enumerate(chosen):
+                self.writing_ahead.discard(entry.key)
+                if position < len(outcomes) and not self._settle_written_ahead_locked(
+                        entry, outcomes[position], generation):
+                    stale.append(entry.key)
+                self._index.unpin(entry)
+            self.cold_keys.difference_update(evicted)
+            self.cold_keys.difference_update(stale)
+        for key in stale:  # dropped or cleared while written: its copy must not outlive it
+            cold.remove(key)
+        return len(outcomes), Demotion.FAILED in outcomes
+
+    def _next_to_write_locked(self, limit: int) -> list[Entry]:
+        """The least recently used evictable objects covering `ahead_pages` less the free
+        pages below the high watermark: the first `limit` of them the cold tier lacks."""
+        index = self._index
+        room = self.ahead_pages - max(0, index.high_pages - index.used_pages)
+        chosen: list[Entry] = []
+        covered = 0
+        for entry in index.entries():  # least recently used first
+            if covered >= room or len(chosen) >= limit:
+                break
+            if entry.pins or entry.leaving or entry.retained_until:
+                continue
+            covered += len(entry.pages)
+            if entry.key not in self.cold_keys:
+                chosen.append(entry)
+        return chosen
+
+    def _settle_written_ahead_locked(
+        self, entry: Entry, outcome: Demotion, generation: int
+    ) -> bool:
+        """Count one object `write_ahead` took; False when it was written but is no longer
+        the resident object (dropped, cleared): then its copy goes."""
+        resident = generation == self.generation and self._index.get(entry.key) is entry
+        counters = self._counters
+        if outcome is Demotion.WRITTEN:
+            counters.written_ahead += 1
+            counters.bytes_to_ssd += entry.nbytes
+            if not resident:
+                return False
+            self.cold_keys.add(entry.key, entry.nbytes)
+        elif outcome is Demotion.CORRUPT and resident:
+            self._index.retire(entry)  # a get would find the damage: dropped now
+            counters.corrupt_loads += 1
+        elif outcome is Demotion.FAILED:
+            counters.ssd_put_failures += 1
+        return True
+
     def _settle_victim_locked(self, victim: Entry, outcome: Demotion) -> None:
         counters = self._counters
         self._index.finish_leaving(victim)
@@ -224,6 +307,23 @@ class Tiering:
         answers: list[GetAnswer],
     ) -> None:
         """Read cold objects into fresh DRAM pages and pin them like DRAM hits."""
+        with self._lock:
+            self.cold_reads += 1
+        try:
+            self._promote(session, token, keys, sizes, positions, answers)
+        finally:
+            with self._lock:
+                self.cold_reads -= 1
+
+    def _promote(
+        self,
+        session: Session,
+        token: int,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        positions: list[int],
+        answers: list[GetAnswer],
+    ) -> None:
         cold = self._cold
         assert cold is not None
         generation = self.generation
