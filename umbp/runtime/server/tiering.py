@@ -18,11 +18,12 @@ that follows answers MISSING, a miss, never wrong bytes.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -307,68 +308,63 @@ class Tiering:
         answers: list[GetAnswer],
     ) -> None:
         """Read cold objects into fresh DRAM pages and pin them like DRAM hits."""
+        with self._reading_cold():
+            cold = self._cold
+            assert cold is not None
+            generation = self.generation
+            found: list[int] = []
+            for position in positions:
+                size = self._cold_size(cold, keys[position])
+                if size is None:
+                    answers[position] = protocol.GET_MISSING
+                    with self._lock:
+                        self.cold_keys.discard(keys[position])
+                elif size != sizes[position]:
+                    answers[position] = protocol.GET_SIZE_MISMATCH
+                else:
+                    found.append(position)
+            loaded: list[tuple[int, Regions, int]] = []
+            for position in found:
+                key = keys[position]
+                status, regions, checksum = self._load_cold(cold, key, sizes[position])
+                if regions is not None:
+                    loaded.append((position, regions, checksum))
+                    continue
+                answers[position] = _COLD_ANSWERS.get(status, protocol.GET_UNAVAILABLE)
+                if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
+                    with self._lock:
+                        self.cold_keys.discard(key)
+            with self._lock:
+                get = session.gets.get(token)
+                for position, regions, checksum in loaded:
+                    entry = self._settle_promotion_locked(
+                        keys[position], regions, sizes[position], checksum, generation
+                    )
+                    if entry is None or get is None:
+                        answers[position] = protocol.GET_MISSING
+                        continue
+                    self._index.pin(entry)
+                    get.pinned[position] = entry
+                    get.from_ssd.add(position)
+                    answers[position] = (entry.nbytes, entry.checksum, entry.regions)
+                # Counted once every answer is final: a position answers MISSING until its
+                # promotion settles, and a promoted object is a hit (of the SSD tier).
+                for position in positions:
+                    if answers[position] == protocol.GET_MISSING:
+                        self._counters.misses += 1
+                    elif answers[position] == protocol.GET_CORRUPT:
+                        self._counters.corrupt_loads += 1
+
+    @contextlib.contextmanager
+    def _reading_cold(self) -> Iterator[None]:
+        """Counted in `cold_reads` while it lasts: `write_ahead` gives way to it."""
         with self._lock:
             self.cold_reads += 1
         try:
-            self._promote(session, token, keys, sizes, positions, answers)
+            yield
         finally:
             with self._lock:
                 self.cold_reads -= 1
-
-    def _promote(
-        self,
-        session: Session,
-        token: int,
-        keys: Sequence[str],
-        sizes: Sequence[int],
-        positions: list[int],
-        answers: list[GetAnswer],
-    ) -> None:
-        cold = self._cold
-        assert cold is not None
-        generation = self.generation
-        found: list[int] = []
-        for position in positions:
-            size = self._cold_size(cold, keys[position])
-            if size is None:
-                answers[position] = protocol.GET_MISSING
-                with self._lock:
-                    self.cold_keys.discard(keys[position])
-            elif size != sizes[position]:
-                answers[position] = protocol.GET_SIZE_MISMATCH
-            else:
-                found.append(position)
-        loaded: list[tuple[int, Regions, int]] = []
-        for position in found:
-            key = keys[position]
-            status, regions, checksum = self._load_cold(cold, key, sizes[position])
-            if regions is not None:
-                loaded.append((position, regions, checksum))
-                continue
-            answers[position] = _COLD_ANSWERS.get(status, protocol.GET_UNAVAILABLE)
-            if status in (LoadStatus.CORRUPT, LoadStatus.MISSING):
-                with self._lock:
-                    self.cold_keys.discard(key)
-        with self._lock:
-            get = session.gets.get(token)
-            for position, regions, checksum in loaded:
-                entry = self._settle_promotion_locked(
-                    keys[position], regions, sizes[position], checksum, generation
-                )
-                if entry is None or get is None:
-                    answers[position] = protocol.GET_MISSING
-                    continue
-                self._index.pin(entry)
-                get.pinned[position] = entry
-                get.from_ssd.add(position)
-                answers[position] = (entry.nbytes, entry.checksum, entry.regions)
-            # Counted once every answer is final: a position answers MISSING until its
-            # promotion settles, and a promoted object is a hit (of the SSD tier).
-            for position in positions:
-                if answers[position] == protocol.GET_MISSING:
-                    self._counters.misses += 1
-                elif answers[position] == protocol.GET_CORRUPT:
-                    self._counters.corrupt_loads += 1
 
     def prefetch_one(self, key: str, nbytes: int) -> None:
         """Bring one cold object into DRAM ahead of its load (`prefetch`): unpinned, most
