@@ -275,11 +275,15 @@ def send_sequence(path: str, actions: list[tuple[str, int, Any]], tally: Counter
 
 def settled(store: ServerStore, wait_s: float = 20.0) -> dict[str, Any]:
     """Stats once the attacker's connection has been released (its handler may still be
-    running when the next request arrives)."""
+    running when the next request arrives) and the server's own copies to SSD (write
+    ahead) hold no pin: a pin that outlives `wait_s` is a leak."""
     deadline = time.monotonic() + wait_s
     while True:
         figures = store.server_stats()
-        if figures["sessions"]["connections"] == 0 or time.monotonic() > deadline:
+        dram = figures["dram"]
+        quiet = (figures["sessions"]["connections"] == 0 and dram["pinned_objects"] == 0
+                 and dram["retired_pinned_objects"] == 0)
+        if quiet or time.monotonic() > deadline:
             return figures
         time.sleep(0.01)
 

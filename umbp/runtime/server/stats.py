@@ -3,8 +3,9 @@
 The stats dict (`ServerStore.server_stats()`, `umbp stats --json`) has these parts:
 * "objects": distinct objects resident in either tier; "pid": the server's process id;
 * "dram": capacity_bytes, used_bytes, resident_bytes (pages of resident objects: with
-  nothing in flight it equals used_bytes), page_bytes, objects, pinned_objects,
-  retired_pinned_objects, high_watermark_bytes, low_watermark_bytes;
+  nothing in flight it equals used_bytes), page_bytes, objects, pinned_objects (held by
+  gets in flight, and for a moment by the server's own copies to SSD: demotion, write
+  ahead), retired_pinned_objects, high_watermark_bytes, low_watermark_bytes;
 * "ssd": enabled, and when enabled whatever the SSD tier reports (capacity, usage,
   objects, its own counters, dropped_at_open);
 * "sessions": connections (other than the one asking), reservations (puts in flight),
