@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import measure
 
+from umbp.core.identity import namespace_key_prefix
 from umbp.runtime.server import ServerStore, start_server
 from umbp.runtime.server import client as client_module
 from umbp.runtime.server.link import ServerLink
@@ -143,13 +144,15 @@ def measure_copies(
 
 
 def measure_lookup(store: ServerStore, calls: int) -> measure.LookupFigure:
-    """Latency of one batched lookup of 1,000 keys over the socket, half resident."""
+    """Latency of one batched lookup of 1,000 keys of one namespace (an engine's prompt)
+    over the socket, half resident."""
     payload = np.zeros(64, dtype=np.uint8)
-    stored = [f"umbp:bench:lookup-key-{index:08d}" for index in range(0, LOOKUP_KEYS, 2)]
+    prefix = namespace_key_prefix("bench")
+    stored = [f"{prefix}lookup-key-{index:08d}" for index in range(0, LOOKUP_KEYS, 2)]
     for start in range(0, len(stored), BATCH):
         batch = stored[start : start + BATCH]
         assert all(store.put_batch(batch, [payload] * len(batch)))
-    asked = [f"umbp:bench:lookup-key-{index:08d}" for index in range(LOOKUP_KEYS)]
+    asked = [f"{prefix}lookup-key-{index:08d}" for index in range(LOOKUP_KEYS)]
     assert sum(store.lookup(asked)) == LOOKUP_KEYS // 2
     figure = measure.measure_lookup_latency(lambda: store.lookup(asked), LOOKUP_KEYS, calls)
     store.clear()

@@ -195,10 +195,15 @@ def test_a_lookups_keys_are_counted_per_namespace_as_hits_by_tier_and_misses(
     # One lookup over two namespaces and a key not umbp's: each counted to its own.
     mixed = [key("bbbb", 0), key("bbbb", 7), key("aaaa", 0), "not-umbp", "umbp:0:bbbb:x"]
     assert [bool(code) for code in rig.core.lookup(mixed)] == [True, False, True, False, False]
+    # Keys none of which is umbp's are counted all at once; a lookup that starts with one
+    # and goes on with umbp's keys, key by key.
+    assert all(rig.put({"held-not-umbp": b"h" * 9}))
+    assert [bool(c) for c in rig.core.lookup(["held-not-umbp", "umbp:0:aaaa:y"])] == [True, False]
+    assert [bool(c) for c in rig.core.lookup(["elsewhere", key("bbbb", 1)])] == [False, True]
     rig.core.where(asked_a + mixed)
     rig.get([key("aaaa", 30)], [PAGE - 7])
     a, b, other = row(rig, "aaaa"), row(rig, "bbbb"), row(rig, "")
     assert (a["lookup_hits"], a["lookup_misses"]) == (19, 18)
     assert a["lookup_hits_on_ssd"] == len(on_ssd) + (key("aaaa", 0) in on_ssd)
-    assert (b["lookup_hits"], b["lookup_misses"], b["lookup_hits_on_ssd"]) == (1, 1, 0)
-    assert (other["lookup_hits"], other["lookup_misses"]) == (0, 2), "an older format's too"
+    assert (b["lookup_hits"], b["lookup_misses"], b["lookup_hits_on_ssd"]) == (2, 1, 0)
+    assert (other["lookup_hits"], other["lookup_misses"]) == (1, 4), "an older format's too"

@@ -26,6 +26,7 @@ from returns.result import Failure, Result, Success
 
 __all__ = [
     "FORMAT_VERSION",
+    "KEY_HEAD",
     "KEY_PREFIX",
     "RESERVED_NAMESPACE_PREFIXES",
     "CacheGroupShape",
@@ -52,6 +53,8 @@ it is :meth:`KeySpace.key`. KV events name objects by it too."""
 
 FORMAT_VERSION: Final = 1
 KEY_PREFIX: Final = "umbp"
+KEY_HEAD: Final = f"{KEY_PREFIX}:{FORMAT_VERSION}:"
+"""What every key umbp writes starts with: a string that does not is no namespace's."""
 _NAMESPACE_OVERRIDE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # Namespaces of other serving stacks (core.page_identity) start with these; an explicit
 # namespace may not, so no stack's keys can ever name another stack's bytes.
@@ -119,20 +122,17 @@ def namespace_key_prefix(namespace: str) -> str:
     """What every key of `namespace` starts with (``umbp:<format>:<namespace>:``), and
     nothing else's: the one spelling of a namespace's keys that every back-end's listing
     and removal use (:func:`namespace_of_key` is its inverse)."""
-    return f"{_KEY_HEAD}{namespace}:"
+    return f"{KEY_HEAD}{namespace}:"
 
 
 def namespace_of_key(key: str) -> str | None:
     """The namespace whose :func:`namespace_key_prefix` `key` starts with; None for any
     other string (a store may hold keys that are not umbp's, or of another format)."""
-    if not key.startswith(_KEY_HEAD):
+    if not key.startswith(KEY_HEAD):
         return None
-    start = len(_KEY_HEAD)
+    start = len(KEY_HEAD)
     end = key.find(":", start)
     return key[start:end] if end > start else None
-
-
-_KEY_HEAD: Final = f"{KEY_PREFIX}:{FORMAT_VERSION}:"
 
 
 def resolve_namespace(inputs: NamespaceInputs, override: str | None) -> Result[str, str]:

@@ -160,6 +160,11 @@ class PagedLru(Generic[R]):
     def __len__(self) -> int:
         return len(self._objects)
 
+    def residency(self, keys: Iterable[str]) -> bytes:
+        """One byte per key: 1 when it is resident, else 0 (at C speed: a lookup asks
+        about every block of a prompt)."""
+        return bytes(map(self._objects.__contains__, keys))
+
     def entries(self) -> Iterator[R]:
         """Resident objects, least recently used first."""
         return iter(self._objects.values())

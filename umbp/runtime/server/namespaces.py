@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from umbp.core.identity import namespace_key_prefix, namespace_of_key
+from umbp.core.identity import KEY_HEAD, namespace_key_prefix, namespace_of_key
 from umbp.runtime.server.protocol import WHERE_CPU, WHERE_DISK, WHERE_NONE
 from umbp.runtime.server.shares import OTHER_NAMESPACE
 
@@ -39,13 +39,14 @@ def namespace_of(key: str) -> str:
 
 
 def shared_namespace(keys: Sequence[str]) -> str | None:
-    """The namespace of every key when they all have one and the same (a lookup of one
-    engine's prompt: checked at C speed), else None."""
+    """The namespace every key is charged to when it is one and the same (a lookup of one
+    engine's prompt, or of keys none of which is umbp's: checked at C speed), else None."""
     if not keys:
         return None
     first = namespace_of_key(keys[0])
     if first is None:
-        return None
+        umbp_keys = any(map(str.startswith, keys, itertools.repeat(KEY_HEAD)))
+        return None if umbp_keys else OTHER_NAMESPACE
     prefix = namespace_key_prefix(first)
     return first if all(map(str.startswith, keys, itertools.repeat(prefix))) else None
 

@@ -155,10 +155,7 @@ class StoreCore:
             return self._where_locked(keys)
 
     def _where_locked(self, keys: Sequence[str]) -> bytes:
-        index = self._index
-        codes = bytearray(
-            protocol.WHERE_CPU if key in index else protocol.WHERE_NONE for key in keys
-        )
+        codes = bytearray(self._index.residency(keys).translate(_WHERE_OF_RESIDENCY))
         cold_keys = self._tiers.cold_keys
         if cold_keys:
             for position, code in enumerate(codes):
@@ -532,6 +529,9 @@ class StoreCore:
                     "quota_bytes": None if quota is None else quota * page,
                     "retain_budget_bytes": index.budget_of(namespace) * page,
                     "released": released}
+
+_WHERE_OF_RESIDENCY = bytes((protocol.WHERE_NONE, protocol.WHERE_CPU)).ljust(256, b"\0")
+"""`PoolIndex.residency`'s bytes (0, 1) as `WHERE_*` codes, by `bytes.translate`."""
 
 _PREFETCH_CLAIM_WAIT_S = 30.0
 """Longest a get waits for the prefetch read of one of its keys in progress (one object's
