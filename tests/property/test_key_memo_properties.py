@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.property.strategies import geometries, keyspaces, request_hashes
 from umbp.core.geometry import CacheGeometry
-from umbp.core.identity import KeySpace
+from umbp.core.identity import KeySpace, RankTopology
 from umbp.core.key_memo import EMPTY_KEY_MEMO, KeyMemo, group_keys
 from umbp.core.lookup.guards import lookup_skip_reason
 from umbp.core.lookup.query import (
@@ -28,8 +28,10 @@ from umbp.core.lookup.query import (
 
 
 def memo_keys_are_keyspace_keys(memo: KeyMemo, keyspace: KeySpace, hashes: tuple[bytes, ...]) -> bool:
-    if memo.namespace != keyspace.namespace or memo.topology != keyspace.topology:
-        return True  # an other keyspace's memo is never read for this one
+    if (memo.namespace, memo.topology, memo.replicated) != (
+        keyspace.namespace, keyspace.topology, keyspace.replicated
+    ):
+        return True  # an other keyspace's memo (replication included) is never read for this one
     coords = keyspace.topology.coords()
     for entry in memo.entries:
         if len(entry.per_rank) != len(coords):
@@ -39,6 +41,21 @@ def memo_keys_are_keyspace_keys(memo: KeyMemo, keyspace: KeySpace, hashes: tuple
                 if keys[offset] != keyspace.key(rank, entry.group_id, block_hash):
                     return False
     return True
+
+
+def test_a_memo_built_with_one_replication_is_never_read_for_another() -> None:
+    """Replicated groups shape keys (the run's writer names them), so a memo built
+    while a group was replicated is not read once it is not (same namespace and
+    topology): what `memo_keys_are_keyspace_keys` may therefore skip."""
+    hashes = (bytes(8), bytes(7) + b"\1", bytes(7) + b"\2")
+    topology = RankTopology(tp_size=2, pcp_size=1, dcp_size=1, pp_size=1)
+    replicated, plain = KeySpace("ns", topology, ((0, 2),)), KeySpace("ns", topology, ())
+    _entry, memo = group_keys(EMPTY_KEY_MEMO, replicated, 0, 1, 1, hashes, 0, 3)
+    assert memo.entry(replicated, 0, 1) is not None and memo.entry(plain, 0, 1) is None
+    entry, _memo = group_keys(memo, plain, 0, 1, 1, hashes, 0, 3)
+    assert entry.rank_keys(1, 0, 3) == tuple(
+        plain.key(plain.topology.coords()[1], 0, h) for h in hashes
+    ) != memo.entries[0].rank_keys(1, 0, 3)
 
 
 @st.composite
