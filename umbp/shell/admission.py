@@ -116,7 +116,8 @@ class Admission:
             logger.info("umbp restores %s (load_async unset; set it to choose)", (
                 "while the request waits, off the model step" if load_async else
                 "layer by layer in the step that computes the rest of the prompt, copying "
-                "from the embedded pool's pages into the KV cache in host memory"
+                "from the store's pages (the embedded pool's, or umbp serve's shared memory) into "
+                "the KV cache in host memory"
             ))
         self._rules = replace(self._rules, load_async=load_async)
 
