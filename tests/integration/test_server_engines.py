@@ -243,11 +243,12 @@ def test_bytes_flipped_in_the_ssd_tier_are_detected_dropped_and_recomputed(
     # The damage is found by whichever reads the object first: an asynchronous load
     # (corrupt), or the prefetch its lookup started (then the object is dropped and the
     # load finds it gone). A layer-by-layer restore (the default here) waits at admission
-    # for that prefetch, so the step never reads the SSD: it plans what is left.
+    # for that prefetch and plans what is left; with a DRAM of 4 objects, one it planned
+    # from DRAM can still be pushed out by the prefetch of later ones and read back from
+    # its flipped SSD copy in the step (CI saw it once): found there too, never served.
     failures = stats["worker"]["load_failures"]
     if load_async:
         assert failures.get("corrupt", 0) + failures.get("missing", 0) > 0
     else:
         assert stats["scheduler"]["prefetch_waits"] > 0
-        assert failures.get("corrupt", 0) == 0
     assert tiers["ssd"]["corrupt_reads"] > 0 and tiers["counters"]["corrupt_loads"] > 0
