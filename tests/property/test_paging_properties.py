@@ -8,6 +8,7 @@ LRU order beside it. After every step:
 * no page is owned twice: free, reserved, resident, pinned-retired and retired pages are
   disjoint and together are every page; free + used == usable;
 * LRU order is the model's (puts and touches move a key to the most recent end);
+and at every take, the pages come in ascending order (adjacent ones make one copy);
 and at every eviction:
 * only unpinned objects that were not already leaving are chosen, and they are the least
   recently used of those, in order;
@@ -68,6 +69,7 @@ class PagedLruMachine(RuleBasedStateMachine):
         pages = lru.take_pages(count)
         if pages is None:
             return
+        assert list(pages) == sorted(pages), "pages are handed out ascending"
         entry = Resident(key, pages)
         lru.admit(entry)
         self.order[key] = entry
@@ -105,6 +107,7 @@ class PagedLruMachine(RuleBasedStateMachine):
     def reserve(self, count: int) -> None:
         pages = self.lru.take_pages(count)
         if pages is not None:
+            assert list(pages) == sorted(pages), "pages are handed out ascending"
             self.reservations.append(pages)
 
     @precondition(lambda self: bool(self.reservations))

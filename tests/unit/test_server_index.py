@@ -51,6 +51,17 @@ def test_fragmented_pages_come_back_as_several_regions_in_object_order() -> None
     assert index.used_pages == 4
 
 
+def test_single_page_objects_cleared_oldest_first_leave_a_run_that_comes_back_as_one_region() -> None:
+    index = make_index(total=8, high=8, low=8)
+    for number in range(8):
+        regions = index.reserve(PAGE)
+        assert regions is not None
+        index.insert(f"small-{number}", regions, PAGE, number)
+    assert index.clear() == 8  # retired oldest first: page 7 is on top of the free stack
+    assert index.reserve(4 * PAGE) == ((4 * PAGE, 4 * PAGE),), "one copy, not four"
+    assert index.reserve(4 * PAGE) == ((0, 4 * PAGE),)
+
+
 def test_a_retired_pinned_entry_keeps_its_pages_until_the_last_unpin() -> None:
     index = make_index()
     regions = index.reserve(2 * PAGE)

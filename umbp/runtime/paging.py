@@ -117,14 +117,18 @@ class PagedLru(Generic[R]):
         return page_count <= self.total_pages - len(self._retired_pages)
 
     def take_pages(self, count: int) -> tuple[int, ...] | None:
-        """Reserve `count` free pages, in the order an object uses them (None: too few).
-        A run released in ascending order comes back ascending."""
+        """Reserve the `count` most recently freed pages, in ascending order: the order an
+        object uses them (None: too few). Ascending, because the pages on top of the stack
+        are often adjacent but stacked in reverse: single-page objects retired oldest
+        first leave ..., 7, 8, 9 on top, and a copy into pages 9, 8, 7 is three copies
+        where 7, 8, 9 is one (a server's 1 MiB objects after a clear of 64 KiB ones were
+        16 regions each, and a put ran at 0.51 of memcpy instead of 0.8)."""
         free = self._free
         if count > len(free):
             return None
         if count == 1:
             return (free.pop(),)
-        pages = tuple(reversed(free[-count:]))
+        pages = tuple(sorted(free[-count:]))
         del free[-count:]
         return pages
 
