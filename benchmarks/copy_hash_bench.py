@@ -1,5 +1,6 @@
-"""What a checksum costs on top of a copy: memcpy, copy then hash, and umbp's copy that
-hashes each cache-sized chunk right after copying it, side by side in one run.
+"""What a checksum costs on top of a copy: memcpy, copy then hash, umbp's Python copy that
+hashes each cache-sized chunk right after copying it, and umbp's native loop that hashes
+each stripe as it copies it, side by side in one run.
 
     python benchmarks/copy_hash_bench.py [--mib 256] [--repeats 5] [--json FILE] [--quick]
 
@@ -10,22 +11,23 @@ pool), three ways, alternating pass by pass, best of `--repeats`:
 * ``memcpy``: numpy's copy, nothing else (the reference);
 * ``copy, then hash``: the copy, then xxh3-64 of the whole object (umbp before: a second
   pass, from cache while the object fits the core's L2);
-* ``copy_hashing``: `umbp.runtime.paged_copy.copy_hashing`, what every path uses now:
-  objects over 2 x `CHUNK_BYTES` are copied and hashed a chunk at a time, so the hash
-  reads what the copy just wrote, from cache.
+* ``python chunks``: `umbp.runtime.paged_copy.copy_hashing` without the native loop (an
+  install without a C compiler): objects over 2 x `CHUNK_BYTES` are copied and hashed a
+  chunk at a time, so the hash reads what the copy just wrote, from cache;
+* ``native``: `copy_hashing` as installed (`umbp.runtime._copyhash`, this CPU's kernel):
+  each 64-byte stripe loaded once, stored, and hashed from the same registers;
+* ``native, scalar``: the same loop with the portable kernel (what a CPU without AVX2,
+  or an Arm host, runs).
 
-Ratios are to memcpy; a fused copy-and-hash loop in native code would be the ceiling
-Python cannot reach (see docs/performance.md, "Checksums while copying").
+Ratios are to memcpy (see docs/performance.md, "Checksums while copying").
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
-import mmap
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,29 +37,25 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import measure
+
+from umbp.runtime import paged_copy
 from umbp.runtime.paged_copy import CHUNK_BYTES, copy_hashing
+from umbp.runtime.server.shm import create_shared_pool, release_shared_pool
 from umbp.testing.table import format_table
 
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def shared_mapping(nbytes: int) -> mmap.mmap:
-    """A prefaulted /dev/shm mapping, as the server's pool is."""
-    fd, path = tempfile.mkstemp(prefix="umbp-copy-hash-", dir="/dev/shm")
-    try:
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    np.frombuffer(mapping, np.uint8).fill(1)
-    return mapping
-
-
 def passes(total: int, size: int) -> dict[str, Callable[[], None]]:
-    source = np.random.default_rng(size).integers(0, 256, size=total, dtype=np.uint8)
-    mapping = shared_mapping(total)
+    # Into a pool made as `umbp serve` makes its own (a posix_fallocate'd /dev/shm file),
+    # from a source 64-byte aligned as torch's CPU allocator aligns a KV tensor.
+    source = measure.random_source(1, total, block_bytes=min(total, 64 << 20))[0]
+    pool = create_shared_pool(total)
+    atexit.register(release_shared_pool, pool)
+    mapping = pool.view
     target = np.frombuffer(mapping, np.uint8)
+    target.fill(1)
     view, source_view = memoryview(mapping), memoryview(source)
     starts = range(0, total - size + 1, size)
 
@@ -70,11 +68,30 @@ def passes(total: int, size: int) -> dict[str, Callable[[], None]]:
             np.copyto(target[start : start + size], source[start : start + size])
             xxhash.xxh3_64_intdigest(view[start : start + size])
 
-    def chunked() -> None:
+    def hashing_copies() -> None:
         for start in starts:
             copy_hashing(view[start : start + size], source_view[start : start + size])
 
-    return {"memcpy": memcpy, "copy, then hash": copy_then_hash, "copy_hashing": chunked}
+    native = paged_copy._native
+    if native is None:
+        raise SystemExit("umbp.runtime._copyhash is not built: reinstall umbp (pip install -e .)")
+
+    def python_chunks() -> None:
+        paged_copy._native = None
+        try:
+            hashing_copies()
+        finally:
+            paged_copy._native = native
+
+    def scalar() -> None:
+        native.use_kernel("scalar")
+        try:
+            hashing_copies()
+        finally:
+            native.use_kernel("best")
+
+    return {"memcpy": memcpy, "copy, then hash": copy_then_hash, "python chunks": python_chunks,
+            "native": hashing_copies, "native, scalar": scalar}
 
 
 def main() -> None:
@@ -91,8 +108,11 @@ def main() -> None:
     for size in SIZES:
         runs = passes(max(total, size), size)
         best = {name: float("inf") for name in runs}
-        for _ in range(arguments.repeats):
-            for name, run in runs.items():
+        names = list(runs)
+        for repeat in range(arguments.repeats):
+            # Each pass starts with another copy: drift and order hit all alike.
+            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                run = runs[name]
                 started = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - started)
@@ -102,14 +122,16 @@ def main() -> None:
                         "ratio": {name: gbps[name] / gbps["memcpy"] for name in gbps}})
         rows.append([f"{size >> 10} KiB", *(f"{gbps[name]:.2f}" for name in runs),
                      *(f"{gbps[name] / gbps['memcpy']:.3f}" for name in list(runs)[1:])])
-    print(format_table(["object", "memcpy GB/s", "copy, then hash GB/s", "copy_hashing GB/s",
-                        "then hash / memcpy", "copy_hashing / memcpy"], rows))
-    print(f"chunk: {CHUNK_BYTES >> 10} KiB, for objects over {2 * CHUNK_BYTES >> 10} KiB; "
-          f"{arguments.mib} MiB per pass, best of {arguments.repeats}")
+    names = list(runs)
+    print(format_table(["object", *(f"{name} GB/s" for name in names),
+                        *(f"{name} / memcpy" for name in names[1:])], rows))
+    print(f"python chunks: {CHUNK_BYTES >> 10} KiB, for objects over {2 * CHUNK_BYTES >> 10} "
+          f"KiB; native kernel: {paged_copy.native_kernel()}; {arguments.mib} MiB per pass, "
+          f"best of {arguments.repeats}")
     if arguments.json is not None:
-        arguments.json.write_text(json.dumps({"benchmark": "copy-hash", "quick": arguments.quick,
-                                              "chunk_bytes": CHUNK_BYTES, "rows": figures},
-                                             indent=2))
+        report = {"benchmark": "copy-hash", "quick": arguments.quick, "chunk_bytes": CHUNK_BYTES,
+                  "native_kernel": paged_copy.native_kernel(), "rows": figures}
+        arguments.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

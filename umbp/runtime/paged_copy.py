@@ -12,6 +12,13 @@ value. Measured (docs/performance.md, "Checksums while copying"): chunking a 1 M
 costs Python calls and gains nothing where a core's L2 holds it, so only longer pieces
 are chunked.
 
+Where umbp's native copy loop is built (`umbp.runtime._copyhash`, compiled at install),
+every object over 240 bytes is copied and hashed in one pass instead: each 64-byte stripe
+is loaded once, stored and fed to the hash from the same registers, without the GIL. It
+yields the same xxh3-64 as the `xxhash` package, and copies at least as fast as numpy's
+memcpy of the same bytes (docs/performance.md, "Checksums while copying"). Without it
+(no C compiler at install, said once in the log) the chunked Python path below runs:
+
 Large pieces are copied by numpy, which releases the GIL while it copies (a memoryview
 slice assignment holds it throughout): the copies run on transfer threads beside the
 thread that drives the model, and a 64 MiB restore held the GIL for whole pieces at a
@@ -21,14 +28,49 @@ call costs ~0.3 us more, an eighth of a 64 KiB copy, and the GIL is held for ~2 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["CHUNK_BYTES", "copy_hashing", "pages_checksum", "read_regions", "write_regions"]
+__all__ = [
+    "CHUNK_BYTES",
+    "NATIVE_FROM_BYTES",
+    "copy_hashing",
+    "native_kernel",
+    "pages_checksum",
+    "read_regions",
+    "write_regions",
+]
+
+logger = logging.getLogger("umbp")
+
+
+def _native_module() -> ModuleType | None:
+    try:
+        from umbp.runtime import _copyhash
+    except ImportError as error:
+        logger.warning(
+            "umbp: the native copy loop (umbp.runtime._copyhash) is not built (%s); copies "
+            "with checksums run in Python, ~0.8 of memcpy instead of ~1.0 (reinstall umbp "
+            "where a C compiler is available)", error)
+        return None
+    return _copyhash
+
+
+_native: ModuleType | None = _native_module()
+NATIVE_FROM_BYTES: Final = 241
+"""Objects from this size on take xxh3's long-input path, the one the native loop runs;
+shorter ones are hashed by the `xxhash` package."""
+
+
+def native_kernel() -> str | None:
+    """The native copy loop in use ('avx2' or 'scalar'), or None when it is not built."""
+    return None if _native is None else str(_native.kernel())
 
 _GIL_FREE_FROM_BYTES = 128 * 1024
 CHUNK_BYTES: Final = 512 * 1024
@@ -67,6 +109,8 @@ def _copy_hashing_into(
 
 def copy_hashing(destination: memoryview, source: memoryview | bytearray) -> int:
     """Copy `source` into `destination` (same length); xxh3-64 of the bytes now there."""
+    if _native is not None and len(destination) >= NATIVE_FROM_BYTES:
+        return int(_native.copy_hash(destination, source))
     if len(destination) <= 2 * CHUNK_BYTES:
         _copy(destination, source)
         return int(xxhash.xxh3_64_intdigest(destination))
@@ -79,6 +123,8 @@ def write_regions(
     memory: memoryview, regions: Sequence[Sequence[int]], source: memoryview | bytearray
 ) -> int:
     """Copy `source` into its regions of `memory`; xxh3-64 of the bytes now stored there."""
+    if _native is not None and len(source) >= NATIVE_FROM_BYTES:
+        return int(_native.copy_hash_regions(memory, regions, source, True))
     if len(regions) == 1:
         offset, length = regions[0]
         return copy_hashing(memory[offset : offset + length], source)
@@ -96,6 +142,8 @@ def read_regions(
 ) -> int:
     """Copy an object out of its regions of `memory` into `destination` (exactly its
     size); xxh3-64 of what arrived there, to compare with the stored checksum."""
+    if _native is not None and len(destination) >= NATIVE_FROM_BYTES:
+        return int(_native.copy_hash_regions(memory, regions, destination, False))
     if len(regions) == 1:
         offset, length = regions[0]
         return copy_hashing(destination, memory[offset : offset + length])
