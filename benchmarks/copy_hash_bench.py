@@ -14,10 +14,11 @@ pool), three ways, alternating pass by pass, best of `--repeats`:
 * ``python chunks``: `umbp.runtime.paged_copy.copy_hashing` without the native loop (an
   install without a C compiler): objects over 2 x `CHUNK_BYTES` are copied and hashed a
   chunk at a time, so the hash reads what the copy just wrote, from cache;
-* ``native``: `copy_hashing` as installed (`umbp.runtime._copyhash`, this CPU's kernel):
-  each 64-byte stripe loaded once, stored, and hashed from the same registers;
-* ``native, scalar``: the same loop with the portable kernel (what a CPU without AVX2,
-  or an Arm host, runs).
+* ``native``: `copy_hashing` through the native loop (`umbp.runtime._copyhash`, this
+  CPU's best kernel; what umbp runs where that is AVX2): each 64-byte stripe loaded once,
+  stored, and hashed from the same registers;
+* ``native, scalar``: the same loop with the portable kernel (slower than the Python
+  chunks here: a CPU without AVX2 keeps the Python chunks).
 
 Ratios are to memcpy (see docs/performance.md, "Checksums while copying").
 """
@@ -31,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import xxhash
@@ -72,26 +74,31 @@ def passes(total: int, size: int) -> dict[str, Callable[[], None]]:
         for start in starts:
             copy_hashing(view[start : start + size], source_view[start : start + size])
 
-    native = paged_copy._native
-    if native is None:
+    def through(loop: ModuleType | None, kernel: str = "best") -> Callable[[], None]:
+        """`copy_hashing` as it runs with `loop` (None: the Python chunks) and `kernel`."""
+
+        def run() -> None:
+            installed = paged_copy._native
+            paged_copy._native = loop
+            if loop is not None:
+                loop.use_kernel(kernel)
+            try:
+                hashing_copies()
+            finally:
+                if loop is not None:
+                    loop.use_kernel("best")
+                paged_copy._native = installed
+
+        return run
+
+    try:
+        from umbp.runtime import _copyhash
+    except ImportError:
         raise SystemExit("umbp.runtime._copyhash is not built: reinstall umbp (pip install -e .)")
-
-    def python_chunks() -> None:
-        paged_copy._native = None
-        try:
-            hashing_copies()
-        finally:
-            paged_copy._native = native
-
-    def scalar() -> None:
-        native.use_kernel("scalar")
-        try:
-            hashing_copies()
-        finally:
-            native.use_kernel("best")
+    python_chunks, native, scalar = through(None), through(_copyhash), through(_copyhash, "scalar")
 
     return {"memcpy": memcpy, "copy, then hash": copy_then_hash, "python chunks": python_chunks,
-            "native": hashing_copies, "native, scalar": scalar}
+            "native": native, "native, scalar": scalar}
 
 
 def main() -> None:

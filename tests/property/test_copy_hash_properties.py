@@ -11,9 +11,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umbp.runtime import paged_copy
+from umbp.runtime import _copyhash
 
-NATIVE = paged_copy._native
 STRIPE_EDGES = st.sampled_from([64 * k + d for k in range(4, 40) for d in (-1, 0, 1)])
 
 
@@ -39,18 +38,17 @@ def scattered_objects(draw: st.DrawFn) -> tuple[bytes, list[tuple[int, int]], in
 def test_a_scattered_copy_hashes_as_xxhash_and_moves_every_byte(
     case: tuple[bytes, list[tuple[int, int]], int], kernel: str
 ) -> None:
-    assert NATIVE is not None, "the install did not build umbp.runtime._copyhash"
     payload, regions, pool_bytes = case
-    previous = NATIVE.use_kernel(kernel)
+    previous = _copyhash.use_kernel(kernel)
     try:
         pool = bytearray(pool_bytes)
-        written = NATIVE.copy_hash_regions(pool, regions, payload, True)
+        written = _copyhash.copy_hash_regions(pool, regions, payload, True)
         back = bytearray(len(payload))
-        read = NATIVE.copy_hash_regions(pool, regions, back, False)
+        read = _copyhash.copy_hash_regions(pool, regions, back, False)
         whole = bytearray(len(payload))
-        copied = NATIVE.copy_hash(whole, payload)
+        copied = _copyhash.copy_hash(whole, payload)
     finally:
-        NATIVE.use_kernel("best" if previous != "scalar" else "scalar")
+        _copyhash.use_kernel("best" if previous != "scalar" else "scalar")
     expected = xxhash.xxh3_64_intdigest(payload)
     assert written == read == copied == expected
     assert bytes(back) == bytes(whole) == payload

@@ -12,12 +12,13 @@ value. Measured (docs/performance.md, "Checksums while copying"): chunking a 1 M
 costs Python calls and gains nothing where a core's L2 holds it, so only longer pieces
 are chunked.
 
-Where umbp's native copy loop is built (`umbp.runtime._copyhash`, compiled at install),
-every object over 240 bytes is copied and hashed in one pass instead: each 64-byte stripe
-is loaded once, stored and fed to the hash from the same registers, without the GIL. It
-yields the same xxh3-64 as the `xxhash` package, and copies at least as fast as numpy's
-memcpy of the same bytes (docs/performance.md, "Checksums while copying"). Without it
-(no C compiler at install, said once in the log) the chunked Python path below runs:
+Where umbp's native copy loop is built (`umbp.runtime._copyhash`, compiled at install)
+and the CPU has AVX2, every object over 240 bytes is copied and hashed in one pass
+instead: each 64-byte stripe is loaded once, stored and fed to the hash from the same
+registers, without the GIL. It yields the same xxh3-64 as the `xxhash` package, and
+copies about as fast as numpy's memcpy of the same bytes or faster (docs/performance.md,
+"Checksums while copying"). Without it (no C compiler at install: said once in the log;
+no AVX2) the chunked Python path below runs:
 
 Large pieces are copied by numpy, which releases the GIL while it copies (a memoryview
 slice assignment holds it throughout): the copies run on transfer threads beside the
@@ -51,6 +52,9 @@ logger = logging.getLogger("umbp")
 
 
 def _native_module() -> ModuleType | None:
+    """The native loop, where it is built and this CPU runs its vector kernel (AVX2): its
+    portable kernel measured 0.5-0.67 of memcpy, slower than the Python chunks over
+    xxhash's own vector code, so a CPU without AVX2 (an Arm host) keeps the latter."""
     try:
         from umbp.runtime import _copyhash
     except ImportError as error:
@@ -58,6 +62,10 @@ def _native_module() -> ModuleType | None:
             "umbp: the native copy loop (umbp.runtime._copyhash) is not built (%s); copies "
             "with checksums run in Python, ~0.8 of memcpy instead of ~1.0 (reinstall umbp "
             "where a C compiler is available)", error)
+        return None
+    if _copyhash.kernel() != "avx2":
+        logger.info("umbp: this CPU has no AVX2; copies with checksums run in Python "
+                    "(faster here than the native loop's portable kernel)")
         return None
     return _copyhash
 
@@ -69,8 +77,10 @@ shorter ones are hashed by the `xxhash` package."""
 
 
 def native_kernel() -> str | None:
-    """The native copy loop in use ('avx2' or 'scalar'), or None when it is not built."""
+    """The native copy loop's kernel in use ('avx2', or 'scalar' while a test or benchmark
+    asks for it), or None when copies run in Python."""
     return None if _native is None else str(_native.kernel())
+
 
 _GIL_FREE_FROM_BYTES = 128 * 1024
 CHUNK_BYTES: Final = 512 * 1024
