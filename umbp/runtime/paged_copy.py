@@ -15,9 +15,9 @@ are chunked.
 Where umbp's native copy loop is built (`umbp.runtime._copyhash`, compiled at install)
 and the CPU has AVX2, every object over 240 bytes is copied and hashed in one pass
 instead: each 64-byte stripe is loaded once, stored and fed to the hash from the same
-registers, without the GIL. It yields the same xxh3-64 as the `xxhash` package, and
-copies about as fast as numpy's memcpy of the same bytes or faster (docs/performance.md,
-"Checksums while copying"). Without it (no C compiler at install: said once in the log;
+registers, without the GIL, its stores streamed past the cache where the destination is
+32-byte aligned. It yields the same xxh3-64 as the `xxhash` package, and copies faster
+than numpy's memcpy of the same bytes (docs/performance.md, "Checksums while copying"). Without it (no C compiler at install: said once in the log;
 no AVX2) the chunked Python path below runs:
 
 Large pieces are copied by numpy, which releases the GIL while it copies (a memoryview
