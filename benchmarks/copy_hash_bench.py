@@ -6,7 +6,8 @@ each stripe as it copies it, side by side in one run.
 
 For objects of 256 KiB, 1, 4 and 16 MiB, `--mib` MiB are copied object by object from a
 prefaulted source into a shared-memory mapping (as a client copies into `umbp serve`'s
-pool), three ways, alternating pass by pass, best of `--repeats`:
+pool), five ways, alternating pass by pass (each repeat starting with another), best of
+`--repeats`:
 
 * ``memcpy``: numpy's copy, nothing else (the reference);
 * ``copy, then hash``: the copy, then xxh3-64 of the whole object (umbp before: a second
@@ -80,13 +81,12 @@ def passes(total: int, size: int) -> dict[str, Callable[[], None]]:
         def run() -> None:
             installed = paged_copy._native
             paged_copy._native = loop
-            if loop is not None:
-                loop.use_kernel(kernel)
+            previous = None if loop is None else loop.use_kernel(kernel)
             try:
                 hashing_copies()
             finally:
-                if loop is not None:
-                    loop.use_kernel("best")
+                if previous is not None:
+                    loop.use_kernel(previous)
                 paged_copy._native = installed
 
         return run
@@ -115,7 +115,7 @@ def main() -> None:
     for size in SIZES:
         runs = passes(max(total, size), size)
         best = {name: float("inf") for name in runs}
-        names = list(runs)
+        names = list(runs)  # the same every size
         for repeat in range(arguments.repeats):
             # Each pass starts with another copy: drift and order hit all alike.
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
@@ -128,8 +128,7 @@ def main() -> None:
         figures.append({"object_bytes": size, "gbps": gbps,
                         "ratio": {name: gbps[name] / gbps["memcpy"] for name in gbps}})
         rows.append([f"{size >> 10} KiB", *(f"{gbps[name]:.2f}" for name in runs),
-                     *(f"{gbps[name] / gbps['memcpy']:.3f}" for name in list(runs)[1:])])
-    names = list(runs)
+                     *(f"{gbps[name] / gbps['memcpy']:.3f}" for name in names[1:])])
     print(format_table(["object", *(f"{name} GB/s" for name in names),
                         *(f"{name} / memcpy" for name in names[1:])], rows))
     print(f"python chunks: {CHUNK_BYTES >> 10} KiB, for objects over {2 * CHUNK_BYTES >> 10} "

@@ -22,7 +22,7 @@
  * cache: a copy then does not read each destination line before writing it (as plain
  * stores and glibc's `rep movsb` do), nor evict what other threads and the server keep
  * in cache; it measured 1.4-1.9x numpy's memcpy, against 0.9-1.2x with plain stores.
- * Each piece ends with an `sfence`, so the copy is complete before anything reads it.
+ * An `sfence` ends each copy, so it is complete before anything reads it.
  *
  * The GIL is released while bytes move (both functions), so transfer threads copy
  * beside the thread that drives the model.
@@ -214,7 +214,7 @@ static void hashing_stripes(Hashing *h, uint8_t *dst, const uint8_t *src, size_t
     }
 }
 
-static void hashing_piece_unfenced(Hashing *h, uint8_t *dst, const uint8_t *src, size_t length) {
+static void hashing_piece(Hashing *h, uint8_t *dst, const uint8_t *src, size_t length) {
     if (h->partial_bytes > 0) { /* a stripe begun in the previous piece */
         size_t take = STRIPE - h->partial_bytes;
         if (take > length) {
@@ -251,19 +251,51 @@ static void hashing_piece_unfenced(Hashing *h, uint8_t *dst, const uint8_t *src,
     }
 }
 
-/* Copy and hash one piece; its streamed stores drained before anything reads the copy
- * (the last stripe is hashed from where it landed). */
-static void hashing_piece(Hashing *h, uint8_t *dst, const uint8_t *src, size_t length) {
-    hashing_piece_unfenced(h, dst, src, length);
-#ifdef UMBP_X86
-    _mm_sfence();
-#endif
-}
-
 static uint64_t hashing_finish(Hashing *h, const uint8_t *last_stripe) {
     uint8_t scratch[STRIPE];
     copy_stripes(h->acc, scratch, last_stripe, kSecret + SECRET_SIZE - STRIPE - 7, 1);
     return merge(h->acc, h->total);
+}
+
+typedef struct {
+    Py_ssize_t offset;
+    Py_ssize_t length;
+} Region;
+
+/* Copy an object of `total` bytes between its `regions` of the pool at `base` and the
+ * contiguous `flat` (into the pool when `into_pool`), hashing it in region order; its
+ * xxh3-64. The streamed stores are drained (`sfence`) before the last stripe is read
+ * back from where it landed. No GIL needed. */
+static uint64_t copy_object(uint8_t *base, const Region *regions, Py_ssize_t count,
+                            size_t total, uint8_t *flat, int into_pool) {
+    Hashing h;
+    hashing_start(&h, total);
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint8_t *in_pool = base + regions[i].offset;
+        size_t length = (size_t)regions[i].length;
+        if (into_pool) {
+            hashing_piece(&h, in_pool, flat + at, length);
+        } else {
+            hashing_piece(&h, flat + at, in_pool, length);
+        }
+        at += length;
+    }
+#ifdef UMBP_X86
+    _mm_sfence();
+#endif
+    if (!into_pool) {
+        return hashing_finish(&h, flat + total - STRIPE);
+    }
+    uint8_t last[STRIPE]; /* gathered across regions if need be */
+    size_t wanted = STRIPE;
+    for (Py_ssize_t i = count - 1; i >= 0 && wanted > 0; i--) {
+        size_t length = (size_t)regions[i].length;
+        size_t take = length < wanted ? length : wanted;
+        memcpy(last + wanted - take, base + regions[i].offset + length - take, take);
+        wanted -= take;
+    }
+    return hashing_finish(&h, last);
 }
 
 /* ----------------------------------------------------------------- Python side */
@@ -297,11 +329,9 @@ static PyObject *copy_hash(PyObject *module, PyObject *args) {
                      MIDSIZE_MAX, out.len);
     } else {
         uint64_t value;
+        Region whole = {0, out.len};
         Py_BEGIN_ALLOW_THREADS
-        Hashing h;
-        hashing_start(&h, (size_t)out.len);
-        hashing_piece(&h, out.buf, in.buf, (size_t)out.len);
-        value = hashing_finish(&h, (const uint8_t *)out.buf + out.len - STRIPE);
+        value = copy_object(out.buf, &whole, 1, (size_t)out.len, in.buf, 1);
         Py_END_ALLOW_THREADS
         result = PyLong_FromUnsignedLongLong(value);
     }
@@ -309,11 +339,6 @@ static PyObject *copy_hash(PyObject *module, PyObject *args) {
     PyBuffer_Release(&out);
     return result;
 }
-
-typedef struct {
-    Py_ssize_t offset;
-    Py_ssize_t length;
-} Region;
 
 /* The regions as (offset, length) pairs inside a pool of `pool_bytes`; their total. */
 static Py_ssize_t parse_regions(PyObject *regions, Py_ssize_t pool_bytes, Region **parsed,
@@ -400,32 +425,7 @@ static PyObject *copy_hash_regions(PyObject *module, PyObject *args) {
     }
     uint64_t value;
     Py_BEGIN_ALLOW_THREADS
-    uint8_t *base = pool.buf, *flat_bytes = other.buf;
-    Hashing h;
-    hashing_start(&h, (size_t)total);
-    Py_ssize_t at = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint8_t *in_pool = base + list[i].offset;
-        if (into_memory) {
-            hashing_piece(&h, in_pool, flat_bytes + at, (size_t)list[i].length);
-        } else {
-            hashing_piece(&h, flat_bytes + at, in_pool, (size_t)list[i].length);
-        }
-        at += list[i].length;
-    }
-    /* The last stripe, from where the bytes landed (gathered across regions if need be). */
-    uint8_t last[STRIPE];
-    if (into_memory) {
-        size_t wanted = STRIPE;
-        for (Py_ssize_t i = count - 1; i >= 0 && wanted > 0; i--) {
-            size_t take = (size_t)list[i].length < wanted ? (size_t)list[i].length : wanted;
-            memcpy(last + wanted - take, base + list[i].offset + list[i].length - take, take);
-            wanted -= take;
-        }
-    } else {
-        memcpy(last, flat_bytes + total - STRIPE, STRIPE);
-    }
-    value = hashing_finish(&h, last);
+    value = copy_object(pool.buf, list, count, (size_t)total, other.buf, into_memory);
     Py_END_ALLOW_THREADS
     result = PyLong_FromUnsignedLongLong(value);
 done:
@@ -443,7 +443,7 @@ static PyObject *kernel(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(copy_stripes == stripes_scalar ? "scalar" : "avx2");
 }
 
-/* For tests and benchmarks: run the portable loop on a CPU that has AVX2. */
+/* For tests and benchmarks: run the portable loop on a CPU that has AVX2, and back. */
 static PyObject *use_kernel(PyObject *module, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s:use_kernel", &name)) {
@@ -452,11 +452,14 @@ static PyObject *use_kernel(PyObject *module, PyObject *args) {
     PyObject *previous = kernel(module, NULL);
     if (strcmp(name, "scalar") == 0) {
         copy_stripes = stripes_scalar;
-    } else if (strcmp(name, "best") == 0) {
+    } else if (strcmp(name, "best") == 0 ||
+               (strcmp(name, "avx2") == 0 && best_stripes != stripes_scalar)) {
         copy_stripes = best_stripes;
     } else {
         Py_XDECREF(previous);
-        PyErr_Format(PyExc_ValueError, "unknown kernel '%s': 'scalar' or 'best'", name);
+        PyErr_Format(PyExc_ValueError,
+                     "kernel '%s' is not available here: 'scalar', 'best' or, with AVX2, "
+                     "'avx2'", name);
         return NULL;
     }
     return previous;
@@ -472,8 +475,8 @@ static PyMethodDef methods[] = {
      "into_memory); the xxh3-64 of the object's bytes in region order."},
     {"kernel", kernel, METH_NOARGS, "kernel() -> str: the copy loop in use: 'avx2' or 'scalar'."},
     {"use_kernel", use_kernel, METH_VARARGS,
-     "use_kernel(name) -> str: 'scalar' (the portable loop) or 'best' (this CPU's); the "
-     "kernel in use before."},
+     "use_kernel(name) -> str: 'scalar' (the portable loop), 'best' (this CPU's) or a name "
+     "kernel() answered; the kernel in use before."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,8 +17,9 @@ and the CPU has AVX2, every object over 240 bytes is copied and hashed in one pa
 instead: each 64-byte stripe is loaded once, stored and fed to the hash from the same
 registers, without the GIL, its stores streamed past the cache where the destination is
 32-byte aligned. It yields the same xxh3-64 as the `xxhash` package, and copies faster
-than numpy's memcpy of the same bytes (docs/performance.md, "Checksums while copying"). Without it (no C compiler at install: said once in the log;
-no AVX2) the chunked Python path below runs:
+than numpy's memcpy of the same bytes (docs/performance.md, "Checksums while copying").
+Without it (no C compiler at install: said once in the log; no AVX2) the chunked Python
+path below runs:
 
 Large pieces are copied by numpy, which releases the GIL while it copies (a memoryview
 slice assignment holds it throughout): the copies run on transfer threads beside the
@@ -53,7 +54,7 @@ logger = logging.getLogger("umbp")
 
 def _native_module() -> ModuleType | None:
     """The native loop, where it is built and this CPU runs its vector kernel (AVX2): its
-    portable kernel measured 0.5-0.67 of memcpy, slower than the Python chunks over
+    portable kernel measured 0.51-0.73 of memcpy, slower than the Python chunks over
     xxhash's own vector code, so a CPU without AVX2 (an Arm host) keeps the latter."""
     try:
         from umbp.runtime import _copyhash

@@ -122,7 +122,7 @@ class PagedLru(Generic[R]):
         are often adjacent but stacked in reverse: single-page objects retired oldest
         first leave ..., 7, 8, 9 on top, and a copy into pages 9, 8, 7 is three copies
         where 7, 8, 9 is one (a server's 1 MiB objects after a clear of 64 KiB ones were
-        16 regions each, and a put ran at 0.51 of memcpy instead of 0.8)."""
+        16 regions each: copied with their hash at 9.7 GB/s, as one region at 11.4)."""
         free = self._free
         if count > len(free):
             return None
