@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umbp.gpu import BlockCopier, BlockCopy, LayerTensors, describe_layer, describe_layer_parts
+from umbp.gpu import copier as copier_module
 
 Build = Callable[[torch.Tensor], list[LayerTensors]]
 """Turns a uint8 base allocation into the layers of one cache group (views into it)."""
@@ -90,8 +91,20 @@ def by_ranges(copy: BlockCopy) -> int:
     return ranges.nbytes
 
 
+def on_host_in_python(copy: BlockCopy) -> None:
+    """``run_on_host`` as an install without the native batch copy runs it (objects
+    across pages moved one ``ctypes.memmove`` per range)."""
+    native = copier_module._native_move_ranges
+    copier_module._native_move_ranges = None
+    try:
+        copy.run_on_host()
+    finally:
+        copier_module._native_move_ranges = native
+
+
 Mover = Callable[[BlockCopy], object]
-MOVERS: dict[str, Mover] = {"numpy": BlockCopy.run_on_host, "ranges": by_ranges}
+MOVERS: dict[str, Mover] = {"numpy": BlockCopy.run_on_host, "ranges": by_ranges,
+                            "numpy_python_ranges": on_host_in_python}
 
 
 def round_trip(case: KvCase, block_ids: Sequence[int], seed: int = 0,
@@ -327,6 +340,55 @@ def test_objects_across_pages_narrower_than_an_object_copy_bit_exact(
     MOVERS[mover](BlockCopier(case.build(source), case.num_blocks).copy(
         block_ids, into, to_kv=False, pages=pages))
     assert np.array_equal(into, before)  # the objects' bytes, and not one byte more
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_layer_of_a_checked_copy_is_the_layer_copy_checked_on_its_own(name: str) -> None:
+    """``of_layer`` (a layer-by-layer restore checks its blocks and pages once) moves
+    exactly the bytes ``copy(..., layer=)`` moves, across pages too."""
+    case = CASES[name]
+    source, block_ids, staged = staged_blocks(case, seed=5)
+    copier = BlockCopier(case.build(torch.zeros_like(source)), case.num_blocks)
+    page_bytes = max(64, int(staged.shape[1]) // 3)
+    per_object = -(-int(staged.shape[1]) // page_bytes)
+    pages = [list(range(i * per_object, (i + 1) * per_object)) for i in range(len(block_ids))]
+    memory = np.zeros((per_object * len(block_ids), page_bytes), np.uint8)
+    for paged in (None, pages):
+        whole = copier.copy(block_ids, memory if paged else staged, to_kv=True, pages=paged)
+        for layer in range(copier.num_layers):
+            alone = copier.copy(block_ids, memory if paged else staged, to_kv=True,
+                                layer=layer, pages=paged).ranges()
+            derived = whole.of_layer(layer).ranges()
+            for field in ("sources", "destinations", "sizes"):
+                assert np.array_equal(getattr(derived, field), getattr(alone, field))
+        with pytest.raises(IndexError, match="out of range"):
+            whole.of_layer(copier.num_layers)
+        with pytest.raises(ValueError, match="already limited to layer 0"):
+            whole.of_layer(0).of_layer(0)
+
+
+def test_host_copies_across_pages_use_the_native_batch_copy_where_it_is_built() -> None:
+    """Where the native module is built, objects across pages move in one call per copy:
+    the install must have built it (a Python call per range would take the GIL back from
+    the model thread 256 times a layer)."""
+    from umbp.runtime import _copyhash
+
+    assert copier_module._native_move_ranges is _copyhash.move_ranges
+
+
+def test_native_batch_copy_refuses_ranges_of_different_lengths() -> None:
+    from umbp.runtime import _copyhash
+
+    source = np.arange(64, dtype=np.uint8)
+    target = np.zeros(64, dtype=np.uint8)
+    addresses = np.array([source.ctypes.data], dtype=np.uint64)
+    with pytest.raises(ValueError, match="three uint64 arrays of one length"):
+        _copyhash.move_ranges(addresses, np.array([], dtype=np.uint64),
+                              np.array([64], dtype=np.uint64))
+    assert not target.any()
+    _copyhash.move_ranges(addresses, np.array([target.ctypes.data], dtype=np.uint64),
+                          np.array([64], dtype=np.uint64))
+    assert np.array_equal(target, source)
 
 
 @pytest.mark.parametrize(

@@ -70,9 +70,10 @@ class _Read:
     slot: StagingSlot | None = None
 
 
-def _copies(ctx: TransferContext, read: _Read, layer: int | None) -> list[BlockCopy]:
-    """The copy of a read's loaded rows (those answered HIT), of one layer or all;
-    raises when the plan breaks the copier's contract (a block out of range)."""
+def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
+    """The copy of a read's loaded rows (those answered HIT), every layer (a layer's
+    copy is :meth:`BlockCopy.of_layer`, checked once here); raises when the plan breaks
+    the copier's contract (a block out of range)."""
     group, source = read.group, read.source
     outcome = group_load_outcome(group.group_id, group.block_ids, source.statuses)
     if outcome.problem is not None:
@@ -83,7 +84,7 @@ def _copies(ctx: TransferContext, read: _Read, layer: int | None) -> list[BlockC
     pages = [source.pages[index] for index in outcome.loaded_rows]
     if any(owned is None for owned in pages):
         raise ValueError("a store answered HIT for an object it gave no pages")
-    return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True, layer=layer,
+    return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True,
                         pages=[owned for owned in pages if owned is not None])]
 
 
@@ -233,7 +234,7 @@ class AsyncLoad:
         ctx.device.run_beside(stream, lambda: self._finish(reads, end, copied))
 
     def _enqueue(self, stream: Stream, read: _Read) -> Event:
-        for copy in _copies(self._ctx, read, None):
+        for copy in _copies(self._ctx, read):
             self._ctx.device.copy(stream, copy)
         return self._ctx.record(stream)
 
@@ -310,10 +311,11 @@ class LayerwiseLoad:
         stream = ctx.layer_load_stream
         try:
             self._reads = [read for group in self._groups for read in _read_in_place(ctx, group)]
+            whole = [(read.group.group_id, copy) for read in self._reads
+                     for copy in _copies(ctx, read)]
             copies = {
-                (group_id, layer): [copy for read in self._reads
-                                    if read.group.group_id == group_id
-                                    for copy in _copies(ctx, read, layer)]
+                (group_id, layer): [copy.of_layer(layer) for group, copy in whole
+                                    if group == group_id]
                 for group_id, count in self._layers.items() for layer in range(count)
             }
             with self._lock:
@@ -368,9 +370,10 @@ class LayerwiseLoad:
         with self._lock:
             if self._abandoned:  # the step went on without it: nothing may land now
                 raise _GivenUp
+            whole = _copies(ctx, read)
             for layer in range(self._layers.get(read.group.group_id, 0)):
-                for copy in _copies(ctx, read, layer):
-                    ctx.device.copy(ctx.layer_load_stream, copy)
+                for copy in whole:
+                    ctx.device.copy(ctx.layer_load_stream, copy.of_layer(layer))
         return ctx.record(ctx.layer_load_stream)
 
     def _verify_beside(self, stream: Stream) -> None:
