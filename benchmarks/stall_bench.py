@@ -3,7 +3,7 @@ latency, and the restored requests' time to first token.
 
     python benchmarks/stall_bench.py [--before REV] [--prefix-tokens 4096] [--events 4]
                                      [--repeats 2] [--quick] [--json FILE]
-                                     [--mode embedded|server]
+                                     [--mode embedded|server] [--server-cpus 0,...]
 
 Each engine runs alone, in a process of its own, one after another (the order
 rotates every repeat): vLLM without a connector, umbp of ``--before`` (default: the
@@ -38,7 +38,9 @@ The scenario, driven step by step on vLLM's ``LLMEngine``:
 
 ``--mode server``: every umbp engine (this checkout's and ``--before``'s) uses one
 ``umbp serve`` of this checkout (4 GiB, started for the run), each engine and repeat in a
-namespace of its own, so each stores its prefixes before restoring them.
+namespace of its own, so each stores its prefixes before restoring them;
+``--server-cpus`` binds every thread of it to those CPUs (the lanes run on all but the
+model's CPU). ``--before``'s tree gets its native copy loop built, as an install would.
 
 Goals (issue 24): decode ITL p99 with umbp within 5% of no connector while restores
 and stores run (judged on the copy steps: a new prompt's prefill stalls the decodes
@@ -209,6 +211,14 @@ def _has_gpu() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
+def _build_native(tree: Path) -> None:
+    """The native copy loop of a checked-out revision, built in place as an install
+    builds it (without it that revision would copy in Python and compare unfairly)."""
+    if (tree / "umbp" / "runtime" / "_copyhash.c").exists():
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                       cwd=tree, check=True, capture_output=True)
+
+
 def _thread_cpus() -> dict[str, list[int]]:
     """The CPUs each Python thread of this process may run on (the main thread runs
     the model; umbp's lanes are named after their work)."""
@@ -280,8 +290,10 @@ def run_engine(name: str, model_dir: str, connector: dict[str, Any] | None,
 
 
 @contextlib.contextmanager
-def _server_for(mode: str, scratch: Path) -> Iterator[str | None]:
-    """A ``umbp serve`` of this checkout for ``--mode server`` (its socket), else None."""
+def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None
+                ) -> Iterator[str | None]:
+    """A ``umbp serve`` of this checkout for ``--mode server`` (its socket), else None;
+    every thread of it bound to ``cpus`` when given (as ``taskset -a`` would)."""
     if mode != "server":
         yield None
         return
@@ -289,6 +301,9 @@ def _server_for(mode: str, scratch: Path) -> Iterator[str | None]:
 
     socket_path = str(scratch / "umbp.sock")
     process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"))
+    if cpus is not None:
+        for task in Path(f"/proc/{process.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cpus)
     try:
         yield socket_path
     finally:
@@ -310,11 +325,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", default="none,before,default,async",
                         help="which engines to run, comma-separated (none is the reference)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--server-cpus", default=None,
+                        help="--mode server: bind umbp serve to these CPUs (comma-separated)")
     parser.add_argument("--mode", choices=("embedded", "server"), default="embedded",
                         help="where umbp's engines keep their objects")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
     args = parser.parse_args(argv)
+    server_cpus = (frozenset(int(cpu) for cpu in args.server_cpus.split(","))
+                   if args.server_cpus else None)
     sys.path.insert(0, str(ROOT))
     from umbp.testing.models import llama_recipe, write_random_model
 
@@ -341,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"got {args.engines!r}")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="umbp-stall-", dir="/tmp") as scratch, \
-            _server_for(args.mode, Path(scratch)) as endpoint:
+            _server_for(args.mode, Path(scratch), server_cpus) as endpoint:
         if endpoint is not None:
             for name, connector in connectors.items():
                 if connector is not None:
@@ -351,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_tree = Path(scratch) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before],
                        cwd=ROOT, check=True, capture_output=True)
+        _build_native(before_tree)
         try:
             trees = {name: before_tree if name == "before" else ROOT for name in connectors}
             names = list(results)
