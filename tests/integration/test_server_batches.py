@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def store() -> Iterator[ServerStore]:
         events = [json.loads(line) for line in log.read_text().splitlines()
                   if line.startswith('{"event": "populated"')]
         assert [event["bytes"] for event in events] == [8 << 20]  # its start-up, logged
+        for _ in range(300):  # then its pages made present in the background, logged
+            if '{"event": "present", "bytes": 8388608' in log.read_text():
+                break
+            time.sleep(0.1)
+        assert '{"event": "present", "bytes": 8388608' in log.read_text()
         yield client
     finally:
         client.close()

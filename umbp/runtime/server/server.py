@@ -43,6 +43,7 @@ from umbp.runtime.server.listener import StoreServer, bind
 from umbp.runtime.server.metrics import MetricsEndpoint, render
 from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
 from umbp.runtime.server.ownership import SocketOwnership
+from umbp.runtime.server.page_tables import fill_in_background
 from umbp.runtime.server.schema import MAX_SECONDS
 from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
@@ -148,6 +149,7 @@ def serve(config: ServerConfig) -> int:
         ownership.clear_leftovers()
         pool = _create_pool(config, stop)
         ownership.record_pool(pool.path)
+        fill_in_background(pool.mapping, pool.nbytes, _report_present)
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
             cold = open_cold_tier(config.ssd_dir, config.ssd_capacity_bytes)
             _report_cold_tier(cold)
@@ -230,6 +232,11 @@ def _create_pool(config: ServerConfig, stop: threading.Event) -> SharedPool:
     pool = create_shared_pool(nbytes, report=report, should_stop=stop.is_set)
     _event("populated", bytes=nbytes, seconds=round(time.monotonic() - started, 2))
     return pool
+
+
+def _report_present(nbytes: int, seconds: float) -> None:
+    """Every page of the DRAM tier is zeroed and mapped in the server (`page_tables`)."""
+    _event("present", bytes=nbytes, seconds=round(seconds, 2))
 
 
 def _event(name: str, **fields: Any) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from umbp.runtime.population import Progress, populate
 from umbp.runtime.private_files import check_private_descriptor
+from umbp.runtime.server.page_tables import fill_in_background
 
 __all__ = [
     "SHM_DIRECTORY",
@@ -122,6 +123,7 @@ def map_shared_pool(path: str, nbytes: int) -> SharedPool:
     finally:
         os.close(fd)
     _advise(mapping)
+    fill_in_background(mapping, nbytes)
     return SharedPool(path, nbytes, mapping, memoryview(mapping))
 
 
@@ -160,10 +162,9 @@ def _advise(mapping: mmap.mmap) -> None:
     """Ask for transparent huge pages (fewer faults and TLB misses while copying); honoured
     only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows, harmless elsewhere.
 
-    Deliberately no prefault (MADV_POPULATE_WRITE) here: filling a process's page tables
-    costs ~0.2 s per GiB, which would make connecting to a large pool outlast any sensible
-    I/O timeout. The pages already exist (the server fallocated them), so a first touch
-    costs only a minor fault, once per page per process."""
+    No prefault (MADV_POPULATE_WRITE) here: filling a process's page tables costs ~0.2 s
+    per GiB, which would make connecting to a large pool outlast any sensible I/O
+    timeout; `page_tables` does it in the background."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return
