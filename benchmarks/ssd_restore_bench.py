@@ -3,7 +3,8 @@ same prefix restored from its DRAM tier, side by side in one run.
 
     python benchmarks/ssd_restore_bench.py [--json FILE] [--prefix-tokens 4096] [--repeats 5]
                                            [--load-async default|true|false]
-                                           [--write-ahead-bytes N] [--settle-s S] [--quick]
+                                           [--write-ahead-bytes N] [--prefetch-readers N]
+                                           [--settle-s S] [--quick]
 
 A real `umbp serve` (256 MiB of DRAM, an SSD tier in a temporary directory on the root
 filesystem, the default prefetch bound) and one in-process vLLM engine in server mode
@@ -75,6 +76,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--load-async", choices=tuple(LOAD_ASYNC), default="default")
     parser.add_argument("--write-ahead-bytes", default=None,
                         help="the server's --write-ahead-bytes (default: its own; 0: off)")
+    parser.add_argument("--prefetch-readers", default=None,
+                        help="the server's --prefetch-readers (default: its own)")
     parser.add_argument("--settle-s", type=float, default=0.0,
                         help="seconds between the push to SSD and the timed restore")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
@@ -84,6 +87,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.repeats = min(args.repeats, 2)
     return args
+
+
+def server_options(args: argparse.Namespace) -> list[str]:
+    options = [] if args.write_ahead_bytes is None else ["--write-ahead-bytes",
+                                                          args.write_ahead_bytes]
+    if args.prefetch_readers is not None:
+        options += ["--prefetch-readers", args.prefetch_readers]
+    return options
 
 
 def start_engine(model_dir: str, endpoint: str, load_async: bool | None) -> Any:
@@ -131,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     endpoint = str(directory / "umbp.sock")
     server = start_server(endpoint, DRAM_BYTES, ssd_dir=str(directory / "ssd"),
                           ssd_capacity_bytes=SSD_BYTES, log_path=str(directory / "serve.log"),
-                          extra_args=([] if args.write_ahead_bytes is None
-                                      else ["--write-ahead-bytes", args.write_ahead_bytes]))
+                          extra_args=server_options(args))
     started = time.perf_counter()
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"dram": [], "ssd": []}
@@ -175,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"ssd / dram: {ratio:.2f} (goal <= {GOAL_SSD_OVER_DRAM}); objects prefetched at "
           f"lookup: {prefetched}, read from SSD by loads: {read_from_ssd}, written ahead "
           f"in all: {written_ahead}; load_async {args.load_async}; write-ahead "
-          f"{args.write_ahead_bytes or 'default'}; {args.prefix_tokens}-token prefix, {shape.name}, "
+          f"{args.write_ahead_bytes or 'default'}; prefetch readers "
+          f"{args.prefetch_readers or 'default'}; {args.prefix_tokens}-token prefix, {shape.name}, "
           f"{time.perf_counter() - started:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({
@@ -185,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "restored_tokens": restored, "prefetched": prefetched,
             "read_from_ssd_by_loads": read_from_ssd, "written_ahead": written_ahead,
             "write_ahead_bytes": args.write_ahead_bytes,
+            "prefetch_readers": args.prefetch_readers,
         }, indent=2))
     return 0
 

@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "listing": "listing_bench.py",
     "copy-hash": "copy_hash_bench.py",
     "ssd-restore": "ssd_restore_bench.py",
+    "prefetch": "prefetch_bench.py",
 }
 
 
@@ -200,6 +201,7 @@ def _count(maximum: int) -> Callable[[str], int]:
 
 def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
+    from umbp.runtime.server.prefetch import MAX_PREFETCH_READERS, PREFETCH_READERS
     from umbp.runtime.server.server import (
         DEFAULT_FRAME_TIMEOUT_S,
         DEFAULT_MAX_CONNECTIONS,
@@ -223,6 +225,10 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
                        help="most bytes of SSD objects a lookup may have on their way into "
                             "DRAM ahead of their load (default: half of --capacity; "
                             "0: none)")
+    serve.add_argument("--prefetch-readers", type=_count(MAX_PREFETCH_READERS),
+                       default=PREFETCH_READERS,
+                       help=f"threads reading SSD objects into DRAM at once for the prefetch "
+                            f"(default: {PREFETCH_READERS})")
     serve.add_argument("--write-ahead-bytes", type=_byte_option(0), default=None,
                        help="how much of DRAM's least recently used end is kept copied on "
                             "the SSD tier before eviction, so making room writes nothing "
@@ -305,6 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ssd_capacity_bytes=args.ssd_capacity,
         persist_on_exit=args.persist_on_exit,
         prefetch_bytes=args.prefetch_bytes,
+        prefetch_readers=args.prefetch_readers,
         write_ahead_bytes=args.write_ahead_bytes,
         max_connections=args.max_connections,
         frame_timeout_s=args.frame_timeout,

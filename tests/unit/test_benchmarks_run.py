@@ -217,3 +217,23 @@ def test_the_copy_hash_bench_reports_each_way_against_memcpy(tmp_path: Path) -> 
         assert set(row["gbps"]) == {"memcpy", "copy, then hash", "python chunks", "native",
                                     "native, scalar"}
         assert row["ratio"]["memcpy"] == 1.0 and min(row["gbps"].values()) > 0
+
+
+def test_quick_prefetch_bench_times_each_reader_count_against_plain_preadv(
+    tmp_path: Path,
+) -> None:
+    """A real server per reader count: the prefix is checked to be on SSD only before
+    the lookup, and every prefetched byte is compared after it (asserts in the script)."""
+    report = tmp_path / "prefetch.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "prefetch_bench.py"), "--quick",
+         "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for readers in ("1", "2"):
+        (row,) = [line for line in done.stdout.splitlines() if line.split()[:1] == [readers]]
+        median, *_ = figures_of(row, readers)
+        assert median > 0
+    figures = json.loads(report.read_text())
+    assert set(figures["median_ms"]) == {"1", "2"} and figures["plain_preadv_median_ms"] > 0

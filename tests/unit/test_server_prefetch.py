@@ -2,7 +2,8 @@
 over a real `SsdTier`: a lookup that finds objects only on SSD brings them into DRAM
 before their get, within its bound, cancelled with its request or its connection, and
 never read twice when a get asks first. `GatedTier` (a real SsdTier whose reads wait for
-a gate) holds the prefetch thread still where an order must be pinned down."""
+a gate) holds the prefetch threads still where an order must be pinned down: the first
+`PREFETCH_READERS` keys asked are then being read, the rest queued."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from tests.unit.test_server_state import PAGE, Rig
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import protocol
+from umbp.runtime.server.prefetch import PREFETCH_READERS
 from umbp.runtime.ssd.tier import SsdTier
 
 OBJECT = PAGE - 9
@@ -32,11 +34,22 @@ class GatedTier(SsdTier):
         self.reads: list[str] = []
         self.reading = threading.Event()
 
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._count = threading.Lock()
+
     def read_into(self, key: str, out: Any) -> tuple[LoadStatus, int]:
-        self.reads.append(key)
+        with self._count:
+            self.reads.append(key)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
         self.reading.set()
-        assert self.gate.wait(30), "the test never opened the gate"
-        return super().read_into(key, out)
+        try:
+            assert self.gate.wait(30), "the test never opened the gate"
+            return super().read_into(key, out)
+        finally:
+            with self._count:
+                self.in_flight -= 1
 
 
 @pytest.fixture
@@ -109,36 +122,49 @@ def test_forgetting_a_request_or_closing_its_connection_cancels_what_was_not_rea
     tier.gate.clear()
     engine = rig.core.open_session()
     rig.core.lookup([key(0), key(1), key(2)], engine, "request-a")
-    assert tier.reading.wait(30)  # key 0 is being read; 1 and 2 wait
+    until(lambda: len(tier.reads) == 2)  # keys 0 and 1 are being read; 2 waits
     rig.core.lookup([key(3), key(4)], engine, "request-b")
     other = rig.core.open_session()
     rig.core.lookup([key(5)], other, "request-a")  # another engine's request of that name
     rig.core.forget(engine, "request-a")
-    assert rig.counters()["prefetch_cancelled"] == 2
+    assert rig.counters()["prefetch_cancelled"] == 1
     rig.core.close_session(engine)
-    assert rig.counters()["prefetch_cancelled"] == 4
+    assert rig.counters()["prefetch_cancelled"] == 3
     tier.gate.set()
-    until(lambda: rig.counters()["prefetched"] == 2)
-    assert sorted(tier.reads) == [key(0), key(5)]
-    assert rig.core.where([key(0), key(5)]) == bytes([protocol.WHERE_CPU]) * 2
-    assert rig.core.where([key(1), key(3)]) == bytes([protocol.WHERE_DISK]) * 2
+    until(lambda: rig.counters()["prefetched"] == 3)
+    assert sorted(tier.reads) == [key(0), key(1), key(5)]
+    assert rig.core.where([key(0), key(1), key(5)]) == bytes([protocol.WHERE_CPU]) * 3
+    assert rig.core.where([key(2), key(3)]) == bytes([protocol.WHERE_DISK]) * 2
 
 
 def test_a_get_takes_over_queued_keys_and_waits_for_the_one_being_read(
     tier: GatedTier,
 ) -> None:
-    rig = on_ssd_only(tier, 32, 3, prefetch_bytes=16 * PAGE)
+    rig = on_ssd_only(tier, 32, 4, prefetch_bytes=16 * PAGE)
     tier.gate.clear()
-    keys = [key(serial) for serial in range(3)]
+    keys = [key(serial) for serial in range(4)]
     rig.core.lookup(keys)
-    assert tier.reading.wait(30)  # key 0 is being read
+    until(lambda: len(tier.reads) == 2)  # keys 0 and 1 are being read
     got: list[Any] = []
-    reader = threading.Thread(target=lambda: got.append(rig.get(keys, [OBJECT] * 3)))
+    reader = threading.Thread(target=lambda: got.append(rig.get(keys, [OBJECT] * 4)))
     reader.start()
     until(lambda: rig.counters()["prefetch_claimed"] == 2)
     tier.gate.set()
     reader.join(30)
-    assert got == [[payload(serial) for serial in range(3)]]
+    assert got == [[payload(serial) for serial in range(4)]]
     assert sorted(tier.reads) == sorted(keys), "no key read twice"
     counters = rig.counters()
-    assert counters["prefetched"] == 1 and counters["hits_from_ssd"] == 2
+    assert counters["prefetched"] == 2 and counters["hits_from_ssd"] == 2
+
+
+def test_several_objects_are_read_at_once(tier: GatedTier) -> None:
+    rig = on_ssd_only(tier, 32, 6, prefetch_bytes=16 * PAGE)
+    tier.gate.clear()
+    keys = [key(serial) for serial in range(6)]
+    rig.core.lookup(keys)
+    until(lambda: tier.in_flight == PREFETCH_READERS)
+    assert tier.reads == keys[:PREFETCH_READERS], "first asked, first started"
+    tier.gate.set()
+    until(lambda: rig.core.where(keys) == bytes([protocol.WHERE_CPU]) * 6)
+    assert tier.most_in_flight == PREFETCH_READERS
+    assert rig.get(keys, [OBJECT] * 6) == [payload(serial) for serial in range(6)]

@@ -563,6 +563,99 @@ def test_concurrent_puts_and_gets_stay_exact(open_tier: Callable[..., SsdTier]) 
         assert read(tier, key, 700 + index) == (LoadStatus.HIT, content(index, 700 + index))
 
 
+class HeldReads:
+    """`preadv` made to wait at a gate: reads stay in flight until the test lets go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        self.in_flight = 0
+        self.count = threading.Condition()
+        real_preadv = os.preadv
+
+        def held_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            with self.count:
+                self.in_flight += 1
+                self.count.notify_all()
+            try:
+                assert self.gate.wait(30), "the test never let the reads go"
+                return real_preadv(fd, buffers, offset)
+            finally:
+                with self.count:
+                    self.in_flight -= 1
+
+        monkeypatch.setattr(os, "preadv", held_preadv)
+
+    def until_in_flight(self, reads: int) -> None:
+        with self.count:
+            assert self.count.wait_for(lambda: self.in_flight == reads, 30)
+
+
+def reading_thread(tier: SsdTier, key: str, size: int, into: list[object]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: into.append(read(tier, key, size)))
+    thread.start()
+    return thread
+
+
+def test_reads_of_several_objects_overlap_and_answer_lookups_meanwhile(
+    open_tier: Callable[..., SsdTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier()
+    for index in range(3):
+        assert tier.put(f"k{index}", content(index, SLOT))
+    held = HeldReads(monkeypatch)
+    got: list[object] = []
+    threads = [reading_thread(tier, f"k{index}", SLOT, got) for index in range(3)]
+    held.until_in_flight(3)  # all three inside preadv at once
+    assert tier.lookup(["k0", "k9"]) == (True, False), "the index is not held by reads"
+    held.gate.set()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(got) == sorted((LoadStatus.HIT, content(index, SLOT)) for index in range(3))
+    assert tier.stats().hits == 3
+
+
+def test_a_put_that_evicts_an_object_being_read_waits_for_the_read(
+    open_tier: Callable[..., SsdTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier(slots=1)
+    assert tier.put("old", content(0, SLOT))
+    held = HeldReads(monkeypatch)
+    got: list[object] = []
+    reader = reading_thread(tier, "old", SLOT, got)
+    held.until_in_flight(1)
+    put_done = threading.Event()
+    writer = threading.Thread(
+        target=lambda: (tier.put("new", content(2, SLOT)), put_done.set()))
+    writer.start()
+    assert not put_done.wait(0.2), "the put refilled a slot while it was being read"
+    held.gate.set()
+    reader.join(30)
+    writer.join(30)
+    assert got == [(LoadStatus.HIT, content(0, SLOT))]
+    assert put_done.is_set() and tier.keys() == ("new",)
+    assert read(tier, "new", SLOT) == (LoadStatus.HIT, content(2, SLOT))
+
+
+def test_two_reads_of_one_corrupt_object_drop_it_once(
+    open_tier: Callable[..., SsdTier], directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier()
+    assert tier.put("k", content(0, SLOT))
+    assert tier.put("kept", content(1, SLOT))
+    flip_byte(directory / SLOT_FILE_NAME, tier.slot_data_offset(tier.object_slots("k")[0]))
+    held = HeldReads(monkeypatch)
+    got: list[object] = []
+    threads = [reading_thread(tier, "k", SLOT, got) for _ in range(2)]
+    held.until_in_flight(2)
+    held.gate.set()
+    for thread in threads:
+        thread.join(30)
+    assert [status for status, _ in got] == [LoadStatus.CORRUPT] * 2  # type: ignore[misc]
+    assert tier.keys() == ("kept",) and tier.take_evicted_keys() == ("k",)
+    assert slot_accounting_holds(tier) and tier.free_slot_count() == 7
+    assert tier.stats().corrupt_reads == 2
+
+
 # ------------------------------------------------------------------- crashes
 
 CRASH_SLOT = 64

@@ -44,6 +44,7 @@ from umbp.runtime.server.metrics import MetricsEndpoint, render
 from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
 from umbp.runtime.server.ownership import SocketOwnership
 from umbp.runtime.server.page_tables import fill_in_background
+from umbp.runtime.server.prefetch import MAX_PREFETCH_READERS, PREFETCH_READERS
 from umbp.runtime.server.schema import MAX_SECONDS
 from umbp.runtime.server.sessions import RequestRefused
 from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
@@ -74,6 +75,9 @@ class ServerConfig:
     """Most bytes of SSD objects a lookup may have on their way into DRAM ahead of their
     load (`umbp.runtime.server.prefetch`); None: half of `capacity_bytes` (more would
     push out what was prefetched before its load came); 0: none."""
+    prefetch_readers: int = PREFETCH_READERS
+    """Threads reading SSD objects into DRAM at once for the prefetch (an NVMe drive wants
+    several reads in flight; each takes a core while it copies)."""
     write_ahead_bytes: int | None = None
     """How much of the DRAM tier's least recently used end is kept copied on the SSD
     tier ahead of its eviction (`umbp.runtime.server.write_ahead`), so that making room
@@ -117,6 +121,9 @@ class ServerConfig:
         if self.prefetch_bytes is not None and not 0 <= self.prefetch_bytes <= self.capacity_bytes:
             raise ValueError(f"prefetch_bytes must be in [0, capacity_bytes], got "
                              f"{self.prefetch_bytes}")
+        if not 1 <= self.prefetch_readers <= MAX_PREFETCH_READERS:
+            raise ValueError(f"prefetch_readers must be in [1, {MAX_PREFETCH_READERS}], got "
+                             f"{self.prefetch_readers}")
         if (self.write_ahead_bytes is not None
                 and not 0 <= self.write_ahead_bytes <= self.capacity_bytes):
             raise ValueError(f"write_ahead_bytes must be in [0, capacity_bytes], got "
@@ -156,7 +163,7 @@ def serve(config: ServerConfig) -> int:
         prefetch_bytes = (config.capacity_bytes // 2 if config.prefetch_bytes is None
                           else config.prefetch_bytes)
         core = StoreCore(pool.view, _index_for(config, pool), cold, prefetch_bytes,
-                         _write_ahead_bytes(config, prefetch_bytes))
+                         _write_ahead_bytes(config, prefetch_bytes), config.prefetch_readers)
         if cold is not None and config.ssd_dir is not None:
             core.restore_labels(LabelFile(config.ssd_dir))
         _apply_limits(config, core)

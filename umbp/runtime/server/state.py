@@ -31,7 +31,7 @@ from umbp.runtime.server.operations import (
     namespace_listing,
     require_known,
 )
-from umbp.runtime.server.prefetch import Prefetcher
+from umbp.runtime.server.prefetch import PREFETCH_READERS, Prefetcher
 from umbp.runtime.server.sessions import (
     PinnedGet,
     RequestRefused,
@@ -51,6 +51,7 @@ class StoreCore:
     def __init__(
         self, view: memoryview, index: PoolIndex, cold: ColdTier | None,
         prefetch_bytes: int = 0, write_ahead_bytes: int = 0,
+        prefetch_readers: int = PREFETCH_READERS,
     ) -> None:
         self._index = index
         self._cold = cold
@@ -58,7 +59,7 @@ class StoreCore:
         self._counters = ServerCounters()
         self._sessions: list[Session] = []
         self._tiers = Tiering(view, index, cold, self._lock, self._counters)
-        self._prefetcher = (Prefetcher(self._prefetch_one, prefetch_bytes)
+        self._prefetcher = (Prefetcher(self._prefetch_one, prefetch_bytes, prefetch_readers)
                             if cold is not None and prefetch_bytes > 0 else None)
         """SSD objects a lookup found, brought into DRAM before their load (`prefetch`)."""
         self._tiers.ahead_pages = pages_for(write_ahead_bytes, index.page_bytes)

@@ -24,13 +24,15 @@ shrinks by that slot.
 Recency is kept in memory only: after a reopen, LRU order is put order (refreshing it on
 disk would cost a write per read).
 
-Concurrency: one `threading.Lock` guards the index, the free list, the counters *and* the
-I/O, taken once per call. `pread`/`pwrite` release the GIL, so I/O outside the lock could
-overlap, but it would need slot pinning against concurrent eviction, remove, clear and
-corrupt-drops (a reader must never read a slot that a writer is refilling). With the page
-cache warm one object's I/O takes tens of microseconds, so a caller waits for at most that
-long; the simple, obviously correct scheme is the one here. One process at a time: the
-slot file is `flock`ed; a second opener gets EBUSY.
+Concurrency: one `threading.Lock` guards the index, the free list and the counters, held
+briefly. The slot file's bytes have a `SharedLock`: a read holds it shared while its
+`preadv` runs outside the index lock (reads of several objects overlap: the server's
+prefetch reads with several threads), and whatever writes the file or frees slots (put,
+remove, clear, close) holds it alone, so a read never sees a slot that a writer is
+refilling. A read that finds its object corrupt drops it under the index lock while still
+holding its share: the dropped slots reach the free list but no put can refill them
+before the read lets go. Always the shared lock first, then the index lock. One process
+at a time: the slot file is `flock`ed; a second opener gets EBUSY.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.host_memory import byte_view
 from umbp.runtime.paging import PagedLru, pages_for
+from umbp.runtime.shared_lock import SharedLock
 from umbp.runtime.ssd.file import (
     WriteFailed,
     open_slot_file,
@@ -101,6 +104,7 @@ class SsdTier(ClosesOnExit):
         self._next_generation = 1
         self._counters = SsdCounters()
         self._lock = threading.Lock()
+        self._io = SharedLock()
         self._closed = False
         self._fd = open_slot_file(self._path)
         try:
@@ -131,7 +135,7 @@ class SsdTier(ClosesOnExit):
         """
         source = byte_view(payload, writable=False)
         encoded_key = encode_key(key)
-        with self._lock:
+        with self._io.alone(), self._lock:
             if self._closed or encoded_key is None:
                 self._counters.put_rejects += 1
                 return False
@@ -170,29 +174,36 @@ class SsdTier(ClosesOnExit):
         an unusable buffer.
         """
         destination = byte_view(out, writable=True)
-        with self._lock:
-            if self._closed:
-                return LoadStatus.UNAVAILABLE, 0
-            stored = self._slots.get(key)
-            if stored is None:
-                self._counters.misses += 1
-                return LoadStatus.MISSING, 0
-            if destination.nbytes != stored.nbytes:
-                return LoadStatus.SIZE_MISMATCH, 0
+        with self._io.shared():
+            with self._lock:
+                if self._closed:
+                    return LoadStatus.UNAVAILABLE, 0
+                stored = self._slots.get(key)
+                if stored is None:
+                    self._counters.misses += 1
+                    return LoadStatus.MISSING, 0
+                if destination.nbytes != stored.nbytes:
+                    return LoadStatus.SIZE_MISMATCH, 0
             try:
                 arrived = read_extents(self._fd, stored.extents, destination)
             except OSError as error:
                 logger.warning("ssd tier: reading %r failed: %s", key, error)
-                self._counters.read_errors += 1
+                with self._lock:
+                    self._counters.read_errors += 1
                 return LoadStatus.UNAVAILABLE, 0
-            if arrived != stored.checksum:
-                self._drop(stored)
-                self._counters.corrupt_reads += 1
-                return LoadStatus.CORRUPT, 0
-            self._slots.touch(stored)
-            self._counters.hits += 1
-            self._counters.bytes_read += stored.nbytes
-            return LoadStatus.HIT, stored.checksum
+            with self._lock:
+                # Another read of the same object may have found it corrupt first.
+                still = self._slots.get(key) is stored
+                if arrived != stored.checksum:
+                    if still:
+                        self._drop(stored)
+                    self._counters.corrupt_reads += 1
+                    return LoadStatus.CORRUPT, 0
+                if still:
+                    self._slots.touch(stored)
+                self._counters.hits += 1
+                self._counters.bytes_read += stored.nbytes
+                return LoadStatus.HIT, stored.checksum
 
     def size_of(self, key: str) -> int | None:
         """Size of the object under `key`, None when not resident or closed. Does not
@@ -204,7 +215,7 @@ class SsdTier(ClosesOnExit):
     def remove(self, key: str) -> bool:
         """Drop the object under `key` (on disk too: it does not come back on reopen).
         False when it was not resident or the tier is closed."""
-        with self._lock:
+        with self._io.alone(), self._lock:
             if self._closed:
                 return False
             stored = self._slots.get(key)
@@ -256,7 +267,7 @@ class SsdTier(ClosesOnExit):
 
     def clear(self) -> bool:
         """Drop every object, on disk too (not reported as evicted). False once closed."""
-        with self._lock:
+        with self._io.alone(), self._lock:
             if self._closed:
                 return False
             owned = sorted(slot for stored in self._slots.entries() for slot in stored.pages)
@@ -275,7 +286,7 @@ class SsdTier(ClosesOnExit):
     def close(self) -> None:
         """Release the file (idempotent). Objects stay on disk for the next open; reads
         answer UNAVAILABLE, puts False, lookups raise `StoreUnavailable`."""
-        with self._lock:
+        with self._io.alone(), self._lock:
             if self._closed:
                 return
             self._closed = True
