@@ -25,6 +25,13 @@ def run_lookup_bench(report: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def run_quick_bench(script: str, report: Path, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
 def figures_of(stdout: str, label: str) -> list[float]:
     rows = [line for line in stdout.splitlines() if line.startswith(label)]
     assert len(rows) == 1, f"no single row for {label!r}:\n{stdout}"
@@ -204,11 +211,7 @@ def test_the_copy_hash_bench_reports_each_way_against_memcpy(tmp_path: Path) -> 
     """benchmarks/copy_hash_bench.py: memcpy, copy then hash, the Python chunks and the
     native loop (both kernels), per object size; the figures are reported, not judged."""
     report = tmp_path / "copy-hash.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "copy_hash_bench.py"), "--quick",
-         "--json", str(report)],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )
+    done = run_quick_bench("copy_hash_bench.py", report)
     assert done.returncode == 0, done.stderr
     data = json.loads(report.read_text())
     assert [row["object_bytes"] for row in data["rows"]] == [256 << 10, 1 << 20, 4 << 20,
@@ -225,11 +228,7 @@ def test_quick_prefetch_bench_times_each_reader_count_against_plain_preadv(
     """A real server per reader count: the prefix is checked to be on SSD only before
     the lookup, and every prefetched byte is compared after it (asserts in the script)."""
     report = tmp_path / "prefetch.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "prefetch_bench.py"), "--quick",
-         "--json", str(report)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )
+    done = run_quick_bench("prefetch_bench.py", report, timeout=300)
     assert done.returncode == 0, done.stderr
     for readers in ("1", "2"):
         (row,) = [line for line in done.stdout.splitlines() if line.split()[:1] == [readers]]
