@@ -33,6 +33,7 @@ logger = logging.getLogger("umbp.serve")
 PREFETCH_READERS = 2
 """Threads reading at once by default (`umbp serve --prefetch-readers`)."""
 MAX_PREFETCH_READERS = 64
+"""The most `umbp serve --prefetch-readers` takes."""
 
 Owner: TypeAlias = tuple[int | None, str | None]
 """Whose prefetch: (the connection's id, the engine's request id)."""
@@ -58,8 +59,8 @@ class Prefetcher:
         self, promote: Callable[[str, int], object], limit_bytes: int,
         readers: int = PREFETCH_READERS,
     ) -> None:
-        if not 1 <= readers <= MAX_PREFETCH_READERS:
-            raise ValueError(f"readers must be in [1, {MAX_PREFETCH_READERS}], got {readers}")
+        if readers < 1:  # none would leave every key queued, and the write-ahead waiting
+            raise ValueError(f"readers must be at least 1, got {readers}")
         self._promote = promote
         self._limit_bytes = limit_bytes
         self._lock = threading.Condition(threading.Lock())
@@ -67,7 +68,6 @@ class Prefetcher:
         self._queued_bytes = 0
         self._reading: dict[str, int] = {}
         """Keys being read now, with their bytes."""
-        self._reading_bytes = 0
         self._closed = False
         self._skipped = self._cancelled = self._claimed = 0
         self._threads = [
@@ -83,7 +83,7 @@ class Prefetcher:
         with self._lock:
             if self._closed:
                 return
-            room = self._limit_bytes - self._queued_bytes - self._reading_bytes
+            room = self._limit_bytes - self._queued_bytes - sum(self._reading.values())
             added = False
             for key, nbytes in sized_keys:
                 if key in self._queue or key in self._reading:
@@ -131,7 +131,7 @@ class Prefetcher:
 
     def figures(self) -> PrefetchFigures:
         with self._lock:
-            return PrefetchFigures(self._queued_bytes + self._reading_bytes, self._skipped,
+            return PrefetchFigures(self._queued_bytes + sum(self._reading.values()), self._skipped,
                                    self._cancelled, self._claimed)
 
     def close(self) -> None:
@@ -153,12 +153,11 @@ class Prefetcher:
                 key, (_, nbytes) = self._queue.popitem(last=False)
                 self._queued_bytes -= nbytes
                 self._reading[key] = nbytes
-                self._reading_bytes += nbytes
             try:
                 self._promote(key, nbytes)
             except Exception:  # the thread must go on: the load reads it instead
                 logger.exception("umbp serve: prefetching %r failed", key)
             finally:
                 with self._lock:
-                    self._reading_bytes -= self._reading.pop(key)
+                    del self._reading[key]
                     self._lock.notify_all()
