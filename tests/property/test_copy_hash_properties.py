@@ -63,3 +63,63 @@ def test_a_scattered_copy_hashes_as_xxhash_and_moves_every_byte(
     assert written == read == copied == expected
     assert bytes(back) == bytes(whole) == payload
     assert b"".join(bytes(pool[offset : offset + length]) for offset, length in regions) == payload
+
+
+@st.composite
+def objects_in_pieces(draw: st.DrawFn) -> tuple[list[bytes], list[list[int]], list[int]]:
+    """Objects of one size, each cut into as many pieces at its own cut points, and the
+    calls they are fed in (how many pieces of each object per call, in order)."""
+    size = draw(st.one_of(st.integers(241, 4096), STRIPE_EDGES, st.integers(4096, 40_000)))
+    count = draw(st.integers(1, 4))
+    pieces = draw(st.integers(1, min(9, size)))
+    payloads = [draw(st.binary(min_size=size, max_size=size)) for _ in range(count)]
+    cuts = [sorted(draw(st.sets(st.integers(1, size - 1), min_size=pieces - 1,
+                                max_size=pieces - 1))) for _ in range(count)]
+    calls: list[int] = []
+    left = pieces
+    while left:
+        calls.append(draw(st.integers(1, left)))
+        left -= calls[-1]
+    return payloads, cuts, calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(objects_in_pieces(), st.sampled_from(["best", "scalar"]), st.sampled_from([0, 0, 8, 33]))
+def test_objects_hashed_across_calls_hash_as_xxhash_and_move_every_byte(
+    case: tuple[list[bytes], list[list[int]], list[int]], kernel: str, shift: int
+) -> None:
+    """`Hashes`, as a restore feeds it a layer at a time: each object's pieces in its
+    byte order, any cut points (a stripe straddling pieces and calls), the pieces
+    landing scattered and out of order in the destination; the checksum of an object is
+    None until its last byte moved, then `xxh3_64_intdigest` of it."""
+    payloads, cuts, calls = case
+    size = len(payloads[0])
+    previous = _copyhash.use_kernel(kernel)
+    try:
+        sources = [np.frombuffer(payload, np.uint8) for payload in payloads]
+        landing = buffer(size * len(payloads) + 64 * len(payloads) * (len(cuts[0]) + 1), shift)
+        into = np.frombuffer(landing, np.uint8)
+        spans = [list(zip([0, *own], [*own, size])) for own in cuts]
+        places = []  # per object, where each piece lands: pieces reversed, 64 apart
+        at = 0
+        for own in spans:
+            starts = {}
+            for start, end in reversed(own):
+                starts[start] = at
+                at += end - start + 64
+            places.append(starts)
+        hashes = _copyhash.Hashes(len(payloads), size)
+        first = 0
+        for taken in calls:
+            ranges = [(sources[i].ctypes.data + start, into.ctypes.data + places[i][start],
+                       end - start)
+                      for i, own in enumerate(spans) for start, end in own[first : first + taken]]
+            assert hashes.digests() == [None] * len(payloads)
+            hashes.move(*(np.array(column, np.uint64) for column in zip(*ranges)))
+            first += taken
+    finally:
+        _copyhash.use_kernel(previous)
+    assert hashes.digests() == [xxhash.xxh3_64_intdigest(payload) for payload in payloads]
+    for payload, own, starts in zip(payloads, spans, places):
+        landed = b"".join(bytes(into[starts[s] : starts[s] + e - s]) for s, e in own)
+        assert landed == payload

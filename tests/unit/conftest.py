@@ -11,6 +11,7 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.unit.vllm_driver import Driver
+    from umbp.gpu.device import HostDevice
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +20,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.unit.vllm_driver import write_model_config  # imports vLLM: only when used
 
     return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def device() -> Iterator[HostDevice]:
+    """The host device (copies on host threads), closed after the test."""
+    from umbp.gpu.device import HostDevice
+
+    host = HostDevice()
+    yield host
+    host.close()
 
 
 @pytest.fixture

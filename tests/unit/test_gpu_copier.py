@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from umbp.gpu import BlockCopier, BlockCopy, LayerTensors, describe_layer, describe_layer_parts
 from umbp.gpu import copier as copier_module
+from umbp.runtime.paged_copy import native_kernel, pages_checksum
 
 Build = Callable[[torch.Tensor], list[LayerTensors]]
 """Turns a uint8 base allocation into the layers of one cache group (views into it)."""
@@ -102,9 +103,17 @@ def on_host_in_python(copy: BlockCopy) -> None:
         copier_module._native_move_ranges = native
 
 
+def hashing(copy: BlockCopy) -> None:
+    """``run_on_host`` hashing the objects as they move (a copy of one layer hashes that
+    layer's slice): the native copy loop carries the whole copy out."""
+    hashes = copy.copier.hashes(len(copy.block_ids))
+    assert hashes is not None or native_kernel() != "avx2" or copy.copier.object_bytes <= 240
+    replace(copy, hashes=hashes).run_on_host()
+
+
 Mover = Callable[[BlockCopy], object]
 MOVERS: dict[str, Mover] = {"numpy": BlockCopy.run_on_host, "ranges": by_ranges,
-                            "numpy_python_ranges": on_host_in_python}
+                            "numpy_python_ranges": on_host_in_python, "hashing": hashing}
 
 
 def round_trip(case: KvCase, block_ids: Sequence[int], seed: int = 0,
@@ -340,6 +349,80 @@ def test_objects_across_pages_narrower_than_an_object_copy_bit_exact(
     MOVERS[mover](BlockCopier(case.build(source), case.num_blocks).copy(
         block_ids, into, to_kv=False, pages=pages))
     assert np.array_equal(into, before)  # the objects' bytes, and not one byte more
+
+
+needs_native_kernel = pytest.mark.skipif(
+    native_kernel() != "avx2",
+    reason="copies hash as they move only where the native loop runs its AVX2 kernel")
+
+
+def paged_objects(
+    copier: BlockCopier, count: int, page_bytes: int, seed: int
+) -> tuple[npt.NDArray[np.uint8], list[list[int]]]:
+    """Pages of random bytes and, per object, its pages (shuffled, never shared)."""
+    per_object = -(-copier.object_bytes // page_bytes)
+    order = np.random.default_rng(seed).permutation(per_object * count + 2)
+    pages = [order[i * per_object : (i + 1) * per_object].tolist() for i in range(count)]
+    memory = np.random.default_rng(seed + 1).integers(0, 256, (len(order), page_bytes),
+                                                      dtype=np.uint8)
+    return memory, pages
+
+
+@needs_native_kernel
+@pytest.mark.parametrize("page_fraction", [0.3, 0.77, 1.0, 2.0])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_hashing_copy_hashes_each_object_as_it_lies_in_its_pages(
+    name: str, page_fraction: float
+) -> None:
+    """A store hashing as it copies yields, per object, the checksum of the object's
+    bytes in its pages (what the store would compute reading them back); a restore
+    layer by layer, its hashes fed by every layer's copy, yields them too once the
+    last layer moved (None before: a checksum of part of an object checks nothing),
+    and a byte changed in a page meanwhile shows in that object's checksum only."""
+    case = CASES[name]
+    source, block_ids, _ = staged_blocks(case, seed=21)
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    object_bytes = copier.object_bytes
+    page_bytes = max(1, int(object_bytes * page_fraction))
+    memory, pages = paged_objects(copier, len(block_ids), page_bytes, seed=4)
+    hashes = copier.hashes(len(block_ids))
+    if object_bytes <= 240:  # xxh3's short inputs: the store hashes these apart
+        assert hashes is None
+        return
+    assert hashes is not None
+    copier.copy(block_ids, memory, to_kv=False, pages=pages, hashes=hashes).run_on_host()
+    stored = [pages_checksum(memory, owned, object_bytes) for owned in pages]
+    assert hashes.digests() == stored
+
+    memory[pages[1][-1], (object_bytes - 1) % page_bytes] ^= 0x5A  # the object's last byte
+    restored = torch.zeros_like(source)
+    restorer = BlockCopier(case.build(restored), case.num_blocks)
+    restore = restorer.copy(block_ids, memory, to_kv=True, pages=pages,
+                            hashes=restorer.hashes(len(block_ids)))
+    assert restore.hashes is not None
+    for layer in range(restorer.num_layers):
+        assert restore.hashes.digests() == [None] * len(block_ids)
+        restore.of_layer(layer).run_on_host()
+    digests = restore.hashes.digests()
+    assert digests[0] == stored[0] and digests[2] == stored[2]
+    assert digests[1] == pages_checksum(memory, pages[1], object_bytes) != stored[1]
+
+
+def test_hashes_must_fit_the_copy() -> None:
+    case = CASES["float32"]
+    source, block_ids, staged = staged_blocks(case, seed=1)
+    copier = BlockCopier(case.build(source), case.num_blocks)
+    hashes = copier.hashes(len(block_ids) + 1)
+    if hashes is None:
+        pytest.skip("copies hash as they move only where the native loop runs its AVX2 kernel")
+    with pytest.raises(ValueError, match="do not fit 3 objects"):
+        copier.copy(block_ids, staged, to_kv=True, hashes=hashes)
+
+
+def test_a_copy_of_kv_off_the_host_gets_no_hashes() -> None:
+    """On a GPU the copy engines move the bytes: no CPU sees them to hash."""
+    copier = BlockCopier([torch.zeros(4, 2, 64, device="meta")], 4)
+    assert copier.object_bytes > 240 and copier.hashes(3) is None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -5,8 +5,6 @@ goes wrong, every block ends loaded or reported failed, and no loan stays pinned
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -41,13 +39,6 @@ def stored(pool: SlabPool, source: list[torch.Tensor], hashes: list[bytes]) -> i
     keys = [KEYSPACE.key(RANK, 0, block_hash) for block_hash in hashes]
     assert all(pool.put_batch(keys, [rows[i] for i in range(len(hashes))]))
     return copier.object_bytes
-
-
-@pytest.fixture
-def device() -> Iterator[HostDevice]:
-    host = HostDevice()
-    yield host
-    host.close()
 
 
 def context(device: HostDevice, pool: SlabPool, kv: list[torch.Tensor]) -> TransferContext:

@@ -33,6 +33,7 @@ import torch
 
 from umbp.gpu.block_view import WORD_SIZES, BlockView, block_view, widest_word, word_dtype
 from umbp.gpu.layout import LayerLayout, LayerTensors, block_major, describe_layer, layer_parts
+from umbp.runtime.paged_copy import Hashes, object_hashes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -100,6 +101,11 @@ class BlockCopy:
     pages: tuple[tuple[int, ...], ...] | None = None
     """Where objects span several rows (pages): each object's rows, in order (``rows``
     then holds their first ones)."""
+    hashes: Hashes | None = None
+    """Where given (KV in host memory), the copy feeds each object's xxh3-64 as its
+    bytes move: one pass over them instead of a second one to checksum them. A copy
+    limited to a layer feeds that layer's slice, so its layers' copies, run in order,
+    hash whole objects."""
 
     @property
     def nbytes(self) -> int:
@@ -111,9 +117,9 @@ class BlockCopy:
         return self.copier.parts(self.layer)
 
     def ranges(self) -> CopyRanges:
-        """The copy as byte ranges, in block order, each part's runs in object order
-        (split where an object's bytes pass from one page to the next); a device's
-        batched copy takes these."""
+        """The copy as byte ranges, object by object, each object's in its byte order
+        (part by part, split where its bytes pass from one page to the next): a
+        device's batched copy takes these, and a hashing copy feeds them in this order."""
         count = len(self.block_ids)
         ids = np.asarray(self.block_ids, dtype=np.uint64)
         base, stride = np.uint64(self.memory.ctypes.data), np.uint64(self.memory.strides[0])
@@ -127,18 +133,18 @@ class BlockCopy:
             view = part.view
             offsets, lengths, kv_offsets = _pieces(part, page_bytes)
             block_starts = np.uint64(view.address) + ids * np.uint64(view.block_stride)
-            kv.append((block_starts[:, None] + kv_offsets[None, :]).reshape(-1))
+            kv.append(block_starts[:, None] + kv_offsets[None, :])
             if page_bytes is None:
                 host_starts = base + pages[:, 0] * stride
-                host.append((host_starts[:, None] + offsets[None, :]).reshape(-1))
+                host.append(host_starts[:, None] + offsets[None, :])
             else:
                 within = offsets % np.uint64(page_bytes)
                 page_of = (offsets // np.uint64(page_bytes)).astype(np.intp)
-                host.append((base + pages[:, page_of] * stride + within[None, :]).reshape(-1))
-            sizes.append(np.tile(lengths, count))
-        kv_all, host_all = _joined(kv), _joined(host)
+                host.append(base + pages[:, page_of] * stride + within[None, :])
+            sizes.append(np.broadcast_to(lengths, (count, len(lengths))))
+        kv_all, host_all = _object_major(kv), _object_major(host)
         sources, destinations = (host_all, kv_all) if self.to_kv else (kv_all, host_all)
-        return CopyRanges(sources, destinations, _joined(sizes))
+        return CopyRanges(sources, destinations, _object_major(sizes))
 
     def run_on_host(self) -> None:
         """Carry the copy out with numpy (KV in host memory); releases the GIL."""
@@ -185,8 +191,9 @@ def _crosses(starts: npt.NDArray[np.uint64], length: int, page_bytes: int) -> bo
     return bool((first != last).any())
 
 
-def _joined(arrays: list[npt.NDArray[np.uint64]]) -> npt.NDArray[np.uint64]:
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+def _object_major(per_part: list[npt.NDArray[np.uint64]]) -> npt.NDArray[np.uint64]:
+    """Parts' ``[objects, runs]`` arrays as one flat array, object by object."""
+    return np.ascontiguousarray(np.concatenate(per_part, axis=1)).reshape(-1)
 
 
 class BlockCopier:
@@ -251,26 +258,41 @@ class BlockCopier:
         to_kv: bool,
         layer: int | None = None,
         pages: Sequence[Sequence[int]] | None = None,
+        hashes: Hashes | None = None,
     ) -> BlockCopy:
         """Describe a copy between ``block_ids`` and ``rows`` of ``memory`` (None: its
         first rows, in order), or, with rows (pages) narrower than an object, the
         ``pages`` of ``memory`` holding each object in order; raises before anything
         moves when the copy would touch a block or a byte it must not. A load
         (``to_kv``) names each block once: two rows for one block would leave it
-        undefined."""
+        undefined. ``hashes`` (from :meth:`hashes`, one per block) hash the objects as
+        they move."""
         ids = self._checked_ids(block_ids)
         if to_kv:
             _check_unique(ids)
         if layer is not None and not 0 <= layer < len(self._layer_parts):
             raise IndexError(f"layer {layer} out of range for {len(self._layer_parts)} layers")
+        if hashes is not None and (hashes.count, hashes.nbytes) != (len(ids), self._object_bytes):
+            raise ValueError(f"hashes for {hashes.count} objects of {hashes.nbytes} bytes do "
+                             f"not fit {len(ids)} objects of {self._object_bytes}")
         if pages is not None:
             checked_pages = self._checked_pages(memory, len(ids), pages)
             if checked_pages is not None:
                 return BlockCopy(self, to_kv, tuple(ids), memory,
-                                 tuple(p[0] for p in checked_pages), layer, checked_pages)
+                                 tuple(p[0] for p in checked_pages), layer, checked_pages,
+                                 hashes)
             rows = [p[0] for p in pages]
         checked_rows = self._checked_rows(memory, len(ids), rows)
-        return BlockCopy(self, to_kv, tuple(ids), memory, checked_rows, layer)
+        return BlockCopy(self, to_kv, tuple(ids), memory, checked_rows, layer, hashes=hashes)
+
+    def hashes(self, count: int) -> Hashes | None:
+        """Hash states for a copy of ``count`` objects, where this host's copies hash as
+        they move (KV in host memory, umbp's native copy loop running its vector kernel,
+        objects over 240 bytes); None where a checksum stays a pass of its own (on a
+        GPU the copy engines move the bytes, not a CPU)."""
+        if self._device.type != "cpu":
+            return None
+        return object_hashes(count, self._object_bytes)
 
     def gather(
         self, block_ids: Sequence[int], memory: npt.NDArray[np.uint8],
@@ -353,6 +375,10 @@ class BlockCopier:
         if self._device.type != "cpu":
             raise ValueError(f"the KV is on {self._device}: a device carries this copy out")
         if not copy.block_ids:
+            return
+        if copy.hashes is not None:
+            ranges = copy.ranges()
+            copy.hashes.move(ranges.sources, ranges.destinations, ranges.sizes)
             return
         if copy.pages is not None:  # objects across pages: the ranges a device would move
             _move_ranges(copy.ranges())

@@ -443,6 +443,8 @@ done:
  * restore's pieces, layer by layer): one call and one release of the GIL for a whole
  * batch of ranges instead of a Python call (and a GIL round) per range. The caller
  * vouches for every address: they come from a copy it validated. */
+static int uint64_arrays(PyObject *const *objects, Py_buffer *views, const char *name);
+
 static PyObject *move_ranges(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objects[3];
@@ -450,19 +452,8 @@ static PyObject *move_ranges(PyObject *module, PyObject *args) {
         return NULL;
     }
     Py_buffer views[3];
-    int held = 0;
-    PyObject *result = NULL;
-    for (; held < 3; held++) {
-        if (PyObject_GetBuffer(objects[held], &views[held], PyBUF_C_CONTIGUOUS) < 0) {
-            goto done;
-        }
-    }
-    if (views[0].len != views[1].len || views[0].len != views[2].len ||
-        views[0].len % (Py_ssize_t)sizeof(uint64_t) != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "move_ranges takes three uint64 arrays of one length, got %zd, %zd and "
-                     "%zd bytes", views[0].len, views[1].len, views[2].len);
-        goto done;
+    if (uint64_arrays(objects, views, "move_ranges") < 0) {
+        return NULL;
     }
     const uint64_t *sources = views[0].buf;
     const uint64_t *destinations = views[1].buf;
@@ -474,14 +465,251 @@ static PyObject *move_ranges(PyObject *module, PyObject *args) {
                 (size_t)sizes[i]);
     }
     Py_END_ALLOW_THREADS
+    for (int held = 3; held > 0;) {
+        PyBuffer_Release(&views[--held]);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------- hashes across copies */
+
+/* Objects copied piece by piece over several calls (a restore, one layer at a time;
+ * a store, every layer at once), each hashed as its bytes move: per object a Hashing
+ * state, the bytes fed so far and the last 64 of them (xxh3's last stripe, gathered
+ * from where they landed). One thread at a time: a call that finds another in flight
+ * raises instead of racing it. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t count;
+    size_t total;
+    Hashing *states;
+    size_t *fed;
+    uint8_t (*tails)[STRIPE];
+    int busy;
+} HashesObject;
+
+static void hashes_dealloc(HashesObject *self) {
+    PyMem_Free(self->states);
+    PyMem_Free(self->fed);
+    PyMem_Free(self->tails);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int hashes_init(HashesObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"count", "nbytes", NULL};
+    Py_ssize_t count, nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn:Hashes", names, &count, &nbytes)) {
+        return -1;
+    }
+    if (count < 0 || nbytes <= MIDSIZE_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "Hashes takes a count >= 0 of objects over %d bytes, got %zd of %zd",
+                     MIDSIZE_MAX, count, nbytes);
+        return -1;
+    }
+    if (self->states != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Hashes is initialised once");
+        return -1;
+    }
+    size_t slots = (size_t)(count > 0 ? count : 1);
+    self->states = PyMem_Malloc(sizeof(Hashing) * slots);
+    self->fed = PyMem_Calloc(slots, sizeof(size_t));
+    self->tails = PyMem_Malloc(sizeof(*self->tails) * slots);
+    if (self->states == NULL || self->fed == NULL || self->tails == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->count = count;
+    self->total = (size_t)nbytes;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        hashing_start(&self->states[i], self->total);
+    }
+    return 0;
+}
+
+/* The last bytes of one object's pieces in this call appended to its tail, which keeps
+ * the object's last min(fed, 64) bytes right-aligned in 64. */
+static void keep_tail(uint8_t *tail, size_t fed_before, const uint64_t *destinations,
+                      const uint64_t *sizes, Py_ssize_t pieces) {
+    size_t added = 0;
+    for (Py_ssize_t p = 0; p < pieces; p++) {
+        added += (size_t)sizes[p];
+    }
+    size_t wanted = added < STRIPE ? added : STRIPE;
+    if (wanted < STRIPE) { /* the old tail's last bytes move left, in front of the new */
+        size_t kept = fed_before < STRIPE ? fed_before : STRIPE;
+        size_t stay = STRIPE - wanted < kept ? STRIPE - wanted : kept;
+        memmove(tail + STRIPE - wanted - stay, tail + STRIPE - stay, stay);
+    }
+    size_t at = STRIPE;
+    for (Py_ssize_t p = pieces - 1; p >= 0 && wanted > 0; p--) {
+        size_t length = (size_t)sizes[p];
+        size_t take = length < wanted ? length : wanted;
+        at -= take;
+        memcpy(tail + at, (const uint8_t *)(uintptr_t)destinations[p] + length - take, take);
+        wanted -= take;
+    }
+}
+
+static int uint64_arrays(PyObject *const *objects, Py_buffer *views, const char *name) {
+    int held = 0;
+    for (; held < 3; held++) {
+        if (PyObject_GetBuffer(objects[held], &views[held], PyBUF_C_CONTIGUOUS) < 0) {
+            goto fail;
+        }
+    }
+    if (views[0].len == views[1].len && views[0].len == views[2].len &&
+        views[0].len % (Py_ssize_t)sizeof(uint64_t) == 0) {
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s takes three uint64 arrays of one length, got %zd, %zd and %zd bytes",
+                 name, views[0].len, views[1].len, views[2].len);
+fail:
+    while (held > 0) {
+        PyBuffer_Release(&views[--held]);
+    }
+    return -1;
+}
+
+/* move(sources, destinations, sizes): the ranges object-major, an equal number per
+ * object (each object's pieces in its byte order); copies them and feeds each object's
+ * hash. Raises, before anything moves, where an object would get more than its size. */
+static PyObject *hashes_move(HashesObject *self, PyObject *args) {
+    PyObject *objects[3];
+    if (!PyArg_ParseTuple(args, "OOO:move", &objects[0], &objects[1], &objects[2])) {
+        return NULL;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Hashes is in use by another thread");
+        return NULL;
+    }
+    Py_buffer views[3];
+    if (uint64_arrays(objects, views, "move") < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const uint64_t *sources = views[0].buf;
+    const uint64_t *destinations = views[1].buf;
+    const uint64_t *sizes = views[2].buf;
+    Py_ssize_t ranges = views[0].len / (Py_ssize_t)sizeof(uint64_t);
+    Py_ssize_t count = self->count;
+    if (count == 0 ? ranges != 0 : ranges % count != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd ranges do not split evenly among %zd objects",
+                     ranges, count);
+        goto done;
+    }
+    Py_ssize_t per_object = count == 0 ? 0 : ranges / count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        size_t fed = self->fed[i];
+        for (Py_ssize_t p = 0; p < per_object; p++) {
+            fed += (size_t)sizes[i * per_object + p];
+        }
+        if (fed > self->total) {
+            PyErr_Format(PyExc_ValueError, "object %zd would get %zu bytes of %zu", i, fed,
+                         self->total);
+            goto done;
+        }
+    }
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < ranges; r++) {
+        hashing_piece(&self->states[r / per_object],
+                      (uint8_t *)(uintptr_t)destinations[r],
+                      (const uint8_t *)(uintptr_t)sources[r], (size_t)sizes[r]);
+    }
+#ifdef UMBP_X86
+    _mm_sfence();
+#endif
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint64_t *own = sizes + i * per_object;
+        keep_tail(self->tails[i], self->fed[i], destinations + i * per_object, own,
+                  per_object);
+        for (Py_ssize_t p = 0; p < per_object; p++) {
+            self->fed[i] += (size_t)own[p];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
     result = Py_None;
     Py_INCREF(result);
 done:
-    while (held > 0) {
+    for (int held = 3; held > 0;) {
         PyBuffer_Release(&views[--held]);
     }
     return result;
 }
+
+/* digests(): per object its xxh3-64, or None where not all of its bytes were fed. */
+static PyObject *hashes_digests(HashesObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Hashes is in use by another thread");
+        return NULL;
+    }
+    PyObject *list = PyList_New(self->count);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        PyObject *item;
+        if (self->fed[i] == self->total) {
+            Hashing finished = self->states[i]; /* digests() may be asked again */
+            item = PyLong_FromUnsignedLongLong(hashing_finish(&finished, self->tails[i]));
+            if (item == NULL) {
+                Py_DECREF(list);
+                return NULL;
+            }
+        } else {
+            item = Py_None;
+            Py_INCREF(item);
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyObject *hashes_len(HashesObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(self->count);
+}
+
+static PyObject *hashes_nbytes(HashesObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(self->total);
+}
+
+static PyMethodDef hashes_methods[] = {
+    {"move", (PyCFunction)hashes_move, METH_VARARGS,
+     "move(sources, destinations, sizes) -> None: copy the ranges (uint64 arrays of one "
+     "length; object-major, as many per object, each object's in its byte order) without "
+     "the GIL, feeding each object's hash. The addresses are trusted: only for copies the "
+     "caller validated."},
+    {"digests", (PyCFunction)hashes_digests, METH_NOARGS,
+     "digests() -> list[int | None]: each object's xxh3-64, None where not all of its "
+     "bytes were moved."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef hashes_getset[] = {
+    {"count", (getter)hashes_len, NULL, "objects hashed", NULL},
+    {"nbytes", (getter)hashes_nbytes, NULL, "bytes per object", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HashesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "umbp.runtime._copyhash.Hashes",
+    .tp_basicsize = sizeof(HashesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hashes(count, nbytes): the xxh3-64 of `count` objects of `nbytes` each "
+              "(over 240), computed while their bytes move in pieces over several calls.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hashes_init,
+    .tp_dealloc = (destructor)hashes_dealloc,
+    .tp_methods = hashes_methods,
+    .tp_getset = hashes_getset,
+};
 
 static stripes_fn best_stripes = stripes_scalar; /* what this CPU runs best */
 
@@ -546,5 +774,18 @@ PyMODINIT_FUNC PyInit__copyhash(void) {
     }
 #endif
     copy_stripes = best_stripes;
-    return PyModule_Create(&definition);
+    if (PyType_Ready(&HashesType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&definition);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&HashesType);
+    if (PyModule_AddObject(module, "Hashes", (PyObject *)&HashesType) < 0) {
+        Py_DECREF(&HashesType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -58,6 +58,7 @@ from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.rank_keys import HashRuns
 
 __all__ = [
+    "CommitsReservation",
     "HashLookup",
     "LabelsNamespaces",
     "LendsObjects",
@@ -76,6 +77,7 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "TierAware",
+    "VerifiesLoan",
     "WorkerStore",
 ]
 
@@ -231,18 +233,28 @@ class LentObjects:
     another size, the store closed). Lent objects stay where they are (pinned: neither
     evicted nor overwritten) until ``release``.
 
-    ``verify`` checks each lent object's checksum over the memory the caller copies
-    from and answers one `LoadStatus` per key (HIT, CORRUPT, or why a key was not lent);
-    it may run before, during or after the caller's copies (the bytes cannot change
-    while lent), at most once, and before ``release``. Bytes copied are unverified until
+    ``verify`` checks each lent object's checksum and answers one `LoadStatus` per key
+    (HIT, CORRUPT, or why a key was not lent): against ``copied[i]`` where the caller
+    gives it (the xxh3-64 of the bytes its copy read, hashed as they moved), else over
+    the memory the caller copies from; it may run before, during or after the caller's
+    copies (the bytes cannot change while lent), at most once, and before ``release``. Bytes copied are unverified until
     then: the caller must treat every key ``verify`` does not answer HIT as failed.
     ``release`` is called exactly once, when the caller's copies have finished reading
     (on a GPU: when the copy's event completed), verified or not."""
 
     memory: npt.NDArray[np.uint8]
     pages: tuple[tuple[int, ...] | None, ...]
-    verify: Callable[[], tuple[LoadStatus, ...]]
+    verify: VerifiesLoan
     release: Callable[[], None]
+
+
+class VerifiesLoan(Protocol):
+    def __call__(
+        self, copied: Sequence[int | None] | None = None
+    ) -> tuple[LoadStatus, ...]:
+        """Per key, HIT when its checksum holds (``copied``: per key, the xxh3-64 of the
+        bytes the caller's copy read, None where it did not hash them)."""
+        ...
 
 
 @runtime_checkable
@@ -273,14 +285,25 @@ class ReservedObjects:
     nothing is to be written (already stored, or no room: ``commit`` says which).
     Reserved pages are neither visible to lookups nor reused until ``commit``, which the
     caller calls exactly once, when its copies have finished writing (on a GPU: when
-    the copy's event completed), saying per key whether its pages were written. ``commit`` checksums
-    and publishes the written objects and answers per key, as `put_batch` does, whether
-    the object is stored (a row not written, or written while the store was cleared or
-    closed, is not)."""
+    the copy's event completed), saying per key whether its pages were written and, where
+    the copy hashed what it wrote, its xxh3-64 (else the store hashes the pages).
+    ``commit`` publishes the written objects with their checksums and answers per key,
+    as `put_batch` does, whether the object is stored (a row not written, or written
+    while the store was cleared or closed, is not)."""
 
     memory: npt.NDArray[np.uint8]
     pages: tuple[tuple[int, ...] | None, ...]
-    commit: Callable[[Sequence[bool]], tuple[bool, ...]]
+    commit: CommitsReservation
+
+
+class CommitsReservation(Protocol):
+    def __call__(
+        self, written: Sequence[bool], checksums: Sequence[int | None] | None = None
+    ) -> tuple[bool, ...]:
+        """Per key whether it is now stored (``written``: per key whether its pages
+        were written; ``checksums``: per key the xxh3-64 of what was written, None
+        where the copy did not hash it)."""
+        ...
 
 
 @runtime_checkable

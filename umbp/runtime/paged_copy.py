@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,14 +42,38 @@ import xxhash
 __all__ = [
     "CHUNK_BYTES",
     "NATIVE_FROM_BYTES",
+    "Hashes",
     "copy_hashing",
+    "hashed_per_key",
     "native_kernel",
+    "object_hashes",
     "pages_checksum",
     "read_regions",
     "write_regions",
 ]
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 logger = logging.getLogger("umbp")
+
+
+class Hashes(Protocol):
+    """The xxh3-64 of `count` objects of `nbytes` each, fed while a batch copy moves
+    their bytes in pieces, over one call or several (a layer at a time): the native
+    loop's ``_copyhash.Hashes``."""
+
+    @property
+    def count(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def move(self, sources: Buffer, destinations: Buffer, sizes: Buffer) -> None:
+        """Copy the ranges (uint64 arrays of one length, object by object, as many
+        per object, each object's in its byte order), feeding each object's hash."""
+        ...
+    def digests(self) -> list[int | None]:
+        """Each object's xxh3-64; None where not all of its bytes were moved."""
+        ...
 
 
 def _native_module() -> ModuleType | None:
@@ -81,6 +105,29 @@ def native_kernel() -> str | None:
     """The native copy loop's kernel in use ('avx2', or 'scalar' while a test or benchmark
     asks for it), or None when copies run in Python."""
     return None if _native is None else str(_native.kernel())
+
+
+def object_hashes(count: int, nbytes: int) -> Hashes | None:
+    """Hash states for `count` objects of `nbytes` whose bytes a batch copy moves in
+    pieces (:meth:`umbp.gpu.copier.BlockCopier.hashes`), where the native loop runs; None
+    where it does not (or objects are short): then a checksum is a pass of its own."""
+    if _native is None or nbytes < NATIVE_FROM_BYTES:
+        return None
+    hashes: Hashes = _native.Hashes(count, nbytes)
+    return hashes
+
+
+def hashed_per_key(
+    digests: Sequence[int | None] | None, keys: int, asked: str
+) -> Sequence[int | None]:
+    """A loan's or a reservation's checksums hashed by the caller's copy, one per key
+    (None: all unknown); raises where `asked` got another count."""
+    if digests is None:
+        return (None,) * keys
+    if len(digests) != keys:
+        raise ValueError(f"{asked} needs one checksum (or None) per key: {keys}, got "
+                         f"{len(digests)}")
+    return digests
 
 
 _GIL_FREE_FROM_BYTES = 128 * 1024

@@ -55,7 +55,12 @@ from umbp.runtime.contract import (
 )
 from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
-from umbp.runtime.paged_copy import pages_checksum, read_regions, write_regions
+from umbp.runtime.paged_copy import (
+    hashed_per_key,
+    pages_checksum,
+    read_regions,
+    write_regions,
+)
 from umbp.runtime.paging import PagedLru, Resident, pages_for, watermark_pages
 
 if TYPE_CHECKING:
@@ -543,15 +548,17 @@ class _Loan:
         self._pool, self._memory, self._lent, self._answers = pool, memory, lent, answers
         self._verified = self._released = False
 
-    def verify(self) -> tuple[LoadStatus, ...]:
+    def verify(self, copied: Sequence[int | None] | None = None) -> tuple[LoadStatus, ...]:
         if self._verified or self._released:
             raise RuntimeError("a loan is verified at most once, before its release")
+        hashed = hashed_per_key(copied, len(self._lent), "verify")
         self._verified = True
         # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
         intact = [
             stored is not None
-            and pages_checksum(self._memory, stored.pages, stored.nbytes) == stored.checksum
-            for stored in self._lent
+            and (pages_checksum(self._memory, stored.pages, stored.nbytes)
+                 if digest is None else digest) == stored.checksum
+            for stored, digest in zip(self._lent, hashed)
         ]
         with self._pool._lock:
             return self._pool._count_loan(self._lent, intact, self._answers)
@@ -578,20 +585,24 @@ class _Reservation:
         self.generation, self.pages, self.stored_already = generation, pages, stored_already
         self._committed = False
 
-    def commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+    def commit(
+        self, written: Sequence[bool], checksums: Sequence[int | None] | None = None
+    ) -> tuple[bool, ...]:
         if self._committed:
             raise RuntimeError("a reservation is committed exactly once")
         if len(written) != len(self.keys):
             raise ValueError(f"commit needs one answer per key: {len(self.keys)}, got "
                              f"{len(written)}")
+        hashed = hashed_per_key(checksums, len(self.keys), "commit")
         self._committed = True
         # Hashed outside the lock: reserved pages are neither reused nor freed.
-        checksums = [
+        stored = [
             None if pages is None or not wrote
-            else pages_checksum(self.memory, pages, self.nbytes)
-            for pages, wrote in zip(self.pages, written)
+            else pages_checksum(self.memory, pages, self.nbytes) if digest is None
+            else digest
+            for pages, wrote, digest in zip(self.pages, written, hashed)
         ]
-        return self.pool._commit_reservation(self, checksums)
+        return self.pool._commit_reservation(self, stored)
 
 
 # ------------------------------------------------------------------ validation

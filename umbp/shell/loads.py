@@ -48,7 +48,8 @@ from umbp.core.plans import GroupBlocks, LoadPlan
 from umbp.gpu.copier import BlockCopy
 from umbp.gpu.device import Event, Stream
 from umbp.gpu.staging import StagingSlot
-from umbp.shell.store_io import GroupSource, unread
+from umbp.runtime.paged_copy import Hashes
+from umbp.shell.store_io import GroupSource, copied_checksums, unread
 from umbp.shell.transfer_context import MAX_PIECE_OBJECTS, STAGING_WAIT_S, TransferContext
 
 logger = logging.getLogger("umbp")
@@ -68,12 +69,18 @@ class _Read:
     group: GroupBlocks
     source: GroupSource
     slot: StagingSlot | None = None
+    hashes: Hashes | None = None
+    """Where the copy of a loan hashes what it moves: its objects' checksums, in the
+    order of ``hashed_rows`` (the read's positions it copies)."""
+    hashed_rows: tuple[int, ...] = ()
 
 
 def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
     """The copy of a read's loaded rows (those answered HIT), every layer (a layer's
     copy is :meth:`BlockCopy.of_layer`, checked once here); raises when the plan breaks
-    the copier's contract (a block out of range)."""
+    the copier's contract (a block out of range). A loan's copy hashes the objects as it
+    moves them (where this host's copies can), the read keeping the hash states for
+    ``verify``: the lender's pages are then read once, not a second time to verify."""
     group, source = read.group, read.source
     outcome = group_load_outcome(group.group_id, group.block_ids, source.statuses)
     if outcome.problem is not None:
@@ -84,14 +91,21 @@ def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
     pages = [source.pages[index] for index in outcome.loaded_rows]
     if any(owned is None for owned in pages):
         raise ValueError("a store answered HIT for an object it gave no pages")
+    if ctx.in_place:
+        read.hashes = copier.hashes(len(pages))
+        read.hashed_rows = tuple(outcome.loaded_rows)
     return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True,
-                        pages=[owned for owned in pages if owned is not None])]
+                        pages=[owned for owned in pages if owned is not None],
+                        hashes=read.hashes)]
 
 
 def _verified(reads: Sequence[_Read], copied: bool) -> list[tuple[LoadStatus, ...] | None]:
     """Every read's final statuses (each verified even when the copy failed, so the
     store counts what it lent); none counts when the copy failed."""
-    statuses = [read.source.verify() for read in reads]
+    statuses = [
+        read.source.verify(copied_checksums(len(read.group), read.hashed_rows, read.hashes))
+        for read in reads
+    ]
     return statuses if copied else [None] * len(reads)
 
 

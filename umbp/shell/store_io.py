@@ -28,14 +28,28 @@ from umbp.core.identity import KeySpace, RankCoord
 from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.plans import GroupBlocks
 from umbp.runtime.contract import LendsObjects, ReservesObjects, WorkerStore
+from umbp.runtime.paged_copy import Hashes
 
 logger = logging.getLogger("umbp")
 
-__all__ = ["GroupSource", "GroupTarget", "StoreAccess"]
+__all__ = ["GroupSource", "GroupTarget", "StoreAccess", "copied_checksums"]
 
 
 def _nothing() -> None:
     return None
+
+
+def copied_checksums(
+    keys: int, positions: Sequence[int], hashes: Hashes | None
+) -> list[int | None] | None:
+    """Per key of a group of ``keys``, the xxh3-64 that a copy of the objects at
+    ``positions`` (in order) computed as it moved them; None: the copy did not hash."""
+    if hashes is None:
+        return None
+    checksums: list[int | None] = [None] * keys
+    for position, digest in zip(positions, hashes.digests(), strict=True):
+        checksums[position] = digest
+    return checksums
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -43,31 +57,33 @@ class GroupSource:
     """One group's objects as a load copies them. ``statuses``: per key, what is known
     before the copy (a lent object counts as HIT until verified; None: the group could
     not be read). Key ``i`` is in pages ``pages[i]`` of ``memory`` (None: nothing to
-    copy). ``verify`` gives the final statuses (once); ``release`` lets the pages go
-    (once, after the copy finished reading them)."""
+    copy). ``verify`` gives the final statuses (once; given per key the xxh3-64 the copy
+    computed of what it read, where it hashed); ``release`` lets the pages go (once,
+    after the copy finished reading them)."""
 
     statuses: tuple[LoadStatus, ...] | None
     memory: npt.NDArray[np.uint8] | None
     pages: tuple[tuple[int, ...] | None, ...]
-    verify: Callable[[], tuple[LoadStatus, ...] | None]
+    verify: Callable[[Sequence[int | None] | None], tuple[LoadStatus, ...] | None]
     release: Callable[[], None] = _nothing
 
 
 def unread(keys: int) -> GroupSource:
     """A group that could not be read: every block fails as UNAVAILABLE."""
-    return GroupSource(None, None, (None,) * keys, lambda: None)
+    return GroupSource(None, None, (None,) * keys, lambda _: None)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GroupTarget:
     """Where one group's objects go: key ``i`` into pages ``pages[i]`` of ``memory``
-    (None: nothing to copy). ``finish(copied)`` after the copy (once; ``copied`` False
-    when it failed) says per key whether the object is stored (None: the group was not
-    written at all)."""
+    (None: nothing to copy). ``finish(copied, checksums)`` after the copy (once;
+    ``copied`` False when it failed; ``checksums`` per key the xxh3-64 the copy computed
+    of what it wrote, None where it did not hash) says per key whether the object is
+    stored (None: the group was not written at all)."""
 
     memory: npt.NDArray[np.uint8]
     pages: tuple[tuple[int, ...] | None, ...]
-    finish: Callable[[bool], tuple[bool, ...] | None]
+    finish: Callable[[bool, Sequence[int | None] | None], tuple[bool, ...] | None]
 
 
 class StoreAccess:
@@ -115,8 +131,8 @@ class StoreAccess:
         except Exception as error:  # noqa: BLE001 (see the module docstring)
             logger.warning("umbp load failed: %s", error)
             return unread(len(group))
-        read = tuple(statuses)
-        return GroupSource(read, memory, tuple((row,) for row in rows), lambda: read)
+        read = tuple(statuses)  # verified as they were read
+        return GroupSource(read, memory, tuple((row,) for row in rows), lambda _: read)
 
     # -- stores -------------------------------------------------------------------------
 
@@ -132,9 +148,11 @@ class StoreAccess:
             return None
         pages, commit = reserved.pages, reserved.commit
 
-        def finish(copied: bool) -> tuple[bool, ...] | None:
+        def finish(
+            copied: bool, checksums: Sequence[int | None] | None
+        ) -> tuple[bool, ...] | None:
             try:
-                return commit([copied and owned is not None for owned in pages])
+                return commit([copied and owned is not None for owned in pages], checksums)
             except Exception as error:  # noqa: BLE001 (see the module docstring)
                 logger.warning("umbp store failed: %s", error)
                 return None

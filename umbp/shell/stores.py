@@ -34,7 +34,8 @@ from umbp.core.stores.results import failed_store_identities
 from umbp.gpu.device import Event
 from umbp.gpu.lanes import Lane
 from umbp.gpu.staging import StagingSlot
-from umbp.shell.store_io import GroupTarget
+from umbp.runtime.paged_copy import Hashes
+from umbp.shell.store_io import GroupTarget, copied_checksums
 from umbp.shell.transfer_context import MAX_PIECE_OBJECTS, TransferContext
 
 logger = logging.getLogger("umbp")
@@ -86,6 +87,10 @@ class _Piece:
     target: GroupTarget | None = None
     slot: StagingSlot | None = None
     identities: tuple[ObjectId, ...] = field(default_factory=tuple)
+    hashes: Hashes | None = None
+    """Where the copy into reserved pages hashes what it writes: the checksums of the
+    objects at ``hashed``, in order (the store then need not read them back)."""
+    hashed: tuple[int, ...] = ()
 
 
 class StoreQueue:
@@ -205,11 +210,14 @@ class StoreQueue:
             if piece.in_place:
                 piece.target = ctx.access.reserve(piece.group, copier.object_bytes)
             if piece.target is not None:
-                written = [(block, owned) for block, owned in zip(piece.group.block_ids,
-                                                                  piece.target.pages)
+                written = [(position, block, owned) for position, (block, owned)
+                           in enumerate(zip(piece.group.block_ids, piece.target.pages))
                            if owned is not None]
-                copy = copier.copy([b for b, _ in written], piece.target.memory, to_kv=False,
-                                   pages=[p for _, p in written])
+                piece.hashes = copier.hashes(len(written))
+                piece.hashed = tuple(position for position, _, _ in written)
+                copy = copier.copy([b for _, b, _ in written], piece.target.memory,
+                                   to_kv=False, pages=[p for _, _, p in written],
+                                   hashes=piece.hashes)
             elif piece.slot is not None:
                 copy = copier.copy(piece.group.block_ids, piece.slot.memory, to_kv=False)
             else:  # the store reserved nothing: not written
@@ -243,7 +251,9 @@ class StoreQueue:
         except Exception as error:  # noqa: BLE001 - the piece is not stored
             logger.warning("umbp store: the copy failed: %s", error)
         if piece.target is not None:
-            self._piece_done(piece, piece.target.finish(copied))
+            checksums = (copied_checksums(len(piece.group), piece.hashed, piece.hashes)
+                         if copied else None)
+            self._piece_done(piece, piece.target.finish(copied, checksums))
         elif copied and piece.slot is not None:
             self._store_lane.submit(lambda: self._put(piece))
         else:

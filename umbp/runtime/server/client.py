@@ -51,7 +51,12 @@ from umbp.runtime.contract import (
     WorkerStore,
 )
 from umbp.runtime.host_memory import byte_views
-from umbp.runtime.paged_copy import pages_checksum, read_regions, write_regions
+from umbp.runtime.paged_copy import (
+    hashed_per_key,
+    pages_checksum,
+    read_regions,
+    write_regions,
+)
 from umbp.runtime.server import protocol
 from umbp.runtime.server.link import Connection, ServerLink, ServerRefused, Stale
 from umbp.runtime.server.schema import MAX_BATCH, body_limit
@@ -437,15 +442,19 @@ class _ServerLoan:
         pages = tuple(None if found is None else found[1] for found in self._found)
         return LentObjects(self._memory, pages, self.verify, self.release)
 
-    def verify(self) -> tuple[LoadStatus, ...]:
+    def verify(self, copied: Sequence[int | None] | None = None) -> tuple[LoadStatus, ...]:
         if self._verified or self._released:
             raise RuntimeError("a loan is verified at most once, before its release")
+        hashed = hashed_per_key(copied, len(self._found), "verify")
         self._verified = True
         statuses: list[LoadStatus] = []
-        for position, (found, refusal) in enumerate(zip(self._found, self._refusals)):
+        for position, (found, refusal, digest) in enumerate(
+            zip(self._found, self._refusals, hashed)
+        ):
             if found is None:
                 statuses.append(refusal)
-            elif pages_checksum(self._memory, found[1], self._nbytes) == found[0]:
+            elif (pages_checksum(self._memory, found[1], self._nbytes) if digest is None
+                  else digest) == found[0]:
                 statuses.append(LoadStatus.HIT)
             else:
                 statuses.append(LoadStatus.CORRUPT)
@@ -484,26 +493,33 @@ class _ServerReservation:
         pages = tuple(placed if isinstance(placed, tuple) else None for placed in self._answers)
         return ReservedObjects(self._memory, pages, self.commit)
 
-    def commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+    def commit(
+        self, written: Sequence[bool], checksums: Sequence[int | None] | None = None
+    ) -> tuple[bool, ...]:
         if self._committed:
             raise RuntimeError("a reservation is committed exactly once")
         if len(written) != len(self._answers):
             raise ValueError(f"commit needs one answer per key: {len(self._answers)}, got "
                              f"{len(written)}")
+        hashed = hashed_per_key(checksums, len(self._answers), "commit")
         self._committed = True
         try:
-            return self._commit(written)
+            return self._commit(written, hashed)
         finally:
             self._connection.let_go()
 
-    def _commit(self, written: Sequence[bool]) -> tuple[bool, ...]:
+    def _commit(
+        self, written: Sequence[bool], hashed: Sequence[int | None]
+    ) -> tuple[bool, ...]:
         reserved = [position for position, placed in enumerate(self._answers)
                     if isinstance(placed, tuple)]
         results = [placed is True for placed in self._answers]
         if not reserved:
             return tuple(results)
         checksums = [
-            pages_checksum(self._memory, placed, self._nbytes) if written[position] else None
+            None if not written[position]
+            else pages_checksum(self._memory, placed, self._nbytes) if hashed[position] is None
+            else hashed[position]
             for position in reserved
             if isinstance(placed := self._answers[position], tuple)
         ]
