@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "live-requests": "live_requests_bench.py",
     "listing": "listing_bench.py",
     "copy-hash": "copy_hash_bench.py",
+    "kv-copy-hash": "kv_copy_hash_bench.py",
     "ssd-restore": "ssd_restore_bench.py",
     "prefetch": "prefetch_bench.py",
 }

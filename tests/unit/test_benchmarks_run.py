@@ -222,6 +222,21 @@ def test_the_copy_hash_bench_reports_each_way_against_memcpy(tmp_path: Path) -> 
         assert row["ratio"]["memcpy"] == 1.0 and min(row["gbps"].values()) > 0
 
 
+def test_the_kv_copy_hash_bench_times_each_way_against_memcpy(tmp_path: Path) -> None:
+    """benchmarks/kv_copy_hash_bench.py: stores and restores between KV blocks and pages,
+    the checksum after the copy or during it; the script checks that the ways' checksums
+    agree and every byte arrived; the figures are reported, not judged."""
+    report = tmp_path / "kv-copy-hash.json"
+    done = run_quick_bench("kv_copy_hash_bench.py", report)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(report.read_text())
+    assert set(data["median_ms"]) == {
+        "memcpy", "store: copy alone", "store: copy, then hash", "store: hashing copy",
+        "restore: copy alone", "restore: copy, then hash", "restore: hashing copy"}
+    assert data["ratio_to_memcpy"]["memcpy"] == 1.0 and min(data["median_ms"].values()) > 0
+    assert data["nbytes"] == 16 * 512 << 10
+
+
 def test_quick_prefetch_bench_times_each_reader_count_against_plain_preadv(
     tmp_path: Path,
 ) -> None:
