@@ -303,7 +303,8 @@ def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None
     process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"))
     if cpus is not None:
         for task in Path(f"/proc/{process.pid}/task").iterdir():
-            os.sched_setaffinity(int(task.name), cpus)
+            with contextlib.suppress(ProcessLookupError):  # a start-up thread ended meanwhile
+                os.sched_setaffinity(int(task.name), cpus)
     try:
         yield socket_path
     finally:
