@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import measure
 
 from umbp.gpu.copier import BlockCopier
-from umbp.runtime.paged_copy import native_kernel, pages_checksum
+from umbp.runtime.paged_copy import Hashes, native_kernel, pages_checksum
 from umbp.runtime.server.shm import create_shared_pool, release_shared_pool
 from umbp.testing.table import format_table
 
@@ -54,6 +55,14 @@ def kv_layers(blocks: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(2, blocks, TOKENS, HEADS, HEAD_DIM, generator=generator)
             for _ in range(LAYERS)]
+
+
+def digests(hashes: Hashes | None) -> list[int]:
+    """Every object's checksum, which the copy must have completed."""
+    assert hashes is not None, "this host's copies do not hash"
+    complete = [digest for digest in hashes.digests() if digest is not None]
+    assert len(complete) == hashes.count, "a copy left objects unhashed"
+    return complete
 
 
 def ways(objects: int) -> tuple[dict[str, Callable[[], list[int] | None]], Callable[[], None]]:
@@ -81,44 +90,30 @@ def ways(objects: int) -> tuple[dict[str, Callable[[], list[int] | None]], Calla
     def checksums() -> list[int]:
         return [pages_checksum(memory, owned, object_bytes) for owned in pages]
 
-    def store_alone() -> None:
-        gather.copy(blocks, memory, to_kv=False, pages=pages).run_on_host()
-
-    def store_then_hash() -> list[int]:
-        store_alone()
-        return checksums()
-
-    def store_hashing() -> list[int]:
-        hashes = gather.hashes(objects)
-        assert hashes is not None
+    def store(hashing: bool) -> list[int] | None:
+        """Blocks into the pages (all layers at once, as a store's copy runs)."""
+        hashes = gather.hashes(objects) if hashing else None
         gather.copy(blocks, memory, to_kv=False, pages=pages, hashes=hashes).run_on_host()
-        return [int(digest) for digest in hashes.digests() if digest is not None]
+        return digests(hashes) if hashing else None
 
-    def restore_alone() -> None:
-        whole = scatter.copy(blocks, memory, to_kv=True, pages=pages)
-        for layer in range(LAYERS):
-            whole.of_layer(layer).run_on_host()
-
-    def restore_then_hash() -> list[int]:
-        restore_alone()
-        return checksums()
-
-    def restore_hashing() -> list[int]:
-        hashes = scatter.hashes(objects)
-        assert hashes is not None
+    def restore(hashing: bool) -> list[int] | None:
+        """The pages into the blocks, a layer at a time (as a step's synchronous load)."""
+        hashes = scatter.hashes(objects) if hashing else None
         whole = scatter.copy(blocks, memory, to_kv=True, pages=pages, hashes=hashes)
         for layer in range(LAYERS):
             whole.of_layer(layer).run_on_host()
-        return [int(digest) for digest in hashes.digests() if digest is not None]
+        return digests(hashes) if hashing else None
 
     def check() -> None:
         assert all(torch.equal(a, b) for a, b in zip(source, restored)), "restore differs"
         assert np.array_equal(flat_target, flat_source), "memcpy differs"
 
-    return {"memcpy": memcpy, "store: copy alone": store_alone,
-            "store: copy, then hash": store_then_hash, "store: hashing copy": store_hashing,
-            "restore: copy alone": restore_alone, "restore: copy, then hash": restore_then_hash,
-            "restore: hashing copy": restore_hashing}, check
+    runs: dict[str, Callable[[], list[int] | None]] = {"memcpy": memcpy}
+    for side, copy in (("store", store), ("restore", restore)):
+        runs[f"{side}: copy alone"] = partial(copy, False)
+        runs[f"{side}: copy, then hash"] = lambda copy=copy: (copy(False), checksums())[1]
+        runs[f"{side}: hashing copy"] = partial(copy, True)
+    return runs, check
 
 
 def main() -> None:
