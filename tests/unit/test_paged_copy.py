@@ -177,3 +177,44 @@ def test_without_the_native_loop_umbp_says_so_and_copies_in_python() -> None:
     assert done.returncode == 0, done.stderr
     assert ("WARNING umbp: the native copy loop (umbp.runtime._copyhash) is not built "
             "(no compiler at install (test)); copies with checksums run in Python") in done.stderr
+
+
+def ranges_of(*triples: tuple[int, int, int]) -> list[np.ndarray]:
+    return [np.array(column, np.uint64) for column in zip(*triples)]
+
+
+def test_hashes_refuse_more_bytes_than_an_object_before_anything_moves() -> None:
+    """An object fed past its size (a caller's bug) raises, and no byte of the call moved:
+    a copy that overran would write past the object's pages."""
+    source = np.arange(2 * 300, dtype=np.uint8)
+    target = np.zeros_like(source)
+    hashes = _copyhash.Hashes(2, 300)
+    first = ranges_of((source.ctypes.data, target.ctypes.data, 250),
+                      (source.ctypes.data + 300, target.ctypes.data + 300, 200))
+    hashes.move(*first)
+    again = ranges_of((source.ctypes.data + 250, target.ctypes.data + 250, 50),
+                      (source.ctypes.data + 500, target.ctypes.data + 500, 101))
+    target[:] = 7
+    with pytest.raises(ValueError, match="object 1 would get 301 bytes of 300"):
+        hashes.move(*again)
+    assert not (target != 7).any()  # not even object 0's 50 bytes, which fit
+    assert hashes.digests() == [None, None]
+    hashes.move(*ranges_of((source.ctypes.data + 250, target.ctypes.data + 250, 50),
+                           (source.ctypes.data + 500, target.ctypes.data + 500, 100)))
+    assert hashes.digests() == [xxhash.xxh3_64_intdigest(source[:300].tobytes()),
+                                xxhash.xxh3_64_intdigest(source[300:].tobytes())]
+    assert np.array_equal(target[250:300], source[250:300])
+    assert np.array_equal(target[500:], source[500:])
+
+
+def test_hashes_refuse_ranges_that_do_not_split_evenly_and_short_objects() -> None:
+    buffer = np.zeros(1024, np.uint8)
+    triple = (buffer.ctypes.data, buffer.ctypes.data + 512, 300)
+    with pytest.raises(ValueError, match="3 ranges do not split evenly among 2 objects"):
+        _copyhash.Hashes(2, 300).move(*ranges_of(triple, triple, triple))
+    with pytest.raises(ValueError, match="objects over 240 bytes, got 1 of 240"):
+        _copyhash.Hashes(1, 240)
+    with pytest.raises(ValueError, match="three uint64 arrays of one length"):
+        _copyhash.Hashes(1, 300).move(np.zeros(2, np.uint64), np.zeros(1, np.uint64),
+                                      np.zeros(1, np.uint64))
+    assert paged_copy.object_hashes(4, 240) is None  # xxh3's short inputs: hashed apart

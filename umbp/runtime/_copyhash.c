@@ -439,12 +439,12 @@ done:
     return result;
 }
 
+static int uint64_arrays(PyObject *const *objects, Py_buffer *views, const char *name);
+
 /* Plain copies between raw addresses, for copies whose checksum is checked apart (a
  * restore's pieces, layer by layer): one call and one release of the GIL for a whole
  * batch of ranges instead of a Python call (and a GIL round) per range. The caller
  * vouches for every address: they come from a copy it validated. */
-static int uint64_arrays(PyObject *const *objects, Py_buffer *views, const char *name);
-
 static PyObject *move_ranges(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objects[3];

@@ -237,8 +237,9 @@ class LentObjects:
     (HIT, CORRUPT, or why a key was not lent): against ``copied[i]`` where the caller
     gives it (the xxh3-64 of the bytes its copy read, hashed as they moved), else over
     the memory the caller copies from; it may run before, during or after the caller's
-    copies (the bytes cannot change while lent), at most once, and before ``release``. Bytes copied are unverified until
-    then: the caller must treat every key ``verify`` does not answer HIT as failed.
+    copies (the bytes cannot change while lent), at most once, and before ``release``.
+    Bytes copied are unverified until then: the caller must treat every key ``verify``
+    does not answer HIT as failed.
     ``release`` is called exactly once, when the caller's copies have finished reading
     (on a GPU: when the copy's event completed), verified or not."""
 

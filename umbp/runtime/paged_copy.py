@@ -46,6 +46,7 @@ __all__ = [
     "copy_hashing",
     "hashed_per_key",
     "native_kernel",
+    "object_checksum",
     "object_hashes",
     "pages_checksum",
     "read_regions",
@@ -212,6 +213,14 @@ def read_regions(
                            memory[offset : offset + length])
         start += length
     return int(hasher.intdigest())
+
+
+def object_checksum(
+    memory: npt.NDArray[np.uint8], pages: Sequence[int], nbytes: int, copied: int | None
+) -> int:
+    """An object's xxh3-64: ``copied`` where a copy computed it as it moved the bytes,
+    else read from its pages (:func:`pages_checksum`)."""
+    return pages_checksum(memory, pages, nbytes) if copied is None else copied
 
 
 def pages_checksum(memory: npt.NDArray[np.uint8], pages: Sequence[int], nbytes: int) -> int:

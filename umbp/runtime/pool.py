@@ -57,7 +57,7 @@ from umbp.runtime.counters import PoolCounters
 from umbp.runtime.host_memory import allocate_prefaulted_slab, byte_views
 from umbp.runtime.paged_copy import (
     hashed_per_key,
-    pages_checksum,
+    object_checksum,
     read_regions,
     write_regions,
 )
@@ -556,8 +556,8 @@ class _Loan:
         # Hashed outside the lock: a pinned object's pages are neither reused nor freed.
         intact = [
             stored is not None
-            and (pages_checksum(self._memory, stored.pages, stored.nbytes)
-                 if digest is None else digest) == stored.checksum
+            and object_checksum(self._memory, stored.pages, stored.nbytes, digest)
+            == stored.checksum
             for stored, digest in zip(self._lent, hashed)
         ]
         with self._pool._lock:
@@ -598,8 +598,7 @@ class _Reservation:
         # Hashed outside the lock: reserved pages are neither reused nor freed.
         stored = [
             None if pages is None or not wrote
-            else pages_checksum(self.memory, pages, self.nbytes) if digest is None
-            else digest
+            else object_checksum(self.memory, pages, self.nbytes, digest)
             for pages, wrote, digest in zip(self.pages, written, hashed)
         ]
         return self.pool._commit_reservation(self, stored)

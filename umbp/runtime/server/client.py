@@ -53,7 +53,7 @@ from umbp.runtime.contract import (
 from umbp.runtime.host_memory import byte_views
 from umbp.runtime.paged_copy import (
     hashed_per_key,
-    pages_checksum,
+    object_checksum,
     read_regions,
     write_regions,
 )
@@ -453,8 +453,7 @@ class _ServerLoan:
         ):
             if found is None:
                 statuses.append(refusal)
-            elif (pages_checksum(self._memory, found[1], self._nbytes) if digest is None
-                  else digest) == found[0]:
+            elif object_checksum(self._memory, found[1], self._nbytes, digest) == found[0]:
                 statuses.append(LoadStatus.HIT)
             else:
                 statuses.append(LoadStatus.CORRUPT)
@@ -517,9 +516,8 @@ class _ServerReservation:
         if not reserved:
             return tuple(results)
         checksums = [
-            None if not written[position]
-            else pages_checksum(self._memory, placed, self._nbytes) if hashed[position] is None
-            else hashed[position]
+            object_checksum(self._memory, placed, self._nbytes, hashed[position])
+            if written[position] else None
             for position in reserved
             if isinstance(placed := self._answers[position], tuple)
         ]
