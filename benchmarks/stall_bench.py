@@ -301,11 +301,11 @@ def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None
 
     socket_path = str(scratch / "umbp.sock")
     process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"))
-    if cpus is not None:
-        for task in Path(f"/proc/{process.pid}/task").iterdir():
-            with contextlib.suppress(ProcessLookupError):  # a start-up thread ended meanwhile
-                os.sched_setaffinity(int(task.name), cpus)
     try:
+        if cpus is not None:
+            for task in Path(f"/proc/{process.pid}/task").iterdir():
+                with contextlib.suppress(ProcessLookupError):  # a start-up thread ended
+                    os.sched_setaffinity(int(task.name), cpus)
         yield socket_path
     finally:
         stop_server(process, socket_path)
