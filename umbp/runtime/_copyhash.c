@@ -527,14 +527,10 @@ static int hashes_init(HashesObject *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
-/* The last bytes of one object's pieces in this call appended to its tail, which keeps
- * the object's last min(fed, 64) bytes right-aligned in 64. */
-static void keep_tail(uint8_t *tail, size_t fed_before, const uint64_t *destinations,
-                      const uint64_t *sizes, Py_ssize_t pieces) {
-    size_t added = 0;
-    for (Py_ssize_t p = 0; p < pieces; p++) {
-        added += (size_t)sizes[p];
-    }
+/* The last bytes of one object's pieces in this call (`added` bytes in all) appended to
+ * its tail, which keeps the object's last min(fed, 64) bytes right-aligned in 64. */
+static void keep_tail(uint8_t *tail, size_t fed_before, size_t added,
+                      const uint64_t *destinations, const uint64_t *sizes, Py_ssize_t pieces) {
     size_t wanted = added < STRIPE ? added : STRIPE;
     if (wanted < STRIPE) { /* the old tail's last bytes move left, in front of the new */
         size_t kept = fed_before < STRIPE ? fed_before : STRIPE;
@@ -589,6 +585,7 @@ static PyObject *hashes_move(HashesObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *result = NULL;
+    size_t *added = NULL; /* per object, the bytes this call feeds it */
     const uint64_t *sources = views[0].buf;
     const uint64_t *destinations = views[1].buf;
     const uint64_t *sizes = views[2].buf;
@@ -600,14 +597,18 @@ static PyObject *hashes_move(HashesObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t per_object = count == 0 ? 0 : ranges / count;
+    added = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(size_t));
+    if (added == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
-        size_t fed = self->fed[i];
         for (Py_ssize_t p = 0; p < per_object; p++) {
-            fed += (size_t)sizes[i * per_object + p];
+            added[i] += (size_t)sizes[i * per_object + p];
         }
-        if (fed > self->total) {
-            PyErr_Format(PyExc_ValueError, "object %zd would get %zu bytes of %zu", i, fed,
-                         self->total);
+        if (self->fed[i] + added[i] > self->total) {
+            PyErr_Format(PyExc_ValueError, "object %zd would get %zu bytes of %zu", i,
+                         self->fed[i] + added[i], self->total);
             goto done;
         }
     }
@@ -622,18 +623,16 @@ static PyObject *hashes_move(HashesObject *self, PyObject *args) {
     _mm_sfence();
 #endif
     for (Py_ssize_t i = 0; i < count; i++) {
-        const uint64_t *own = sizes + i * per_object;
-        keep_tail(self->tails[i], self->fed[i], destinations + i * per_object, own,
-                  per_object);
-        for (Py_ssize_t p = 0; p < per_object; p++) {
-            self->fed[i] += (size_t)own[p];
-        }
+        keep_tail(self->tails[i], self->fed[i], added[i], destinations + i * per_object,
+                  sizes + i * per_object, per_object);
+        self->fed[i] += added[i];
     }
     Py_END_ALLOW_THREADS
     self->busy = 0;
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_Free(added);
     for (int held = 3; held > 0;) {
         PyBuffer_Release(&views[--held]);
     }
@@ -669,7 +668,7 @@ static PyObject *hashes_digests(HashesObject *self, PyObject *unused) {
     return list;
 }
 
-static PyObject *hashes_len(HashesObject *self, void *closure) {
+static PyObject *hashes_count(HashesObject *self, void *closure) {
     (void)closure;
     return PyLong_FromSsize_t(self->count);
 }
@@ -692,7 +691,7 @@ static PyMethodDef hashes_methods[] = {
 };
 
 static PyGetSetDef hashes_getset[] = {
-    {"count", (getter)hashes_len, NULL, "objects hashed", NULL},
+    {"count", (getter)hashes_count, NULL, "objects hashed", NULL},
     {"nbytes", (getter)hashes_nbytes, NULL, "bytes per object", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
