@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import shutil
@@ -36,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import measure
 
 from umbp.runtime.contract import LoadStatus, Medium
 from umbp.runtime.server import ServerStore, start_server
@@ -153,6 +154,7 @@ def plain_read_ms(settle_s: float) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()
     samples: dict[int, list[float]] = {readers: [] for readers in args.readers}
     plain: list[float] = []
     for repeat in range(args.repeats):
@@ -172,13 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"lookup to all in DRAM (polled every {POLL_S * 1e3:.0f} ms), every byte verified; "
           f"plain preadv of the same bytes: {plain_ms:.1f} ms (median of {len(plain)}); "
           f"settle {args.settle_s} s")
+    elapsed = time.perf_counter() - started
+    measure.print_run_footer(elapsed)
     if args.json is not None:
-        args.json.write_text(json.dumps({
+        measure.write_report(args.json, {
             "benchmark": "prefetch", "quick": args.quick, "settle_s": args.settle_s,
             "samples_ms": {str(k): v for k, v in samples.items()},
             "median_ms": {str(k): statistics.median(v) for k, v in samples.items()},
             "plain_preadv_ms": plain, "plain_preadv_median_ms": plain_ms,
-        }, indent=2))
+        }, elapsed)
     return 0
 
 
