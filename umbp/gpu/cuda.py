@@ -81,6 +81,7 @@ class _CudaEvent:
 class CudaDevice:
     """One GPU of vLLM's: its current stream, side streams, DMA copies."""
 
+    copies_hash = False
     stores_start_at_save = False
 
     def __init__(self, device: torch.device) -> None:

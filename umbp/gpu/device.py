@@ -65,6 +65,13 @@ class Device(Protocol):
         ...
 
     @property
+    def copies_hash(self) -> bool:
+        """Whether copies can hash the objects they move (``BlockCopy.hashes``): True
+        where host threads carry them out (:meth:`BlockCopy.run_on_host`); False on a
+        GPU, whose copy engines move the bytes, so a checksum stays a pass of its own."""
+        ...
+
+    @property
     def stores_start_at_save(self) -> bool:
         """Whether a step's stores start in ``wait_for_save``: True where the forward
         pass has finished by then (it ran on the calling thread), so the copies overlap
@@ -191,6 +198,7 @@ class HostDevice:
     """KV in host memory: copies run on lanes (a stream each) with numpy."""
 
     name = "cpu"
+    copies_hash = True
     stores_start_at_save = True
 
     def __init__(self) -> None:

@@ -92,7 +92,7 @@ def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
     if any(owned is None for owned in pages):
         raise ValueError("a store answered HIT for an object it gave no pages")
     if ctx.in_place:
-        read.hashes = copier.hashes(len(pages))
+        read.hashes = ctx.hashes(copier, len(pages))
         read.hashed_rows = tuple(outcome.loaded_rows)
     return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True,
                         pages=[owned for owned in pages if owned is not None],

@@ -213,7 +213,7 @@ class StoreQueue:
                 written = [(position, block, owned) for position, (block, owned)
                            in enumerate(zip(piece.group.block_ids, piece.target.pages))
                            if owned is not None]
-                piece.hashes = copier.hashes(len(written))
+                piece.hashes = ctx.hashes(copier, len(written))
                 piece.hashed = tuple(position for position, _, _ in written)
                 copy = copier.copy([b for _, b, _ in written], piece.target.memory,
                                    to_kv=False, pages=[p for _, _, p in written],

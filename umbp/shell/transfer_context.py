@@ -19,6 +19,7 @@ from umbp.gpu.copier import BlockCopier
 from umbp.gpu.device import Device, Event, Stream
 from umbp.gpu.lanes import Lane
 from umbp.gpu.staging import StagingRing
+from umbp.runtime.paged_copy import Hashes
 from umbp.shell.store_io import StoreAccess
 
 __all__ = ["TransferContext"]
@@ -54,6 +55,11 @@ class TransferContext:
     the model thread (:func:`umbp.core.config.borrows_on_model_thread`)."""
     copiers: Mapping[int, BlockCopier] = field(default_factory=dict)
     """Per cache group; empty while asleep (no KV memory to copy to or from)."""
+
+    def hashes(self, copier: BlockCopier, count: int) -> Hashes | None:
+        """Hash states for a copy of ``count`` objects in place, where this device's
+        copies hash what they move; None: the store hashes its pages itself."""
+        return copier.hashes(count) if self.device.copies_hash else None
 
     def forward_mark(self) -> Event:
         """An event at the end of what the calling thread's stream (vLLM's, on the

@@ -29,7 +29,9 @@ after it) and reports :attr:`FakeCuda.violations`:
 * a store copy not ordered after the step's sampled-token copy (vLLM issues stores
   after it, so they never delay it);
 * a copy from or to host memory never registered (a pageable copy);
-* a device call from a host thread that never bound the device.
+* a device call from a host thread that never bound the device;
+* a copy carrying hash states (``BlockCopy.hashes``): the copy engines would not feed
+  them, and the store would be handed checksums never computed.
 
 Nothing here runs in production: it exists so the tests can drive the real worker
 through vLLM's real scheduler in every mode and assert the GPU path's ordering and
@@ -130,6 +132,7 @@ class FakeCuda:
     """The recording device. ``name`` reads like CUDA's, so umbp treats it as a GPU."""
 
     name = "cuda:0 (fake)"
+    copies_hash = False
     stores_start_at_save = False
 
     def __init__(self) -> None:
@@ -183,6 +186,9 @@ class FakeCuda:
 
     def copy(self, stream: Stream, copy: BlockCopy) -> None:
         assert isinstance(stream, FakeStream)
+        if copy.hashes is not None:  # the copy engines would leave them unfed
+            self.violations.append("a copy carries hash states a GPU's copy engines cannot "
+                                   "feed (the store would verify a checksum never computed)")
         ranges = copy.ranges()
         triples = list(zip(ranges.sources.tolist(), ranges.destinations.tolist(),
                            ranges.sizes.tolist()))
