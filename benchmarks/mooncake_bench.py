@@ -15,6 +15,13 @@ MooncakeStore from *unregistered* buffers (the bounce-buffer path), and xxh3-64 
 the same bytes (what the checksum costs by itself). Lookup: one batched call for 1,000
 keys (half resident), `lookup` against `batch_is_exist`, median of many calls.
 
+A worker's whole path (`measure_kv_path`), same segments: 512 KiB objects (8 layers of
+float32 K/V blocks, as the stall benchmark's model) gathered from paged KV into
+registered staging rows and put, then got and scattered back, 32 at a time. raw: plain
+copies and Mooncake's calls; umbp: the copies hashing as they move, the put given their
+checksums, the get verified by them (`ChecksumsFromCopy`); before: plain copies and
+`put_batch` / `get_batch_into`. ratio = umbp / raw, before ratio = before / raw.
+
 `--profile`: with the local segment, where `MooncakeStore`'s put and get of 1 MiB objects
 spend their time beside the raw calls (the Mooncake call, the size query, the checksum
 wrapped in timers), summed over `--repeats` passes, as a share of the raw call's time.
@@ -34,12 +41,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import measure
 
+from umbp.gpu.copier import BlockCopier
+from umbp.runtime.contract import LoadStatus
 from umbp.runtime.mooncake import transfer
 from umbp.runtime.mooncake.store import MooncakeStore
 from umbp.testing.mooncake_master import MooncakeMaster
@@ -236,6 +246,117 @@ def measure_copies(
     ]
 
 
+@dataclass(frozen=True)
+class KvFigure:
+    segment: str
+    operation: str
+    object_bytes: int
+    objects: int
+    umbp_gbps: float
+    before_gbps: float
+    raw_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.umbp_gbps / self.raw_gbps
+
+    @property
+    def before_ratio(self) -> float:
+        return self.before_gbps / self.raw_gbps
+
+
+KV_LAYERS, KV_TOKENS, KV_HEADS, KV_HEAD_DIM = 8, 16, 8, 64  # 512 KiB objects, as stall_bench
+
+
+def measure_kv_path(
+    store: MooncakeStore, segment: str, gib: float, repeats: int
+) -> list[KvFigure]:
+    """A worker's path between paged KV blocks and Mooncake, through registered staging
+    rows `BATCH` objects at a time: the copy between the blocks and the rows, then the
+    transfer. raw: plain copies and Mooncake's own calls; umbp: the copies hashing as they
+    move, `put_batch_checksummed` / `get_batch_unchecked` + `verify`; before: plain copies
+    and `put_batch` / `get_batch_into` (the checksum a pass of its own)."""
+    raw = store.raw_client
+    layer_bytes = 2 * KV_TOKENS * KV_HEADS * KV_HEAD_DIM * 4
+    object_bytes = KV_LAYERS * layer_bytes
+    blocks = max(BATCH, int(gib * measure.GIB) // object_bytes)
+    generator = torch.Generator().manual_seed(blocks)
+    source = [torch.randn(2, blocks, KV_TOKENS, KV_HEADS, KV_HEAD_DIM, generator=generator)
+              for _ in range(KV_LAYERS)]
+    restored = [torch.zeros_like(layer) for layer in source]
+    gather, scatter = BlockCopier(source, blocks), BlockCopier(restored, blocks)
+    assert gather.object_bytes == object_bytes and gather.copies_hash
+    staging = measure.prefaulted(BATCH, object_bytes)
+    store.register_host_memory(staging.ctypes.data, staging.nbytes)
+    rows = [staging[index] for index in range(BATCH)]
+    pointers = [staging.ctypes.data + index * object_bytes for index in range(BATCH)]
+    batches = [list(batch) for batch in measure.batch_ranges(blocks, BATCH)]
+    keys = {way: [f"kv-{way}-{index}" for index in range(blocks)]
+            for way in ("raw", "umbp", "before")}
+
+    def put(way: str) -> Callable[[], None]:
+        def run() -> None:
+            for batch in batches:
+                hashes = gather.hashes(len(batch)) if way == "umbp" else None
+                gather.copy(batch, staging, to_kv=False, hashes=hashes).run_on_host()
+                names = [keys[way][i] for i in batch]
+                if way == "raw":
+                    codes = raw.batch_put_from(names, pointers[: len(batch)],
+                                               [object_bytes] * len(batch))
+                    assert all(code == 0 for code in codes), codes
+                    continue
+                if hashes is not None:
+                    digests = [int(d) for d in hashes.digests() if d is not None]
+                    stored = store.put_batch_checksummed(names, rows[: len(batch)], digests)
+                else:
+                    stored = store.put_batch(names, rows[: len(batch)])
+                assert all(stored), stored
+        return run
+
+    def get(way: str) -> Callable[[], None]:
+        def run() -> None:
+            for batch in batches:
+                names = [keys[way][i] for i in batch]
+                hashes = None
+                if way == "raw":
+                    codes = raw.batch_get_into(names, pointers[: len(batch)],
+                                               [object_bytes] * len(batch))
+                    assert all(code == object_bytes for code in codes), codes
+                elif way == "before":
+                    statuses = store.get_batch_into(names, rows[: len(batch)])
+                    assert all(status is LoadStatus.HIT for status in statuses), statuses
+                else:
+                    unchecked = store.get_batch_unchecked(names, rows[: len(batch)])
+                    hashes = scatter.hashes(len(batch))
+                scatter.copy(batch, staging, to_kv=True, hashes=hashes).run_on_host()
+                if hashes is not None:
+                    statuses = unchecked.verify(hashes.digests())
+                    assert all(status is LoadStatus.HIT for status in statuses), statuses
+        return run
+
+    def clear() -> None:
+        assert store.clear()
+
+    for way in ("raw", "umbp"):  # untimed warm-up
+        put(way)()
+    ways = ("raw", "umbp", "before")
+    times = measure.time_alternately(
+        repeats, {f"{way} put": put(way) for way in ways},
+        prepare={f"{way} put": clear for way in ways})
+    clear()
+    for way in ways:
+        put(way)()
+    measure.time_alternately(repeats, {f"{way} get": get(way) for way in ways}, into=times)
+    assert all(torch.equal(a, b) for a, b in zip(source, restored)), "a restore differs"
+    clear()
+    store.unregister_host_memory(staging.ctypes.data)
+    gbps = {name: measure.best_gbps(blocks * object_bytes, samples)
+            for name, samples in times.items()}
+    return [KvFigure(segment, operation, object_bytes, blocks, gbps[f"umbp {operation}"],
+                     gbps[f"before {operation}"], gbps[f"raw {operation}"])
+            for operation in ("put", "get")]
+
+
 def measure_lookup(store: MooncakeStore, segment: str) -> LookupFigure:
     raw = store.raw_client
     assert store.clear()
@@ -256,6 +377,19 @@ def measure_lookup(store: MooncakeStore, segment: str) -> LookupFigure:
     return LookupFigure(
         segment, LOOKUP_KEYS, statistics.median(umbp_samples), statistics.median(raw_samples)
     )
+
+
+def print_kv_table(figures: list[KvFigure]) -> None:
+    print(f"{'KV blocks <-> Mooncake':<26}{'objects':>8}{'umbp GB/s':>11}{'raw GB/s':>10}"
+          f"{'ratio':>8}{'before GB/s':>13}{'before ratio':>14}")
+    for figure in figures:
+        case = f"{figure.segment} {figure.operation} {measure.size_label(figure.object_bytes)}"
+        print(f"{case:<26}{figure.objects:>8}{figure.umbp_gbps:>11.2f}{figure.raw_gbps:>10.2f}"
+              f"{figure.ratio:>7.2f}x{figure.before_gbps:>13.2f}{figure.before_ratio:>13.2f}x")
+    print("a worker's path through registered staging rows: raw: plain copies + Mooncake's "
+          "batch_put_from/batch_get_into; umbp: copies hashing as they move + "
+          "put_batch_checksummed / get_batch_unchecked; before: plain copies + put_batch / "
+          "get_batch_into")
 
 
 def print_table(copies: list[CopyFigure], lookups: list[LookupFigure]) -> None:
@@ -295,11 +429,12 @@ store.close()
 
 def measure_segment(
     segment: str, arguments: argparse.Namespace
-) -> tuple[list[CopyFigure], LookupFigure]:
+) -> tuple[list[CopyFigure], list[KvFigure], LookupFigure]:
     """All figures with the segment in this process ("local") or in another ("remote")."""
     moved = int(arguments.gib * measure.GIB)
-    # Room for the raw and the MooncakeStore copies at once, below the 0.9 eviction mark.
-    segment_bytes = max(256 * measure.MIB, int(2 * moved / 0.8))
+    # Room for the KV path's raw, umbp and before copies at once, below the 0.9
+    # eviction mark.
+    segment_bytes = max(256 * measure.MIB, int(3 * moved / 0.8))
     repo = Path(__file__).resolve().parents[1]
     with MooncakeMaster.start() as master:
         holder = None
@@ -321,6 +456,7 @@ def measure_segment(
             copies += measure_copies(
                 store, segment, 100 << 10, arguments.gib, arguments.repeats
             )
+            kv = measure_kv_path(store, segment, arguments.gib, arguments.repeats)
             lookup = measure_lookup(store, segment)
             if segment == "local" and arguments.profile:
                 measure.print_profile(
@@ -331,19 +467,22 @@ def measure_segment(
             store.close()
             if holder is not None:
                 holder.communicate("exit\n", timeout=60)
-    return copies, lookup
+    return copies, kv, lookup
 
 
 def main() -> None:
     arguments = parse_arguments()
     started = time.perf_counter()
     copies: list[CopyFigure] = []
+    kv: list[KvFigure] = []
     lookups: list[LookupFigure] = []
     for segment in ("local", "remote"):
-        segment_copies, lookup = measure_segment(segment, arguments)
+        segment_copies, segment_kv, lookup = measure_segment(segment, arguments)
         copies += segment_copies
+        kv += segment_kv
         lookups.append(lookup)
     print_table(copies, lookups)
+    print_kv_table(kv)
     elapsed = time.perf_counter() - started
     measure.print_run_footer(elapsed)
     if arguments.json is not None:
@@ -351,6 +490,8 @@ def main() -> None:
             "benchmark": "mooncake",
             "quick": arguments.quick,
             "copies": measure.rows_with_ratio(copies),
+            "kv_path": [{**row, "before_ratio": figure.before_ratio} for row, figure
+                        in zip(measure.rows_with_ratio(kv), kv)],
             "lookups": measure.rows_with_ratio(lookups),
             "gib_per_case": arguments.gib,
             "repeats": arguments.repeats,

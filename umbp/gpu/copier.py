@@ -33,7 +33,7 @@ import torch
 
 from umbp.gpu.block_view import WORD_SIZES, BlockView, block_view, widest_word, word_dtype
 from umbp.gpu.layout import LayerLayout, LayerTensors, block_major, describe_layer, layer_parts
-from umbp.runtime.paged_copy import Hashes, object_hashes
+from umbp.runtime.paged_copy import Hashes, copies_hash, object_hashes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -285,14 +285,17 @@ class BlockCopier:
         checked_rows = self._checked_rows(memory, len(ids), rows)
         return BlockCopy(self, to_kv, tuple(ids), memory, checked_rows, layer, hashes=hashes)
 
+    @property
+    def copies_hash(self) -> bool:
+        """Whether this host's copies hash as they move (KV in host memory, umbp's native
+        copy loop running its vector kernel, objects over 240 bytes); not on a GPU,
+        whose copy engines move the bytes, not a CPU."""
+        return self._device.type == "cpu" and copies_hash(self._object_bytes)
+
     def hashes(self, count: int) -> Hashes | None:
-        """Hash states for a copy of ``count`` objects, where this host's copies hash as
-        they move (KV in host memory, umbp's native copy loop running its vector kernel,
-        objects over 240 bytes); None where a checksum stays a pass of its own (on a
-        GPU the copy engines move the bytes, not a CPU)."""
-        if self._device.type != "cpu":
-            return None
-        return object_hashes(count, self._object_bytes)
+        """Hash states for a copy of ``count`` objects where :attr:`copies_hash`; None
+        where a checksum stays a pass of its own."""
+        return object_hashes(count, self._object_bytes) if self.copies_hash else None
 
     def gather(
         self, block_ids: Sequence[int], memory: npt.NDArray[np.uint8],

@@ -58,6 +58,7 @@ from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.rank_keys import HashRuns
 
 __all__ = [
+    "ChecksumsFromCopy",
     "CommitsReservation",
     "HashLookup",
     "LabelsNamespaces",
@@ -77,6 +78,7 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "TierAware",
+    "UncheckedObjects",
     "VerifiesLoan",
     "WorkerStore",
 ]
@@ -316,6 +318,47 @@ class ReservesObjects(Protocol):
     def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects:
         """Reserve pages for each key's object of `nbytes`. Raises `StoreUnavailable`
         when the store cannot be reached (nothing is reserved then)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UncheckedObjects:
+    """Objects read into the caller's buffers whose checksums are still to be compared
+    (`ChecksumsFromCopy.get_batch_unchecked`). ``statuses``: per key, HIT where the
+    object's bytes arrived (unverified), else why not (final). ``verify(copied)`` gives
+    the final statuses, given per key the xxh3-64 that the caller's copy out of its
+    buffer computed of what it read: HIT where it equals the stored checksum, CORRUPT
+    where it does not (the store drops the object), UNAVAILABLE for an arrived key whose
+    checksum the caller does not give (the bytes stay unverified; the store never reads
+    the caller's buffers again, which may be reused by then). At most once."""
+
+    statuses: tuple[LoadStatus, ...]
+    verify: VerifiesLoan
+
+
+@runtime_checkable
+class ChecksumsFromCopy(Protocol):
+    """Optional: a store that keeps an xxh3-64 with every object and moves it through
+    the caller's buffers (Mooncake Store: the buffers are registered staging rows) takes
+    the checksums from the caller's copy into or out of those buffers, which hashed the
+    bytes as it moved them, instead of reading the buffers a second time to hash them."""
+
+    def put_batch_checksummed(
+        self, keys: Sequence[str], payloads: Sequence[memoryview], checksums: Sequence[int]
+    ) -> tuple[bool, ...]:
+        """`WorkerStore.put_batch`, each payload stored with ``checksums[i]`` as its
+        checksum, not hashed again (the caller's copy hashed what it wrote there).
+        ValueError for mismatched lengths, before anything is stored."""
+        ...
+
+    def get_batch_unchecked(
+        self, keys: Sequence[str], outs: Sequence[memoryview]
+    ) -> UncheckedObjects:
+        """`WorkerStore.get_batch_into` without the checksum pass: the caller copies each
+        arrived object out of its buffer, hashing as it copies, and hands the checksums
+        to ``verify``; bytes it copied are unverified until then, and a key ``verify``
+        does not answer HIT has failed. A buffer of a key not answered HIT may have been
+        written. ValueError for mismatched lengths, before anything is read."""
         ...
 
 

@@ -43,6 +43,8 @@ __all__ = [
     "CHUNK_BYTES",
     "NATIVE_FROM_BYTES",
     "Hashes",
+    "copies_hash",
+    "copy_bytes",
     "copy_hashing",
     "hashed_per_key",
     "native_kernel",
@@ -108,11 +110,17 @@ def native_kernel() -> str | None:
     return None if _native is None else str(_native.kernel())
 
 
+def copies_hash(nbytes: int) -> bool:
+    """Whether a batch copy of objects of `nbytes` can hash them as it moves them: the
+    native loop runs here and the objects are long enough for it."""
+    return _native is not None and nbytes >= NATIVE_FROM_BYTES
+
+
 def object_hashes(count: int, nbytes: int) -> Hashes | None:
     """Hash states for `count` objects of `nbytes` whose bytes a batch copy moves in
     pieces (:meth:`umbp.gpu.copier.BlockCopier.hashes`), where the native loop runs; None
     where it does not (or objects are short): then a checksum is a pass of its own."""
-    if _native is None or nbytes < NATIVE_FROM_BYTES:
+    if _native is None or not copies_hash(nbytes):
         return None
     hashes: Hashes = _native.Hashes(count, nbytes)
     return hashes
@@ -137,7 +145,7 @@ CHUNK_BYTES: Final = 512 * 1024
 here (AMD EPYC, 1 MiB) and of the Xeons umbp runs on (1-2 MiB)."""
 
 
-def _copy(destination: memoryview, source: memoryview | bytearray) -> None:
+def copy_bytes(destination: memoryview, source: memoryview | bytearray) -> None:
     """``destination[:] = source``, without the GIL for large pieces."""
     if len(destination) < _GIL_FREE_FROM_BYTES:
         destination[:] = source
@@ -156,13 +164,13 @@ def _copy_hashing_into(
     if len(source) != total:
         raise ValueError(f"copying {len(source)} bytes into {total}")
     if total <= 2 * CHUNK_BYTES:
-        _copy(destination, source)
+        copy_bytes(destination, source)
         hasher.update(destination)
         return
     source_view = memoryview(source)
     for start in range(0, total, CHUNK_BYTES):
         arrived = destination[start : start + CHUNK_BYTES]
-        _copy(arrived, source_view[start : start + CHUNK_BYTES])
+        copy_bytes(arrived, source_view[start : start + CHUNK_BYTES])
         hasher.update(arrived)
 
 
@@ -171,7 +179,7 @@ def copy_hashing(destination: memoryview, source: memoryview | bytearray) -> int
     if _native is not None and len(destination) >= NATIVE_FROM_BYTES:
         return int(_native.copy_hash(destination, source))
     if len(destination) <= 2 * CHUNK_BYTES:
-        _copy(destination, source)
+        copy_bytes(destination, source)
         return int(xxhash.xxh3_64_intdigest(destination))
     hasher = xxhash.xxh3_64()
     _copy_hashing_into(hasher, destination, source)

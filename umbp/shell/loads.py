@@ -80,7 +80,8 @@ def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
     copy is :meth:`BlockCopy.of_layer`, checked once here); raises when the plan breaks
     the copier's contract (a block out of range). A loan's copy hashes the objects as it
     moves them (where this host's copies can), the read keeping the hash states for
-    ``verify``: the lender's pages are then read once, not a second time to verify."""
+    ``verify``: the lender's pages are then read once, not a second time to verify; so
+    does the copy out of staging rows read unchecked (`ChecksumsFromCopy`)."""
     group, source = read.group, read.source
     outcome = group_load_outcome(group.group_id, group.block_ids, source.statuses)
     if outcome.problem is not None:
@@ -91,7 +92,7 @@ def _copies(ctx: TransferContext, read: _Read) -> list[BlockCopy]:
     pages = [source.pages[index] for index in outcome.loaded_rows]
     if any(owned is None for owned in pages):
         raise ValueError("a store answered HIT for an object it gave no pages")
-    if ctx.in_place:
+    if source.hashed_by_copy:
         read.hashes = ctx.hashes(copier, len(pages))
         read.hashed_rows = tuple(outcome.loaded_rows)
     return [copier.copy(outcome.loaded_block_ids, source.memory, to_kv=True,
@@ -187,8 +188,8 @@ def _read_all(
                     reads.append(_Read(piece, unread(len(piece))))
                     break
                 piece = _piece(group, start, start + slot.rows)
-                read = _Read(piece, ctx.access.read_into(piece, slot.memory,
-                                                         range(slot.rows)), slot)
+                read = _Read(piece, ctx.access.read_into(
+                    piece, slot.memory, range(slot.rows), ctx.copies_hash(copier)), slot)
                 reads.append(read)
                 held.append((read, enqueue(read)))
                 start += slot.rows

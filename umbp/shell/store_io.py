@@ -5,7 +5,10 @@ Where the store lends and reserves pages of its own memory (the embedded pool's 
 the node-local server's shared memory: `LendsObjects` / `ReservesObjects`;
 :func:`umbp.core.config.copies_in_place` decides), the copy runs straight between the
 KV blocks and those pages: one copy per byte. Every other store is read into staging
-rows (`get_batch_into`) before the copy, and written from them (`put_batch`) after it.
+rows (`get_batch_into`) before the copy, and written from them (`put_batch`) after it;
+where such a store keeps checksums the caller may compute (`ChecksumsFromCopy`: Mooncake
+Store) and this host's copies hash as they move, the copies between KV blocks and staging
+compute them, and the store does not read the rows a second time.
 
 Either way a load gets a :class:`GroupSource` (pages to copy from, one per object for
 staging rows; ``verify`` after or beside the copy gives the final statuses,
@@ -27,7 +30,12 @@ import numpy.typing as npt
 from umbp.core.identity import KeySpace, RankCoord
 from umbp.core.loads.outcomes import LoadStatus
 from umbp.core.plans import GroupBlocks
-from umbp.runtime.contract import LendsObjects, ReservesObjects, WorkerStore
+from umbp.runtime.contract import (
+    ChecksumsFromCopy,
+    LendsObjects,
+    ReservesObjects,
+    WorkerStore,
+)
 from umbp.runtime.paged_copy import Hashes
 
 logger = logging.getLogger("umbp")
@@ -66,6 +74,9 @@ class GroupSource:
     pages: tuple[tuple[int, ...] | None, ...]
     verify: Callable[[Sequence[int | None] | None], tuple[LoadStatus, ...] | None]
     release: Callable[[], None] = _nothing
+    hashed_by_copy: bool = False
+    """The copy out hashes what it reads, for ``verify``: a loan's lender then reads
+    nothing twice; an unchecked read (`ChecksumsFromCopy`) is verified by nothing else."""
 
 
 def unread(keys: int) -> GroupSource:
@@ -115,24 +126,32 @@ class StoreAccess:
         statuses = tuple(
             LoadStatus.HIT if pages is not None else LoadStatus.MISSING for pages in loan.pages
         )
-        return GroupSource(statuses, loan.memory, loan.pages, loan.verify, loan.release)
+        return GroupSource(statuses, loan.memory, loan.pages, loan.verify, loan.release,
+                           hashed_by_copy=True)
 
     def read_into(
-        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]
+        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int],
+        copy_hashes: bool = False,
     ) -> GroupSource:
-        """The group's objects copied into ``rows`` of ``memory`` (staging)."""
+        """The group's objects copied into ``rows`` of ``memory`` (staging); where the
+        copy out of them hashes (``copy_hashes``) and the store takes its checksums, read
+        unchecked, for that copy's checksums to verify."""
         store = self._store()
         if store is None:
             return unread(len(group))
+        rows_of = tuple((row,) for row in rows)
         try:
-            statuses = store.get_batch_into(
-                self.keys(group), [memory[row] for row in rows]
-            )
+            buffers = [memory[row] for row in rows]
+            if copy_hashes and isinstance(store, ChecksumsFromCopy):
+                unchecked = store.get_batch_unchecked(self.keys(group), buffers)
+                return GroupSource(unchecked.statuses, memory, rows_of, unchecked.verify,
+                                   hashed_by_copy=True)
+            statuses = store.get_batch_into(self.keys(group), buffers)
         except Exception as error:  # noqa: BLE001 (see the module docstring)
             logger.warning("umbp load failed: %s", error)
             return unread(len(group))
         read = tuple(statuses)  # verified as they were read
-        return GroupSource(read, memory, tuple((row,) for row in rows), lambda _: read)
+        return GroupSource(read, memory, rows_of, lambda _: read)
 
     # -- stores -------------------------------------------------------------------------
 
@@ -159,16 +178,27 @@ class StoreAccess:
 
         return GroupTarget(reserved.memory, pages, finish)
 
+    @property
+    def takes_checksums(self) -> bool:
+        """Whether the store takes the checksums of a copy into staging (`write_from`)."""
+        return isinstance(self._store(), ChecksumsFromCopy)
+
     def write_from(
-        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int]
+        self, group: GroupBlocks, memory: npt.NDArray[np.uint8], rows: Sequence[int],
+        checksums: Sequence[int | None] | None = None,
     ) -> tuple[bool, ...] | None:
-        """Put the group's objects from ``rows`` of ``memory`` (staging); None: the
+        """Put the group's objects from ``rows`` of ``memory`` (staging), with the
+        checksums the copy into them computed where it hashed every one; None: the
         group was not written."""
         store = self._store()
         if store is None:
             return None
         try:
-            return store.put_batch(self.keys(group), [memory[row] for row in rows])
+            keys, payloads = self.keys(group), [memory[row] for row in rows]
+            hashed = [digest for digest in checksums or () if digest is not None]
+            if len(hashed) == len(keys) and isinstance(store, ChecksumsFromCopy):
+                return store.put_batch_checksummed(keys, payloads, hashed)
+            return store.put_batch(keys, payloads)
         except Exception as error:  # noqa: BLE001 (see the module docstring)
             logger.warning("umbp store failed: %s", error)
             return None

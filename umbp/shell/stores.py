@@ -13,8 +13,9 @@ reported, so a store submitted later reads the same bytes.
 In place (the embedded pool): rows are reserved on the model thread (an in-process
 index operation), the copy moves each byte once, from the KV blocks into them, and a host
 job beside the copy commits them (checksums, published) once its event completed.
-Through staging: the copy fills a slot of the staging area, then the put runs on the
-store I/O lane and the slot goes back. A store event's result reaches the scheduler once
+Through staging: the copy fills a slot of the staging area (hashing what it writes,
+for a store that takes a copy's checksums), then the put runs on the store I/O lane and
+the slot goes back. A store event's result reaches the scheduler once
 every piece of it finished.
 """
 
@@ -88,8 +89,9 @@ class _Piece:
     slot: StagingSlot | None = None
     identities: tuple[ObjectId, ...] = field(default_factory=tuple)
     hashes: Hashes | None = None
-    """Where the copy into reserved pages hashes what it writes: the checksums of the
-    objects at ``hashed``, in order (the store then need not read them back)."""
+    """Where the copy into reserved pages, or into staging rows for a store that takes
+    a copy's checksums, hashes what it writes: the checksums of the objects at
+    ``hashed``, in order (the store then need not read them back)."""
     hashed: tuple[int, ...] = ()
 
 
@@ -219,7 +221,11 @@ class StoreQueue:
                                    to_kv=False, pages=[p for _, _, p in written],
                                    hashes=piece.hashes)
             elif piece.slot is not None:
-                copy = copier.copy(piece.group.block_ids, piece.slot.memory, to_kv=False)
+                if ctx.access.takes_checksums:
+                    piece.hashes = ctx.hashes(copier, len(piece.group))
+                    piece.hashed = tuple(range(len(piece.group)))
+                copy = copier.copy(piece.group.block_ids, piece.slot.memory, to_kv=False,
+                                   hashes=piece.hashes)
             else:  # the store reserved nothing: not written
                 self._piece_done(piece, None)
                 return
@@ -250,21 +256,21 @@ class StoreQueue:
                 copied = True
         except Exception as error:  # noqa: BLE001 - the piece is not stored
             logger.warning("umbp store: the copy failed: %s", error)
+        checksums = (copied_checksums(len(piece.group), piece.hashed, piece.hashes)
+                     if copied else None)
         if piece.target is not None:
-            checksums = (copied_checksums(len(piece.group), piece.hashed, piece.hashes)
-                         if copied else None)
             self._piece_done(piece, piece.target.finish(copied, checksums))
         elif copied and piece.slot is not None:
-            self._store_lane.submit(lambda: self._put(piece))
+            self._store_lane.submit(lambda: self._put(piece, checksums))
         else:
             self._piece_done(piece, None)
 
-    def _put(self, piece: _Piece) -> None:
+    def _put(self, piece: _Piece, checksums: Sequence[int | None] | None) -> None:
         assert piece.slot is not None
         results: tuple[bool, ...] | None = None
         try:
             results = self._ctx.access.write_from(piece.group, piece.slot.memory,
-                                                  range(piece.slot.rows))
+                                                  range(piece.slot.rows), checksums)
         finally:
             self._piece_done(piece, results)
 

@@ -56,10 +56,14 @@ class TransferContext:
     copiers: Mapping[int, BlockCopier] = field(default_factory=dict)
     """Per cache group; empty while asleep (no KV memory to copy to or from)."""
 
+    def copies_hash(self, copier: BlockCopier) -> bool:
+        """Whether this device's copies of ``copier``'s objects hash what they move."""
+        return self.device.copies_hash and copier.copies_hash
+
     def hashes(self, copier: BlockCopier, count: int) -> Hashes | None:
-        """Hash states for a copy of ``count`` objects in place, where this device's
-        copies hash what they move; None: the store hashes its pages itself."""
-        return copier.hashes(count) if self.device.copies_hash else None
+        """Hash states for a copy of ``count`` objects, where this device's copies hash
+        what they move; None: the store hashes its pages (or buffers) itself."""
+        return copier.hashes(count) if self.copies_hash(copier) else None
 
     def forward_mark(self) -> Event:
         """An event at the end of what the calling thread's stream (vLLM's, on the

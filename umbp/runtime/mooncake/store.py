@@ -11,6 +11,9 @@ checked against `mooncake-transfer-engine-non-cuda==0.3.13.post1`):
   An object larger than the bounce buffer is registered for the duration of the call.
 * No integrity check: every object travels with an xxh3-64 trailer, verified on every
   load, and a wrong-sized buffer answers SIZE_MISMATCH untouched (`umbp.runtime.mooncake.transfer`).
+  The worker's copies into and out of its staging rows hash as they move, so its puts
+  give the trailers (`put_batch_checksummed`) and its loads check them against the copy
+  out (`get_batch_unchecked`): then umbp reads no byte a second time.
   Over TCP a trailer as a second piece costs about one more transfer, which for 100 KiB
   objects between processes cost more than a copy, so registered payloads below
   `stage_below_bytes` are staged too.
@@ -42,11 +45,13 @@ from typing import TYPE_CHECKING
 
 from umbp.runtime.closing import ClosesOnExit
 from umbp.runtime.contract import (
+    ChecksumsFromCopy,
     LoadStatus,
     PoolStats,
     RegistersHostMemory,
     SchedulerStore,
     StoreUnavailable,
+    UncheckedObjects,
     WorkerStore,
 )
 from umbp.runtime.counters import PoolCounters
@@ -63,6 +68,7 @@ from umbp.runtime.mooncake.binding import (
 )
 from umbp.runtime.mooncake.operations import namespace_key_pattern
 from umbp.runtime.mooncake.transfer import TRAILER_BYTES, TRAILER_SLOTS, TrailerTransfers
+from umbp.runtime.paged_copy import hashed_per_key
 from umbp.runtime.registered_memory import HostArea, Piece, RegisteredRanges, plan_chunks
 
 if TYPE_CHECKING:
@@ -84,8 +90,9 @@ DEFAULT_STAGE_BELOW_BYTES = 256 << 10
 
 
 class MooncakeStore(ClosesOnExit):
-    """A Mooncake Store client that honours `WorkerStore`, `SchedulerStore` and
-    `RegistersHostMemory` (see the module docstring for how each rule is met).
+    """A Mooncake Store client that honours `WorkerStore`, `SchedulerStore`,
+    `RegistersHostMemory` and `ChecksumsFromCopy` (see the module docstring for how each
+    rule is met).
 
     `global_segment_bytes` is the memory this process contributes to the cluster (0: a pure
     client, which stores into other nodes' segments). `local_buffer_bytes` sizes the
@@ -223,6 +230,11 @@ class MooncakeStore(ClosesOnExit):
     def put_batch(self, keys: Sequence[str], payloads: Sequence[Buffer]) -> tuple[bool, ...]:
         """Store each payload plus its checksum trailer; one result per key. ValueError for
         mismatched lengths or unusable buffers, before anything is stored."""
+        return self._put(keys, payloads, None)
+
+    def _put(
+        self, keys: Sequence[str], payloads: Sequence[Buffer], checksums: Sequence[int] | None
+    ) -> tuple[bool, ...]:
         views = byte_views(keys, payloads, writable=False)
         results = [False] * len(keys)
         with self._lock:
@@ -233,7 +245,7 @@ class MooncakeStore(ClosesOnExit):
             # make room, which must not take this batch's smaller objects with it.
             chunks = sorted(self._plan(views), key=_largest_piece, reverse=True)
             for chunk in chunks:
-                self._transfers.put_chunk(keys, chunk, results)
+                self._transfers.put_chunk(keys, chunk, results, checksums)
         return tuple(results)
 
     def get_batch_into(
@@ -248,11 +260,15 @@ class MooncakeStore(ClosesOnExit):
         straight into the caller's buffer needs its stored size beforehand (one master
         round trip for those keys), because Mooncake copies a shorter object into a longer
         buffer and reports success."""
-        views = byte_views(keys, outs, writable=True)
+        return tuple(self._get(keys, byte_views(keys, outs, writable=True), None))
+
+    def _get(
+        self, keys: Sequence[str], views: list[memoryview], stored: list[int | None] | None
+    ) -> list[LoadStatus]:
         statuses = [LoadStatus.UNAVAILABLE] * len(keys)
         with self._lock:
             if self._closed or not keys or self._health.unreachable():
-                return tuple(statuses)
+                return statuses
             chunks = list(self._plan(views))
             direct = [
                 (piece.index, piece.view)
@@ -264,9 +280,48 @@ class MooncakeStore(ClosesOnExit):
             for chunk in chunks:
                 pending = [piece for piece in chunk if piece.index not in decided]
                 if pending:
-                    self._transfers.get_chunk(keys, pending, statuses)
+                    self._transfers.get_chunk(keys, pending, statuses, stored)
             self._counters.misses += statuses.count(LoadStatus.MISSING)
-        return tuple(statuses)
+        return statuses
+
+    # ------------------------------------------------------------ ChecksumsFromCopy
+
+    def put_batch_checksummed(
+        self, keys: Sequence[str], payloads: Sequence[Buffer], checksums: Sequence[int]
+    ) -> tuple[bool, ...]:
+        """`put_batch` with each payload's xxh3-64 given (the caller's copy into it hashed
+        it): the trailers are written, the payloads not read again."""
+        if len(checksums) != len(keys):
+            raise ValueError(f"put_batch_checksummed needs one checksum per key: "
+                             f"{len(keys)} keys, {len(checksums)} checksums")
+        return self._put(keys, payloads, checksums)
+
+    def get_batch_unchecked(
+        self, keys: Sequence[str], outs: Sequence[Buffer]
+    ) -> UncheckedObjects:
+        """`get_batch_into` without hashing what arrived: each arrived object's trailer
+        is kept for ``verify``, which compares it with the checksum the caller's copy
+        out of the buffer computed (a mismatch drops the object, as a failed check in
+        `get_batch_into` does)."""
+        views = byte_views(keys, outs, writable=True)
+        stored: list[int | None] = [None] * len(keys)
+        arrived = self._get(keys, views, stored)
+        nbytes = [view.nbytes for view in views]
+        settled = False
+
+        def verify(copied: Sequence[int | None] | None = None) -> tuple[LoadStatus, ...]:
+            nonlocal settled
+            given = hashed_per_key(copied, len(keys), "verify")
+            with self._lock:
+                if settled:
+                    raise RuntimeError("an unchecked load is verified once")
+                settled = True
+                if self._closed:  # nothing may be dropped now; the bytes stay unverified
+                    return tuple(LoadStatus.UNAVAILABLE if status is LoadStatus.HIT
+                                 else status for status in arrived)
+                return self._transfers.settle_unchecked(keys, nbytes, arrived, stored, given)
+
+        return UncheckedObjects(tuple(arrived), verify)
 
     def stats(self) -> PoolStats:
         """Counters of this client (see the module docstring for what the sizes mean)."""
@@ -392,9 +447,9 @@ if TYPE_CHECKING:
 
     def _mooncake_store_honours_the_contract(
         store: MooncakeStore,
-    ) -> tuple[SchedulerStore, WorkerStore, RegistersHostMemory]:
+    ) -> tuple[SchedulerStore, WorkerStore, RegistersHostMemory, ChecksumsFromCopy]:
         """Never called: makes mypy prove that MooncakeStore satisfies the protocols."""
-        return store, store, store
+        return store, store, store, store
 
 
 def _largest_piece(chunk: list[Piece]) -> int:

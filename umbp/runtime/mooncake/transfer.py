@@ -9,7 +9,9 @@ A load whose bytes do not hash to their trailer answers CORRUPT and removes the 
 (forced: a plain `remove` answers OBJECT_HAS_LEASE for 10 s after any read). The hash
 rides the copies umbp makes (into and out of the bounce buffer, `paged_copy.copy_hashing`);
 a direct object is copied by Mooncake itself, so hashing its source on put and its
-destination on get is the one pass over its bytes umbp adds.
+destination on get is the one pass over its bytes umbp adds; none where the worker's
+copy into or out of its registered staging rows hashed them (`ChecksumsFromCopy`: the put
+takes those checksums, an unchecked get hands the trailers to the copy's check).
 
 Sizes: a staged load lands in the bounce buffer, so the transfer's answer shows a wrong
 size harmlessly (BUFFER_OVERFLOW-style -600 when the object is longer, TRANSFER_FAIL -800
@@ -39,7 +41,7 @@ from umbp.runtime.mooncake.binding import (
     complete_memory_size,
     quietly,
 )
-from umbp.runtime.paged_copy import copy_hashing
+from umbp.runtime.paged_copy import copy_bytes, copy_hashing
 from umbp.runtime.registered_memory import HostArea, Piece, checksum, temporarily_registered
 
 __all__ = ["TRAILER_BYTES", "TRAILER_SLOTS", "TrailerTransfers"]
@@ -68,15 +70,25 @@ class TrailerTransfers:
         self._counters = counters
         self._health = health
 
-    def put_chunk(self, keys: Sequence[str], chunk: list[Piece], results: list[bool]) -> None:
+    def put_chunk(
+        self, keys: Sequence[str], chunk: list[Piece], results: list[bool],
+        checksums: Sequence[int] | None = None,
+    ) -> None:
+        """``checksums``: per batch index, the payload's xxh3-64 as the caller's copy
+        computed it (None: hashed here, while staging or as a pass of its own)."""
         trailers = self._trailers
         for slot, piece in enumerate(chunk):
             nbytes = piece.view.nbytes
-            if piece.staged is not None:  # hashed as it is copied into the bounce buffer
-                _TRAILER.pack_into(piece.staged, nbytes,
-                                   copy_hashing(piece.staged[:nbytes], piece.view))
+            given = None if checksums is None else checksums[piece.index]
+            if piece.staged is not None:
+                if given is None:  # hashed as it is copied into the bounce buffer
+                    given = copy_hashing(piece.staged[:nbytes], piece.view)
+                else:
+                    copy_bytes(piece.staged[:nbytes], piece.view)
+                _TRAILER.pack_into(piece.staged, nbytes, given)
             else:
-                _TRAILER.pack_into(trailers.view, slot * TRAILER_BYTES, checksum(piece.view))
+                _TRAILER.pack_into(trailers.view, slot * TRAILER_BYTES,
+                                   checksum(piece.view) if given is None else given)
         codes = self._transfer(
             self._client.batch_put_from_multi_buffers, [keys[p.index] for p in chunk], chunk
         )
@@ -90,27 +102,34 @@ class TrailerTransfers:
                 self._counters.put_rejects += 1
 
     def get_chunk(
-        self, keys: Sequence[str], chunk: list[Piece], statuses: list[LoadStatus]
+        self, keys: Sequence[str], chunk: list[Piece], statuses: list[LoadStatus],
+        stored: list[int | None] | None = None,
     ) -> None:
+        """Load a chunk, each arrived object verified against its trailer; or, given
+        ``stored`` (per batch index), unverified: an arrived object answers HIT with its
+        trailer in ``stored``, for the caller's copy out of the buffer to check
+        (`settle_unchecked`)."""
         chunk_keys = [keys[piece.index] for piece in chunk]
         codes = self._transfer(self._client.batch_get_into_multi_buffers, chunk_keys, chunk)
         trailers = self._trailers.view
         unclear: list[Piece] = []
         for slot, (key, piece, code) in enumerate(zip(chunk_keys, chunk, codes)):
             nbytes = piece.view.nbytes
-            if code == nbytes + TRAILER_BYTES:
+            if code == nbytes + TRAILER_BYTES and stored is not None:
+                if piece.staged is not None:
+                    (stored[piece.index],) = _TRAILER.unpack_from(piece.staged, nbytes)
+                    copy_bytes(piece.view, piece.staged[:nbytes])
+                else:
+                    (stored[piece.index],) = _TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
+                statuses[piece.index] = LoadStatus.HIT
+            elif code == nbytes + TRAILER_BYTES:
                 if piece.staged is not None:  # hashed as it is copied out of the bounce
                     (expected,) = _TRAILER.unpack_from(piece.staged, nbytes)
                     arrived = copy_hashing(piece.view, piece.staged[:nbytes])
                 else:  # Mooncake copied it in place: hashed after, the one pass left
                     (expected,) = _TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
                     arrived = checksum(piece.view)
-                if arrived == expected:
-                    self._counters.hits += 1
-                    self._counters.bytes_read += nbytes
-                    statuses[piece.index] = LoadStatus.HIT
-                else:
-                    statuses[piece.index] = self._corrupt(key)
+                statuses[piece.index] = self._settle(key, nbytes, arrived == expected)
             elif code >= 0 and piece.staged is not None:  # a shorter object, in the bounce
                 statuses[piece.index] = LoadStatus.SIZE_MISMATCH
             elif code >= 0:  # shorter than its descriptor said
@@ -214,6 +233,32 @@ class TrailerTransfers:
             self._health.suspect = True
             return None
         return sizes
+
+    def settle_unchecked(
+        self, keys: Sequence[str], nbytes: Sequence[int], arrived: list[LoadStatus],
+        stored: Sequence[int | None], copied: Sequence[int | None],
+    ) -> tuple[LoadStatus, ...]:
+        """The final statuses of an unverified load (`get_chunk` given ``stored``): an
+        arrived object is HIT where the caller's copy hashed it to its trailer, CORRUPT
+        (dropped) where to anything else, UNAVAILABLE where the copy did not hash it."""
+        final = list(arrived)
+        for index, status in enumerate(arrived):
+            if status is not LoadStatus.HIT:
+                continue
+            if copied[index] is None:
+                final[index] = LoadStatus.UNAVAILABLE
+            else:
+                final[index] = self._settle(keys[index], nbytes[index],
+                                            copied[index] == stored[index])
+        return tuple(final)
+
+    def _settle(self, key: str, nbytes: int, holds: bool) -> LoadStatus:
+        """HIT (counted) where an arrived object's checksum holds, else CORRUPT."""
+        if not holds:
+            return self._corrupt(key)
+        self._counters.hits += 1
+        self._counters.bytes_read += nbytes
+        return LoadStatus.HIT
 
     def _corrupt(self, key: str) -> LoadStatus:
         """Drop an object that failed verification (forced past any read lease)."""
