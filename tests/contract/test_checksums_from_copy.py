@@ -125,24 +125,13 @@ def test_an_unchecked_verify_given_another_count_is_refused(backend: Backend) ->
 
 
 def _staged_context(device: Any, store: Any, kv: list[torch.Tensor]) -> Any:
-    from tests.unit.test_layer_loads import KEYSPACE, NUM_BLOCKS, RANK
-    from umbp.gpu.copier import BlockCopier
-    from umbp.gpu.lanes import Lane
+    """A worker's transfers through a staging ring the store has registered."""
+    from tests.unit.test_layer_loads import context
     from umbp.gpu.staging import StagingRing
-    from umbp.shell.store_io import StoreAccess
-    from umbp.shell.transfer_context import TransferContext
 
     ring = StagingRing(1 << 20)
     store.register_host_memory(ring.address, ring.nbytes)
-    lane = Lane("test-io")
-    return TransferContext(
-        device=device, access=StoreAccess(lambda: store, KEYSPACE, RANK), ring=ring,
-        layer_load_stream=device.new_stream("test-layer-load"),
-        async_load_stream=device.new_stream("test-async-load"),
-        store_stream=device.new_stream("test-store"), io_lane=lane, store_lane=lane,
-        in_place=False, borrow_on_lane=False,
-        copiers={0: BlockCopier(kv, NUM_BLOCKS)},
-    )
+    return context(device, store, kv, ring)
 
 
 class _Recording:

@@ -15,6 +15,7 @@ from umbp.core.plans import GroupBlocks, LoadPlan
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.device import HostDevice
 from umbp.gpu.lanes import Lane
+from umbp.gpu.staging import StagingRing
 from umbp.runtime.pool import SlabPool
 from umbp.shell.loads import LayerwiseLoad
 from umbp.shell.store_io import StoreAccess
@@ -41,14 +42,17 @@ def stored(pool: SlabPool, source: list[torch.Tensor], hashes: list[bytes]) -> i
     return copier.object_bytes
 
 
-def context(device: HostDevice, pool: SlabPool, kv: list[torch.Tensor]) -> TransferContext:
+def context(
+    device: HostDevice, pool: SlabPool, kv: list[torch.Tensor], ring: StagingRing | None = None
+) -> TransferContext:
+    """Copies in place, or through ``ring`` (staging) where one is given."""
     lane = Lane("test-io")
     return TransferContext(
-        device=device, access=StoreAccess(lambda: pool, KEYSPACE, RANK), ring=None,
+        device=device, access=StoreAccess(lambda: pool, KEYSPACE, RANK), ring=ring,
         layer_load_stream=device.new_stream("test-layer-load"),
         async_load_stream=device.new_stream("test-async-load"),
         store_stream=device.new_stream("test-store"), io_lane=lane, store_lane=lane,
-        in_place=True, borrow_on_lane=False,
+        in_place=ring is None, borrow_on_lane=False,
         copiers={0: BlockCopier(kv, NUM_BLOCKS)},
     )
 
