@@ -274,8 +274,9 @@ def measure_kv_path(
     """A worker's path between paged KV blocks and Mooncake, through registered staging
     rows `BATCH` objects at a time: the copy between the blocks and the rows, then the
     transfer. raw: plain copies and Mooncake's own calls; umbp: the copies hashing as they
-    move, `put_batch_checksummed` / `get_batch_unchecked` + `verify`; before: plain copies
-    and `put_batch` / `get_batch_into` (the checksum a pass of its own)."""
+    move (the gather keeping its rows in cache, as a worker's staged store does),
+    `put_batch_checksummed` / `get_batch_unchecked` + `verify`; before: plain copies and
+    `put_batch` / `get_batch_into` (the checksum a pass of its own)."""
     raw = store.raw_client
     layer_bytes = 2 * KV_TOKENS * KV_HEADS * KV_HEAD_DIM * 4
     object_bytes = KV_LAYERS * layer_bytes
@@ -297,7 +298,7 @@ def measure_kv_path(
     def put(way: str) -> Callable[[], None]:
         def run() -> None:
             for batch in batches:
-                hashes = gather.hashes(len(batch)) if way == "umbp" else None
+                hashes = gather.hashes(len(batch), stream=False) if way == "umbp" else None
                 gather.copy(batch, staging, to_kv=False, hashes=hashes).run_on_host()
                 names = [keys[way][i] for i in batch]
                 if way == "raw":

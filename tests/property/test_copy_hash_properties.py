@@ -84,14 +84,17 @@ def objects_in_pieces(draw: st.DrawFn) -> tuple[list[bytes], list[list[int]], li
 
 
 @settings(max_examples=300, deadline=None)
-@given(objects_in_pieces(), st.sampled_from(["best", "scalar"]), st.sampled_from([0, 0, 8, 33]))
+@given(objects_in_pieces(), st.sampled_from(["best", "scalar"]), st.sampled_from([0, 0, 8, 33]),
+       st.booleans())
 def test_objects_hashed_across_calls_hash_as_xxhash_and_move_every_byte(
-    case: tuple[list[bytes], list[list[int]], list[int]], kernel: str, shift: int
+    case: tuple[list[bytes], list[list[int]], list[int]], kernel: str, shift: int,
+    stream: bool,
 ) -> None:
     """`Hashes`, as a restore feeds it a layer at a time: each object's pieces in its
     byte order, any cut points (a stripe straddling pieces and calls), the pieces
     landing scattered and out of order in the destination; the checksum of an object is
-    None until its last byte moved, then `xxh3_64_intdigest` of it."""
+    None until its last byte moved, then `xxh3_64_intdigest` of it. Alike with stores
+    that stream past the cache and with plain ones (`stream=False`)."""
     payloads, cuts, calls = case
     size = len(payloads[0])
     previous = _copyhash.use_kernel(kernel)
@@ -108,7 +111,7 @@ def test_objects_hashed_across_calls_hash_as_xxhash_and_move_every_byte(
                 starts[start] = at
                 at += end - start + 64
             places.append(starts)
-        hashes = _copyhash.Hashes(len(payloads), size)
+        hashes = _copyhash.Hashes(len(payloads), size, stream=stream)
         first = 0
         for taken in calls:
             ranges = [(sources[i].ctypes.data + start, into.ctypes.data + places[i][start],

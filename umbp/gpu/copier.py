@@ -292,10 +292,13 @@ class BlockCopier:
         whose copy engines move the bytes, not a CPU."""
         return self._device.type == "cpu" and copies_hash(self._object_bytes)
 
-    def hashes(self, count: int) -> Hashes | None:
+    def hashes(self, count: int, *, stream: bool = True) -> Hashes | None:
         """Hash states for a copy of ``count`` objects where :attr:`copies_hash`; None
-        where a checksum stays a pass of its own."""
-        return object_hashes(count, self._object_bytes) if self.copies_hash else None
+        where a checksum stays a pass of its own. ``stream`` False: the copy keeps what
+        it writes in cache, for a destination read again at once (a staging row)."""
+        if not self.copies_hash:
+            return None
+        return object_hashes(count, self._object_bytes, stream=stream)
 
     def gather(
         self, block_ids: Sequence[int], memory: npt.NDArray[np.uint8],

@@ -22,7 +22,9 @@
  * cache: a copy then does not read each destination line before writing it (as plain
  * stores and glibc's `rep movsb` do), nor evict what other threads and the server keep
  * in cache; it measured 1.4-1.9x numpy's memcpy, against 0.9-1.2x with plain stores.
- * An `sfence` ends each copy, so it is complete before anything reads it.
+ * An `sfence` ends each copy, so it is complete before anything reads it. `Hashes` built
+ * with stream=False keeps plain stores: for a destination read again at once (a staging
+ * row a transport copies out next), which then finds it in cache.
  *
  * The GIL is released while bytes move (every function), so transfer threads copy
  * beside the thread that drives the model.
@@ -83,10 +85,11 @@ static inline uint64_t read64(const uint8_t *p) {
 
 /* One stripe: copy `src` to `dst` (64 bytes) and accumulate what was copied. */
 typedef void (*stripes_fn)(uint64_t *acc, uint8_t *dst, const uint8_t *src,
-                           const uint8_t *secret, size_t count);
+                           const uint8_t *secret, size_t count, int stream);
 
 static void stripes_scalar(uint64_t *acc, uint8_t *dst, const uint8_t *src,
-                           const uint8_t *secret, size_t count) {
+                           const uint8_t *secret, size_t count, int stream) {
+    (void)stream;
     for (size_t n = 0; n < count; n++) {
         uint8_t stripe[STRIPE];
         memcpy(stripe, src + n * STRIPE, STRIPE);
@@ -137,8 +140,8 @@ static inline void stripes_avx2_impl(uint64_t *acc, uint8_t *dst, const uint8_t 
 
 __attribute__((target("avx2")))
 static void stripes_avx2(uint64_t *acc, uint8_t *dst, const uint8_t *src,
-                         const uint8_t *secret, size_t count) {
-    if (((uintptr_t)dst & 31) == 0 && count >= 4) {
+                         const uint8_t *secret, size_t count, int stream) {
+    if (stream && ((uintptr_t)dst & 31) == 0 && count >= 4) {
         stripes_avx2_impl(acc, dst, src, secret, count, 1);
     } else {
         stripes_avx2_impl(acc, dst, src, secret, count, 0);
@@ -187,9 +190,10 @@ typedef struct {
     size_t done;     /* of those, accumulated so far */
     uint8_t partial[STRIPE];
     size_t partial_bytes;
+    int stream;      /* stores may stream past the cache (see the top of the file) */
 } Hashing;
 
-static void hashing_start(Hashing *h, size_t total) {
+static void hashing_start(Hashing *h, size_t total, int stream) {
     static const uint64_t init[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3,
                                      PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
     memcpy(h->acc, init, sizeof init);
@@ -197,6 +201,7 @@ static void hashing_start(Hashing *h, size_t total) {
     h->normal = (total - 1) / STRIPE;
     h->done = 0;
     h->partial_bytes = 0;
+    h->stream = stream;
 }
 
 /* Accumulate `count` stripes (copying them), scrambling at every block's end. */
@@ -207,7 +212,7 @@ static void hashing_stripes(Hashing *h, uint8_t *dst, const uint8_t *src, size_t
         if (run > count) {
             run = count;
         }
-        copy_stripes(h->acc, dst, src, kSecret + in_block * 8, run);
+        copy_stripes(h->acc, dst, src, kSecret + in_block * 8, run, h->stream);
         h->done += run;
         dst += run * STRIPE;
         src += run * STRIPE;
@@ -257,7 +262,7 @@ static void hashing_piece(Hashing *h, uint8_t *dst, const uint8_t *src, size_t l
 
 static uint64_t hashing_finish(Hashing *h, const uint8_t *last_stripe) {
     uint8_t scratch[STRIPE];
-    copy_stripes(h->acc, scratch, last_stripe, kSecret + SECRET_SIZE - STRIPE - 7, 1);
+    copy_stripes(h->acc, scratch, last_stripe, kSecret + SECRET_SIZE - STRIPE - 7, 1, 0);
     return merge(h->acc, h->total);
 }
 
@@ -273,7 +278,7 @@ typedef struct {
 static uint64_t copy_object(uint8_t *base, const Region *regions, Py_ssize_t count,
                             size_t total, uint8_t *flat, int into_pool) {
     Hashing h;
-    hashing_start(&h, total);
+    hashing_start(&h, total, 1);
     size_t at = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint8_t *in_pool = base + regions[i].offset;
@@ -486,6 +491,7 @@ typedef struct {
     size_t *fed;
     uint8_t (*tails)[STRIPE];
     int busy;
+    int stream;
 } HashesObject;
 
 static void hashes_dealloc(HashesObject *self) {
@@ -496,9 +502,11 @@ static void hashes_dealloc(HashesObject *self) {
 }
 
 static int hashes_init(HashesObject *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"count", "nbytes", NULL};
+    static char *names[] = {"count", "nbytes", "stream", NULL};
     Py_ssize_t count, nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn:Hashes", names, &count, &nbytes)) {
+    int stream = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|$p:Hashes", names, &count, &nbytes,
+                                     &stream)) {
         return -1;
     }
     if (count < 0 || nbytes <= MIDSIZE_MAX) {
@@ -521,8 +529,9 @@ static int hashes_init(HashesObject *self, PyObject *args, PyObject *kwargs) {
     }
     self->count = count;
     self->total = (size_t)nbytes;
+    self->stream = stream;
     for (Py_ssize_t i = 0; i < count; i++) {
-        hashing_start(&self->states[i], self->total);
+        hashing_start(&self->states[i], self->total, self->stream);
     }
     return 0;
 }
@@ -701,8 +710,10 @@ static PyTypeObject HashesType = {
     .tp_name = "umbp.runtime._copyhash.Hashes",
     .tp_basicsize = sizeof(HashesObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Hashes(count, nbytes): the xxh3-64 of `count` objects of `nbytes` each "
-              "(over 240), computed while their bytes move in pieces over several calls.",
+    .tp_doc = "Hashes(count, nbytes, *, stream=True): the xxh3-64 of `count` objects of "
+              "`nbytes` each (over 240), computed while their bytes move in pieces over "
+              "several calls; `stream`: stores may stream past the cache (False: the "
+              "destination is read again soon, so keep it in cache).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)hashes_init,
     .tp_dealloc = (destructor)hashes_dealloc,

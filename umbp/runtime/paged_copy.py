@@ -116,13 +116,14 @@ def copies_hash(nbytes: int) -> bool:
     return _native is not None and nbytes >= NATIVE_FROM_BYTES
 
 
-def object_hashes(count: int, nbytes: int) -> Hashes | None:
+def object_hashes(count: int, nbytes: int, *, stream: bool = True) -> Hashes | None:
     """Hash states for `count` objects of `nbytes` whose bytes a batch copy moves in
     pieces (:meth:`umbp.gpu.copier.BlockCopier.hashes`), where the native loop runs; None
-    where it does not (or objects are short): then a checksum is a pass of its own."""
+    where it does not (or objects are short): then a checksum is a pass of its own.
+    `stream` False: the copy keeps its destination in cache (read again at once)."""
     if _native is None or not copies_hash(nbytes):
         return None
-    hashes: Hashes = _native.Hashes(count, nbytes)
+    hashes: Hashes = _native.Hashes(count, nbytes, stream=stream)
     return hashes
 
 

@@ -222,7 +222,8 @@ class StoreQueue:
                                    hashes=piece.hashes)
             elif piece.slot is not None:
                 if ctx.access.takes_checksums:
-                    piece.hashes = ctx.hashes(copier, len(piece.group))
+                    # Kept in cache: the store's transport copies the slot out next.
+                    piece.hashes = ctx.hashes(copier, len(piece.group), stream=False)
                     piece.hashed = tuple(range(len(piece.group)))
                 copy = copier.copy(piece.group.block_ids, piece.slot.memory, to_kv=False,
                                    hashes=piece.hashes)

@@ -60,10 +60,11 @@ class TransferContext:
         """Whether this device's copies of ``copier``'s objects hash what they move."""
         return self.device.copies_hash and copier.copies_hash
 
-    def hashes(self, copier: BlockCopier, count: int) -> Hashes | None:
+    def hashes(self, copier: BlockCopier, count: int, *, stream: bool = True) -> Hashes | None:
         """Hash states for a copy of ``count`` objects, where this device's copies hash
-        what they move; None: the store hashes its pages (or buffers) itself."""
-        return copier.hashes(count) if self.copies_hash(copier) else None
+        what they move; None: the store hashes its pages (or buffers) itself. ``stream``
+        False: the copy keeps what it writes in cache (`BlockCopier.hashes`)."""
+        return copier.hashes(count, stream=stream) if self.copies_hash(copier) else None
 
     def forward_mark(self) -> Event:
         """An event at the end of what the calling thread's stream (vLLM's, on the
