@@ -491,7 +491,6 @@ typedef struct {
     size_t *fed;
     uint8_t (*tails)[STRIPE];
     int busy;
-    int stream;
 } HashesObject;
 
 static void hashes_dealloc(HashesObject *self) {
@@ -529,9 +528,8 @@ static int hashes_init(HashesObject *self, PyObject *args, PyObject *kwargs) {
     }
     self->count = count;
     self->total = (size_t)nbytes;
-    self->stream = stream;
     for (Py_ssize_t i = 0; i < count; i++) {
-        hashing_start(&self->states[i], self->total, self->stream);
+        hashing_start(&self->states[i], self->total, stream);
     }
     return 0;
 }

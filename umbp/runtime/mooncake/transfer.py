@@ -115,20 +115,20 @@ class TrailerTransfers:
         unclear: list[Piece] = []
         for slot, (key, piece, code) in enumerate(zip(chunk_keys, chunk, codes)):
             nbytes = piece.view.nbytes
-            if code == nbytes + TRAILER_BYTES and stored is not None:
-                if piece.staged is not None:
-                    (stored[piece.index],) = _TRAILER.unpack_from(piece.staged, nbytes)
-                    copy_bytes(piece.view, piece.staged[:nbytes])
-                else:
-                    (stored[piece.index],) = _TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
-                statuses[piece.index] = LoadStatus.HIT
-            elif code == nbytes + TRAILER_BYTES:
-                if piece.staged is not None:  # hashed as it is copied out of the bounce
-                    (expected,) = _TRAILER.unpack_from(piece.staged, nbytes)
-                    arrived = copy_hashing(piece.view, piece.staged[:nbytes])
-                else:  # Mooncake copied it in place: hashed after, the one pass left
-                    (expected,) = _TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
-                    arrived = checksum(piece.view)
+            if code == nbytes + TRAILER_BYTES:
+                staged = piece.staged
+                (expected,) = (_TRAILER.unpack_from(trailers, slot * TRAILER_BYTES)
+                               if staged is None else _TRAILER.unpack_from(staged, nbytes))
+                if stored is not None:  # the caller's copy out of its buffer checks it
+                    stored[piece.index] = expected
+                    if staged is not None:
+                        copy_bytes(piece.view, staged[:nbytes])
+                    statuses[piece.index] = LoadStatus.HIT
+                    continue
+                # Hashed as it is copied out of the bounce, or, copied in place by
+                # Mooncake, hashed after: the one pass left.
+                arrived = (checksum(piece.view) if staged is None
+                           else copy_hashing(piece.view, staged[:nbytes]))
                 statuses[piece.index] = self._settle(key, nbytes, arrived == expected)
             elif code >= 0 and piece.staged is not None:  # a shorter object, in the bounce
                 statuses[piece.index] = LoadStatus.SIZE_MISMATCH
