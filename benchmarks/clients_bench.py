@@ -2,7 +2,7 @@
 once, every byte verified, beside memcpy measured in the same run.
 
     python benchmarks/clients_bench.py [--clients 1,4,8,16] [--mib 64] [--rounds 3]
-                                       [--batch 8] [--json FILE] [--quick]
+                                       [--batch 8] [--json FILE] [--quick] [--pool-dir DIR]
 
 A real server (64 KiB pages, DRAM only, room for every client's objects: nothing is
 evicted) and up to 16 client processes, each a `ServerStore` as a worker holds one. Each
@@ -11,7 +11,8 @@ object's bytes its own). A round: every active client puts all its objects in ba
 `--batch`, all starting together; then gets them back into other buffers, all starting
 together; then compares every byte it got with what it put (untimed). Before its put
 pass, a client also times numpy copies of the same objects into a prefaulted buffer
-(memcpy), into a /dev/shm mapping like the server's pool (memcpy to shm), and the same
+(memcpy), into a mapping in the pool's directory (/dev/shm or `--pool-dir`) like the
+server's pool (memcpy to shm), and the same
 with the xxh3-64 checksum a put computes (copy + checksum: the least a put does). Each
 client's mapping of the pool is prefaulted first: the steady state of a worker that has
 run a while (a first touch costs a minor fault per 4 KiB page, once per process).
@@ -97,14 +98,14 @@ class ClientRound:
 
 
 def client_main(client: int, endpoint: str, mib: int, batch: int, commands: Any,
-                results: Any, barriers: dict[int, Any]) -> None:
+                results: Any, barriers: dict[int, Any], pool_dir: str) -> None:
     """One client process: runs a round for each (client count, key prefix) command
     between that count's barriers, answers with its `ClientRound`; None ends it."""
     sizes = object_sizes(mib << 20)
     sources = object_bytes(client, sizes)
     destinations = [measure.prefaulted(1, size)[0] for size in sizes]
     memcpy_target = [measure.prefaulted(1, size)[0] for size in sizes]
-    shm = _shm_mapping(sum(sizes))
+    shm = _shm_mapping(sum(sizes), pool_dir)
     batches = measure.batch_ranges(len(sizes), batch)
     store = ServerStore(endpoint, io_timeout_s=120.0)
     _prefault_pool_mapping(store)
@@ -191,9 +192,10 @@ def _copy_into(mapping: mmap.mmap, sources: list[Any], *, checksum: bool = False
     view.release()
 
 
-def _shm_mapping(nbytes: int) -> mmap.mmap:
-    """A prefaulted /dev/shm mapping: the kind of memory the server's pool is."""
-    path = f"/dev/shm/umbp-bench-{os.getpid()}"
+def _shm_mapping(nbytes: int, directory: str) -> mmap.mmap:
+    """A prefaulted mapping of a file in `directory` (the server's pool directory): the
+    kind of memory the server's pool is."""
+    path = os.path.join(directory, f"umbp-bench-{os.getpid()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -307,6 +309,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="objects per batch call")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--quick", action="store_true", help="8 MiB per client, 1 round")
+    parser.add_argument("--pool-dir", default=None,
+                        help="umbp serve --pool-dir: a tmpfs directory for its DRAM tier")
     arguments = parser.parse_args()
     arguments.counts = [int(value) for value in arguments.clients.split(",")]
     if arguments.quick:
@@ -320,7 +324,7 @@ def run(arguments: argparse.Namespace) -> list[Row]:
     endpoint = os.path.join(directory, "s.sock")
     most = max(arguments.counts)
     capacity = int(most * sum(object_sizes(arguments.mib << 20)) / 0.8) + 64 * PAGE_BYTES
-    server = start_server(endpoint, capacity, page_bytes=PAGE_BYTES,
+    server = start_server(endpoint, capacity, page_bytes=PAGE_BYTES, pool_dir=arguments.pool_dir,
                           log_path=os.path.join(directory, "serve.log"))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -333,7 +337,8 @@ def run(arguments: argparse.Namespace) -> list[Row]:
             own = {count: barrier[count] for count in arguments.counts if client < count}
             process = context.Process(
                 target=client_main,
-                args=(client, endpoint, arguments.mib, arguments.batch, commands, results, own),
+                args=(client, endpoint, arguments.mib, arguments.batch, commands, results, own,
+                      arguments.pool_dir or "/dev/shm"),
                 daemon=True,
             )
             process.start()
@@ -370,10 +375,10 @@ def print_table(rows: list[Row]) -> None:
             f"1 client vs memcpy of the same bytes (same run): put "
             f"{single.put_client_gbps / single.memcpy_gbps:.2f}, get "
             f"{single.get_client_gbps / single.memcpy_gbps:.2f} (memcpy {single.memcpy_gbps:.2f}"
-            f" GB/s); vs memcpy into /dev/shm ({single.memcpy_shm_gbps:.2f} GB/s): put "
+            f" GB/s); vs memcpy into the pool's tmpfs ({single.memcpy_shm_gbps:.2f} GB/s): put "
             f"{single.put_client_gbps / single.memcpy_shm_gbps:.2f}, get "
             f"{single.get_client_gbps / single.memcpy_shm_gbps:.2f}; copy + checksum into "
-            f"/dev/shm, the least a put does: {single.copy_checksum_shm_gbps:.2f} GB/s = "
+            f"that tmpfs, the least a put does: {single.copy_checksum_shm_gbps:.2f} GB/s = "
             f"{single.copy_checksum_shm_gbps / single.memcpy_gbps:.2f} of memcpy"
         )
     print("per client: median of each client's best round; agg: all clients' bytes over "

@@ -4,7 +4,7 @@ same prefix restored from its DRAM tier, side by side in one run.
     python benchmarks/ssd_restore_bench.py [--json FILE] [--prefix-tokens 4096] [--repeats 5]
                                            [--load-async default|true|false]
                                            [--write-ahead-bytes N] [--prefetch-readers N]
-                                           [--settle-s S] [--quick]
+                                           [--settle-s S] [--pool-dir DIR] [--quick]
 
 A real `umbp serve` (256 MiB of DRAM, an SSD tier in a temporary directory on the root
 filesystem, the default prefetch bound) and one in-process vLLM engine in server mode
@@ -80,6 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the server's --prefetch-readers (default: its own)")
     parser.add_argument("--settle-s", type=float, default=0.0,
                         help="seconds between the push to SSD and the timed restore")
+    parser.add_argument("--pool-dir", default=None,
+                        help="umbp serve --pool-dir: a tmpfs directory for its DRAM tier")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 repeats")
     parser.add_argument("--model-root", type=Path,
                         default=Path.home() / ".cache" / "umbp" / "bench-models")
@@ -94,6 +96,8 @@ def server_options(args: argparse.Namespace) -> list[str]:
                                                           args.write_ahead_bytes]
     if args.prefetch_readers is not None:
         options += ["--prefetch-readers", args.prefetch_readers]
+    if args.pool_dir is not None:
+        options += ["--pool-dir", args.pool_dir]
     return options
 
 

@@ -4,6 +4,7 @@ latency, and the restored requests' time to first token.
     python benchmarks/stall_bench.py [--before REV] [--prefix-tokens 4096] [--events 4]
                                      [--repeats 2] [--quick] [--json FILE]
                                      [--mode embedded|server] [--server-cpus 0,...]
+                                     [--pool-dir DIR]
 
 Each engine runs alone, in a process of its own, one after another (the order
 rotates every repeat): vLLM without a connector, umbp of ``--before`` (default: the
@@ -40,7 +41,8 @@ The scenario, driven step by step on vLLM's ``LLMEngine``:
 ``umbp serve`` of this checkout (4 GiB, started for the run), each engine and repeat in a
 namespace of its own, so each stores its prefixes before restoring them;
 ``--server-cpus`` binds every thread of it to those CPUs (the lanes run on all but the
-model's CPU). ``--before``'s tree gets its native copy loop built, as an install would.
+model's CPU); ``--pool-dir`` puts its DRAM tier on that tmpfs (``umbp serve --pool-dir``:
+one mounted with ``huge=within_size`` gives it huge pages). ``--before``'s tree gets its native copy loop built, as an install would.
 
 Goals (issue 24): decode ITL p99 with umbp within 5% of no connector while restores
 and stores run (judged on the copy steps: a new prompt's prefill stalls the decodes
@@ -290,8 +292,8 @@ def run_engine(name: str, model_dir: str, connector: dict[str, Any] | None,
 
 
 @contextlib.contextmanager
-def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None
-                ) -> Iterator[str | None]:
+def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None,
+                pool_dir: str | None = None) -> Iterator[str | None]:
     """A ``umbp serve`` of this checkout for ``--mode server`` (its socket), else None;
     every thread of it bound to ``cpus`` when given (as ``taskset -a`` would)."""
     if mode != "server":
@@ -300,7 +302,8 @@ def _server_for(mode: str, scratch: Path, cpus: frozenset[int] | None = None
     from umbp.runtime.server.launch import start_server, stop_server
 
     socket_path = str(scratch / "umbp.sock")
-    process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"))
+    process = start_server(socket_path, 4 << 30, log_path=str(scratch / "serve.log"),
+                           extra_args=[] if pool_dir is None else ["--pool-dir", pool_dir])
     try:
         if cpus is not None:
             for task in Path(f"/proc/{process.pid}/task").iterdir():
@@ -328,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--server-cpus", default=None,
                         help="--mode server: bind umbp serve to these CPUs (comma-separated)")
+    parser.add_argument("--pool-dir", default=None,
+                        help="--mode server: umbp serve --pool-dir (a tmpfs directory)")
     parser.add_argument("--mode", choices=("embedded", "server"), default="embedded",
                         help="where umbp's engines keep their objects")
     parser.add_argument("--model-root", type=Path,
@@ -361,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"got {args.engines!r}")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="umbp-stall-", dir="/tmp") as scratch, \
-            _server_for(args.mode, Path(scratch), server_cpus) as endpoint:
+            _server_for(args.mode, Path(scratch), server_cpus, args.pool_dir) as endpoint:
         if endpoint is not None:
             for name, connector in connectors.items():
                 if connector is not None:

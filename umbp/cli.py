@@ -219,6 +219,10 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     serve.add_argument("--page-bytes", type=_byte_option(64, 1 << 30), default=DEFAULT_PAGE_BYTES)
     serve.add_argument("--high-watermark", type=_fraction, default=0.95)
     serve.add_argument("--low-watermark", type=_fraction, default=0.85)
+    serve.add_argument("--pool-dir", default=None,
+                       help="tmpfs directory of the DRAM tier's shared file (default: "
+                            "/dev/shm); one mounted with huge=within_size gives it huge "
+                            "pages")
     serve.add_argument("--ssd-dir", default=None, help="directory of the SSD tier")
     serve.add_argument("--ssd-capacity", type=_byte_option(0), default=0,
                        help="bytes of the SSD tier (needs --ssd-dir)")
@@ -308,6 +312,7 @@ def run_serve(args: argparse.Namespace) -> int:
         page_bytes=args.page_bytes,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
+        pool_dir=args.pool_dir,
         ssd_dir=args.ssd_dir,
         ssd_capacity_bytes=args.ssd_capacity,
         persist_on_exit=args.persist_on_exit,

@@ -5,6 +5,8 @@ engine processes, restarts, isolation of different layouts, and the server's fau
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import run_scenario, start_scenario, wait_for_mark
+from umbp.runtime.server.client import ServerStore
 from umbp.runtime.server.launch import start_server, stop_server
 from umbp.testing.engine import shared_prefix_prompts, unique_prompts
 
@@ -142,15 +145,19 @@ def test_no_server_at_start_is_a_clear_error_unless_auto_start_starts_one(
     llama_fp32: str, tmp_path: Path, baseline: dict[str, Any]
 ) -> None:
     endpoint = str(tmp_path / "auto" / "umbp.sock")
+    pool_dir = tempfile.mkdtemp(prefix="umbp-auto-pool-", dir="/dev/shm")
     auto = {"mode": "server", "endpoint": endpoint, "auto_start": True,
-            "capacity_bytes": 32 << 20}
+            "capacity_bytes": 32 << 20, "pool_dir": pool_dir}
     spec = _spec(llama_fp32, [
         {"connector": auto, "steps": ["generate", "reset", "generate"]},
     ], bad_configs=[{"mode": "server", "endpoint": str(tmp_path / "none" / "umbp.sock")}])
     try:
         report = run_scenario(spec)
+        with ServerStore(endpoint, io_timeout_s=5.0) as store:  # started with pool_dir
+            assert Path(store.server_stats()["server"]["shm_path"]).parent == Path(pool_dir)
     finally:
         _kill_server_at(endpoint)
+        shutil.rmtree(pool_dir, ignore_errors=True)
     (refused,) = report["bad_starts"]
     assert not refused["started"]
     assert "no umbp server answers at" in refused["error"]

@@ -176,6 +176,42 @@ def test_roundtrip_is_bit_identical_and_the_bytes_live_in_the_shared_pool(
         assert store.clear() and store.lookup(["s1-0"]) == (False,)
 
 
+def test_a_pool_dir_holds_the_pool_and_a_killed_servers_pool_is_removed_from_it(
+    servers: Servers,
+) -> None:
+    """`--pool-dir` (here a directory on /dev/shm's tmpfs): the pool file lies there, the
+    `populated` event says which pages it got, and the next server at the socket removes
+    the pool a SIGKILLed one left there."""
+    pool_dir = Path(tempfile.mkdtemp(prefix="umbp-pool-", dir="/dev/shm"))
+    try:
+        first = servers.start(4 * MIB, pool_dir=str(pool_dir))
+        data = payloads(2, 100 * KIB, seed=7)
+        with ServerStore(servers.socket, io_timeout_s=5.0) as store:
+            assert store.put_batch(["a", "b"], [data[0], data[1]]) == (True, True)
+            statuses, outs = load(store, ["a", "b"], 100 * KIB)
+            assert statuses == (LoadStatus.HIT,) * 2 and np.array_equal(outs, data)
+            left = shm_path(store)
+        assert Path(left).parent == pool_dir and data[1].tobytes() in Path(left).read_bytes()
+        events = [json.loads(line) for line in
+                  (servers.directory / "serve.log").read_text().splitlines()
+                  if line.startswith("{")]
+        populated = next(event for event in events if event["event"] == "populated")
+        assert populated["pool_mount"] == "/dev/shm"
+        assert populated["huge_pages"] == (populated["huge"] in ("always", "within_size"))
+        assert ("note" in populated) == (not populated["huge_pages"])
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        assert Path(left).exists(), "a killed server cannot remove its pool"
+        servers.start(4 * MIB, pool_dir=str(pool_dir))
+        assert not Path(left).exists()
+        with ServerStore(servers.socket, io_timeout_s=5.0) as store:
+            assert Path(shm_path(store)).parent == pool_dir
+            assert store.lookup(["a"]) == (False,)
+    finally:
+        servers.close()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+
+
 def test_kv_bytes_never_cross_the_socket(servers: Servers) -> None:
     """A raw protocol client: the put answer names regions of the pool, the commit carries
     only a checksum, and what a get reads back was written straight into the pool file."""

@@ -43,6 +43,7 @@ DEFAULTS: dict[str, object] = {
     "announced_wait_s": 10.0,
     "endpoint": None,
     "auto_start": False,
+    "pool_dir": None,
     "ssd_dir": None,
     "ssd_capacity_bytes": 0,
     "io_timeout_s": 5.0,
@@ -59,7 +60,7 @@ DEFAULTS: dict[str, object] = {
 # Options that belong to one back-end (the reference's "applies to" column); the
 # properties below draw valid configs in the default, embedded mode.
 OTHER_MODE_OPTIONS = (
-    "endpoint", "auto_start", "ssd_dir", "ssd_capacity_bytes", "io_timeout_s",
+    "endpoint", "auto_start", "pool_dir", "ssd_dir", "ssd_capacity_bytes", "io_timeout_s",
     "reconnect_interval_s", "mooncake_master", "mooncake_protocol", "mooncake_device",
     "mooncake_local_hostname", "mooncake_metadata_server", "mooncake_buffer_bytes",
     "mori_deployment", "mori_address",
@@ -76,7 +77,7 @@ INTEGER_OPTIONS = ("lookup_workers", "kv_event_max_objects", "capacity_bytes", "
                    "staging_bytes")
 FLOAT_OPTIONS = ("high_watermark", "low_watermark", "lookup_timeout_s", "io_timeout_s",
                  "reconnect_interval_s", "announced_wait_s")
-STRING_OPTIONS = ("endpoint", "ssd_dir", "mooncake_master", "mooncake_protocol",
+STRING_OPTIONS = ("endpoint", "pool_dir", "ssd_dir", "mooncake_master", "mooncake_protocol",
                   "mooncake_device", "mooncake_local_hostname", "mooncake_metadata_server",
                   "mori_deployment", "mori_address")
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")

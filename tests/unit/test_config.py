@@ -47,6 +47,7 @@ def test_an_empty_config_gives_the_documented_defaults() -> None:
         lookup_timeout_s=5.0,
         endpoint=None,
         auto_start=False,
+        pool_dir=None,
         ssd_dir=None,
         ssd_capacity_bytes=0,
         io_timeout_s=5.0,
@@ -104,12 +105,16 @@ def test_an_option_of_another_mode_is_an_error_not_ignored() -> None:
 
 def test_server_pool_options_need_auto_start() -> None:
     base = {"mode": "server", "endpoint": "/run/umbp.sock"}
-    assert set(errors_of({**base, "ssd_dir": "/ssd", "capacity_bytes": 1 << 30})) == {
-        "ssd_dir", "capacity_bytes"}
+    assert set(errors_of({**base, "ssd_dir": "/ssd", "capacity_bytes": 1 << 30,
+                          "pool_dir": "/mnt/umbp-pool"})) == {
+        "ssd_dir", "capacity_bytes", "pool_dir"}
     started = parse_connector_config({**base, "auto_start": True, "ssd_dir": "/ssd",
-                                      "ssd_capacity_bytes": 1 << 30}).unwrap()
-    assert (started.auto_start, started.ssd_dir, started.ssd_capacity_bytes) == (
-        True, "/ssd", 1 << 30)
+                                      "ssd_capacity_bytes": 1 << 30,
+                                      "pool_dir": "/mnt/umbp-pool"}).unwrap()
+    assert (started.auto_start, started.ssd_dir, started.ssd_capacity_bytes,
+            started.pool_dir) == (True, "/ssd", 1 << 30, "/mnt/umbp-pool")
+    assert set(errors_of({"mode": "embedded", "pool_dir": "/mnt/umbp-pool"})) == {"pool_dir"}
+    assert set(errors_of({**base, "auto_start": True, "pool_dir": ""})) == {"pool_dir"}
     assert errors_of({**base, "auto_start": True, "ssd_capacity_bytes": 1 << 30}) == {
         "ssd_dir": "ssd_capacity_bytes > 0 needs ssd_dir"}
 

@@ -121,3 +121,17 @@ def test_serve_refuses_a_write_ahead_past_the_capacity(
     assert code == 1 and "write_ahead_bytes must be in [0, capacity_bytes]" in \
         capsys.readouterr().err
     assert not Path(socket_path).exists()
+
+
+def test_serve_refuses_a_pool_dir_off_tmpfs_before_taking_the_socket(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    socket_path = str(tmp_path / "s.sock")
+    assert main(["serve", "--socket", socket_path, "--capacity", "1M",
+                 "--pool-dir", "/proc"]) == 1
+    assert "pool directory '/proc' must be on a tmpfs, found proc at /proc" in \
+        capsys.readouterr().err
+    assert not Path(socket_path).exists()
+    assert main(["serve", "--socket", socket_path, "--capacity", "1M",
+                 "--pool-dir", str(tmp_path / "absent")]) == 1
+    assert "is not a directory" in capsys.readouterr().err

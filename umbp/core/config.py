@@ -83,6 +83,7 @@ class ConnectorConfig:
     announced_wait_s: float = 10.0
     endpoint: str | None = None
     auto_start: bool = False
+    pool_dir: str | None = None
     ssd_dir: str | None = None
     ssd_capacity_bytes: int = 0
     io_timeout_s: float = 5.0
@@ -142,6 +143,8 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "endpoint": "server: path of the `umbp serve` Unix socket (required)",
         "auto_start": "server: start `umbp serve` at endpoint when none answers there "
         "(it outlives the engine, so others and later engines share it)",
+        "pool_dir": "server with auto_start: tmpfs directory of the DRAM tier's shared "
+        "file (default /dev/shm; one mounted with huge=within_size gives it huge pages)",
         "ssd_dir": "server with auto_start: directory of the SSD tier's slot file",
         "ssd_capacity_bytes": "server with auto_start: bytes of the SSD tier (>= 0; "
         "0 = no SSD tier; needs ssd_dir)",
@@ -220,6 +223,7 @@ _CHECKS: Final[Mapping[str, ValueCheck]] = MappingProxyType(
         "announced_wait_s": check_number("> 0", lambda x: x > 0.0),
         "endpoint": check_text("a non-empty socket path", bool, nullable=True),
         "auto_start": check_boolean,
+        "pool_dir": check_text("a non-empty directory path", bool, nullable=True),
         "ssd_dir": check_text("a non-empty directory path", bool, nullable=True),
         "ssd_capacity_bytes": check_integer(0, None),
         "io_timeout_s": check_number("> 0", lambda x: x > 0.0),
@@ -244,6 +248,7 @@ MODE_OPTIONS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
         "low_watermark": ("embedded", "server"),
         "endpoint": ("server",),
         "auto_start": ("server",),
+        "pool_dir": ("server",),
         "ssd_dir": ("server",),
         "ssd_capacity_bytes": ("server",),
         "io_timeout_s": ("server",),
@@ -294,7 +299,8 @@ def _mode_errors(
         errors.extend(
             ConfigError(name, f"{name} configures an auto-started server; set auto_start: "
                         "true, or give it to `umbp serve` instead")
-            for name in ("ssd_dir", "ssd_capacity_bytes", "capacity_bytes", "page_bytes",
+            for name in ("pool_dir", "ssd_dir", "ssd_capacity_bytes", "capacity_bytes",
+                         "page_bytes",
                          "high_watermark", "low_watermark")
             if name in given
         )

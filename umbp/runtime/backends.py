@@ -124,7 +124,8 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
                        endpoint, log_path)
         try:
             start_server(
-                endpoint, config.capacity_bytes, ssd_dir=config.ssd_dir,
+                endpoint, config.capacity_bytes, pool_dir=config.pool_dir,
+                ssd_dir=config.ssd_dir,
                 ssd_capacity_bytes=config.ssd_capacity_bytes,
                 page_bytes=config.page_bytes or DEFAULT_PAGE_BYTES,
                 high_watermark=config.high_watermark, low_watermark=config.low_watermark,

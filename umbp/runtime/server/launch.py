@@ -53,6 +53,7 @@ def serve_command(
     socket_path: str,
     capacity_bytes: int,
     *,
+    pool_dir: str | None = None,
     ssd_dir: str | None = None,
     ssd_capacity_bytes: int = 0,
     page_bytes: int = DEFAULT_PAGE_BYTES,
@@ -71,6 +72,8 @@ def serve_command(
         "--high-watermark", repr(high_watermark),
         "--low-watermark", repr(low_watermark),
     ]
+    if pool_dir is not None:
+        command += ["--pool-dir", pool_dir]
     if ssd_dir is not None:
         command += ["--ssd-dir", ssd_dir, "--ssd-capacity", str(ssd_capacity_bytes)]
     if persist_on_exit:
@@ -86,6 +89,7 @@ def start_server(
     socket_path: str,
     capacity_bytes: int,
     *,
+    pool_dir: str | None = None,
     ssd_dir: str | None = None,
     ssd_capacity_bytes: int = 0,
     page_bytes: int = DEFAULT_PAGE_BYTES,
@@ -112,8 +116,9 @@ def start_server(
     if server_reachable(socket_path, timeout_s=1.0):
         raise ServerStartError(f"a umbp server already answers at {socket_path}")
     command = serve_command(
-        socket_path, capacity_bytes, ssd_dir=ssd_dir, ssd_capacity_bytes=ssd_capacity_bytes,
-        page_bytes=page_bytes, high_watermark=high_watermark, low_watermark=low_watermark,
+        socket_path, capacity_bytes, pool_dir=pool_dir, ssd_dir=ssd_dir,
+        ssd_capacity_bytes=ssd_capacity_bytes, page_bytes=page_bytes,
+        high_watermark=high_watermark, low_watermark=low_watermark,
         persist_on_exit=persist_on_exit, max_connections=max_connections,
         frame_timeout_s=frame_timeout_s, extra_args=extra_args,
     )

@@ -27,13 +27,14 @@ import re
 import stat
 
 from umbp.runtime.private_files import UnsafePath, open_private_file, prepare_directory
+from umbp.runtime.server.pool_mount import pool_mount
 from umbp.runtime.server.shm import remove_stale_pool
 
 __all__ = ["OWNER_SUFFIX", "AlreadyServed", "SocketOwnership"]
 
 logger = logging.getLogger("umbp.serve")
 
-_POOL_NAME = re.compile(r"^/dev/shm/umbp-\d+-[0-9a-f]+$")
+_POOL_FILE_NAME = re.compile(r"^umbp-\d+-[0-9a-f]+$")
 _RECORD_LIMIT = 4096
 OWNER_SUFFIX = ".owner"
 
@@ -119,7 +120,7 @@ class SocketOwnership:
 
     def _remove_recorded_pool(self) -> None:
         recorded = self._read_record()
-        if recorded is not None and _POOL_NAME.match(recorded):
+        if recorded is not None and _names_a_pool(recorded):
             if remove_stale_pool(recorded):
                 logger.info("umbp serve: removed %s, left by a dead server", recorded)
             else:
@@ -187,3 +188,16 @@ def _read_pid(lock_path: str) -> int | None:
     finally:
         os.close(fd)
     return int(text) if text.isdigit() else None
+
+
+def _names_a_pool(path: str) -> bool:
+    """Whether a recorded path can be a pool file a server made: an absolute path to a
+    file named as `create_shared_pool` names them, in a directory on a tmpfs (where
+    `--pool-dir` may put one)."""
+    if not os.path.isabs(path) or not _POOL_FILE_NAME.match(os.path.basename(path)):
+        return False
+    try:
+        pool_mount(os.path.dirname(path))
+    except (ValueError, OSError):  # OSError: UnsafePath, or the directory is gone
+        return False
+    return True

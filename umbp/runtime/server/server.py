@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -44,10 +45,16 @@ from umbp.runtime.server.metrics import MetricsEndpoint, render
 from umbp.runtime.server.operations import DEFAULT_MAX_RETAIN_S
 from umbp.runtime.server.ownership import SocketOwnership
 from umbp.runtime.server.page_tables import fill_in_background
+from umbp.runtime.server.pool_mount import PoolMount, pool_mount
 from umbp.runtime.server.prefetch import MAX_PREFETCH_READERS, PREFETCH_READERS
 from umbp.runtime.server.schema import MAX_SECONDS
 from umbp.runtime.server.sessions import RequestRefused
-from umbp.runtime.server.shm import SharedPool, create_shared_pool, release_shared_pool
+from umbp.runtime.server.shm import (
+    SHM_DIRECTORY,
+    SharedPool,
+    create_shared_pool,
+    release_shared_pool,
+)
 from umbp.runtime.server.state import StoreCore
 
 __all__ = ["ServerConfig", "serve"]
@@ -66,6 +73,9 @@ class ServerConfig:
     page_bytes: int = DEFAULT_PAGE_BYTES
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    pool_dir: str | None = None
+    """The tmpfs directory of the DRAM tier's file (None: /dev/shm); one mounted with
+    ``huge=within_size`` gives the pool huge pages (`umbp.runtime.server.pool_mount`)."""
     ssd_dir: str | None = None
     ssd_capacity_bytes: int = 0
     persist_on_exit: bool = False
@@ -144,6 +154,7 @@ class ServerConfig:
 def serve(config: ServerConfig) -> int:
     """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status."""
     config.validate()
+    mount = _pool_mount(config)
     stop = _stop_on_signals()
     socket_path = os.path.abspath(config.socket_path)
     ownership = SocketOwnership.acquire(socket_path)
@@ -154,7 +165,7 @@ def serve(config: ServerConfig) -> int:
     metrics: MetricsEndpoint | None = None
     try:
         ownership.clear_leftovers()
-        pool = _create_pool(config, stop)
+        pool = _create_pool(config, mount, stop)
         ownership.record_pool(pool.path)
         fill_in_background(pool.mapping, pool.nbytes, _report_present)
         if config.ssd_dir is not None and config.ssd_capacity_bytes > 0:
@@ -225,10 +236,25 @@ def _start_metrics(config: ServerConfig, server: StoreServer) -> MetricsEndpoint
     return endpoint
 
 
-def _create_pool(config: ServerConfig, stop: threading.Event) -> SharedPool:
+def _pool_directory(config: ServerConfig) -> Path:
+    return SHM_DIRECTORY if config.pool_dir is None else Path(config.pool_dir)
+
+
+def _pool_mount(config: ServerConfig) -> PoolMount:
+    """The pool directory's mount: a `--pool-dir` is checked (refused with the reason);
+    /dev/shm, the default, is only described, as well as this host lets us."""
+    if config.pool_dir is not None:
+        return pool_mount(config.pool_dir)
+    try:
+        return pool_mount(str(SHM_DIRECTORY))
+    except (ValueError, OSError):
+        return PoolMount(str(SHM_DIRECTORY), "unknown", ())
+
+
+def _create_pool(config: ServerConfig, mount: PoolMount, stop: threading.Event) -> SharedPool:
     """The DRAM tier, allocated whole before the server answers; while that lasts, one
     `populating` event a second says how far it is (a pool of hundreds of GiB takes
-    minutes), and `populated` says how long it took."""
+    minutes), and `populated` says how long it took and whether its pages are huge."""
 
     def report(progress: Progress) -> None:
         _event("populating", done_bytes=progress.done_bytes,
@@ -236,8 +262,16 @@ def _create_pool(config: ServerConfig, stop: threading.Event) -> SharedPool:
 
     nbytes = config.capacity_bytes // config.page_bytes * config.page_bytes
     started = time.monotonic()
-    pool = create_shared_pool(nbytes, report=report, should_stop=stop.is_set)
-    _event("populated", bytes=nbytes, seconds=round(time.monotonic() - started, 2))
+    pool = create_shared_pool(nbytes, _pool_directory(config), report=report,
+                              should_stop=stop.is_set)
+    pages: dict[str, object] = {"huge_pages": mount.huge_pages,
+                                "pool_mount": mount.mount_point, "huge": mount.huge_policy}
+    if not mount.huge_pages:
+        pages["note"] = (f"4 KiB pages (the {mount.fstype} at {mount.mount_point} has huge="
+                         f"{mount.huge_policy}); --pool-dir on a tmpfs mounted with "
+                         "huge=within_size gives it huge pages (docs/operations.md, "
+                         "'Where the DRAM tier lies')")
+    _event("populated", bytes=nbytes, seconds=round(time.monotonic() - started, 2), **pages)
     return pool
 
 
