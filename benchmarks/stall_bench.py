@@ -42,7 +42,8 @@ The scenario, driven step by step on vLLM's ``LLMEngine``:
 namespace of its own, so each stores its prefixes before restoring them;
 ``--server-cpus`` binds every thread of it to those CPUs (the lanes run on all but the
 model's CPU); ``--pool-dir`` puts its DRAM tier on that tmpfs (``umbp serve --pool-dir``:
-one mounted with ``huge=within_size`` gives it huge pages). ``--before``'s tree gets its native copy loop built, as an install would.
+one mounted with ``huge=within_size`` gives it huge pages). ``--before``'s tree gets its
+native copy loop built, as an install would.
 
 Goals (issue 24): decode ITL p99 with umbp within 5% of no connector while restores
 and stores run (judged on the copy steps: a new prompt's prefill stalls the decodes

@@ -128,3 +128,10 @@ def wait_for_mark(mark: Path, process: ScenarioProcess) -> None:
             raise AssertionError("the background engine ended early:\n" + process.communicate()[1])
         assert time.monotonic() < deadline, "the background engine never got to its mark"
         time.sleep(0.2)
+
+
+def server_events(log: Path, name: str) -> list[dict[str, Any]]:
+    """The JSON events named `name` that `umbp serve` wrote to its log, in order."""
+    prefix = f'{{"event": "{name}"'
+    return [json.loads(line) for line in log.read_text().splitlines()
+            if line.startswith(prefix)]

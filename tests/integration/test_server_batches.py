@@ -9,7 +9,6 @@ answers for itself, in order, with its own bytes.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.harness import server_events
 from umbp.runtime.contract import LoadStatus, Medium
 from umbp.runtime.server import ServerStore, protocol
 from umbp.runtime.server.launch import start_server, stop_server
@@ -39,8 +39,7 @@ def store() -> Iterator[ServerStore]:
     process = start_server(socket_path, 8 << 20, page_bytes=64, log_path=str(log))
     client = ServerStore(socket_path, io_timeout_s=60.0)
     try:
-        events = [json.loads(line) for line in log.read_text().splitlines()
-                  if line.startswith('{"event": "populated"')]
+        events = server_events(log, "populated")
         assert [event["bytes"] for event in events] == [8 << 20]  # its start-up, logged
         for _ in range(300):  # then its pages made present in the background, logged
             if '{"event": "present", "bytes": 8388608' in log.read_text():

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.integration.harness import server_events
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.server import (
     ServerStartError,
@@ -192,10 +193,7 @@ def test_a_pool_dir_holds_the_pool_and_a_killed_servers_pool_is_removed_from_it(
             assert statuses == (LoadStatus.HIT,) * 2 and np.array_equal(outs, data)
             left = shm_path(store)
         assert Path(left).parent == pool_dir and data[1].tobytes() in Path(left).read_bytes()
-        events = [json.loads(line) for line in
-                  (servers.directory / "serve.log").read_text().splitlines()
-                  if line.startswith("{")]
-        populated = next(event for event in events if event["event"] == "populated")
+        (populated,) = server_events(servers.directory / "serve.log", "populated")
         assert populated["pool_mount"] == "/dev/shm"
         assert populated["huge_pages"] == (populated["huge"] in ("always", "within_size"))
         assert ("note" in populated) == (not populated["huge_pages"])

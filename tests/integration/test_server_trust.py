@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.harness import server_events
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore
 from umbp.runtime.server.launch import server_reachable, start_server, stop_server
@@ -458,8 +459,7 @@ def test_objects_lost_at_restart_are_logged_and_counted(workdir: Path) -> None:
             answers = read_back(store, keys, 20 * KIB)
         assert figures["ssd"]["dropped_at_open"] == 3, figures["ssd"]
         assert sum(status is LoadStatus.HIT for status, _ in answers) == 7
-        events = [json.loads(line) for line in log.read_text().splitlines()
-                  if line.startswith('{"event": "ssd_opened"')]
+        events = server_events(log, "ssd_opened")
         assert events == [{"event": "ssd_opened", "objects": 7, "dropped_at_open": 3}], events
         assert "dropped 3 damaged or incomplete entries" in log.read_text()
     finally:

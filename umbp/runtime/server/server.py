@@ -243,12 +243,13 @@ def _pool_directory(config: ServerConfig) -> Path:
 def _pool_mount(config: ServerConfig) -> PoolMount:
     """The pool directory's mount: a `--pool-dir` is checked (refused with the reason);
     /dev/shm, the default, is only described, as well as this host lets us."""
-    if config.pool_dir is not None:
-        return pool_mount(config.pool_dir)
+    directory = str(_pool_directory(config))
     try:
-        return pool_mount(str(SHM_DIRECTORY))
+        return pool_mount(directory)
     except (ValueError, OSError):
-        return PoolMount(str(SHM_DIRECTORY), "unknown", ())
+        if config.pool_dir is not None:
+            raise
+        return PoolMount(directory, "unknown", ())
 
 
 def _create_pool(config: ServerConfig, mount: PoolMount, stop: threading.Event) -> SharedPool:
