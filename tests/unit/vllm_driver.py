@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ NULL_BLOCK = 0
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 KV_HEADS = 2
 HEAD_SIZE = 32
+# How long a helper steps an engine waiting on umbp's threads before it calls them hung.
+THREAD_WAIT_S = 60.0
 
 
 def write_model_config(directory: Path, max_positions: int = 2048) -> Path:
@@ -305,7 +307,7 @@ class Driver:
         """Until every load and store the workers were handed has finished (what a
         step hands over lands on umbp's threads, after the step)."""
         for worker in self.workers:
-            assert worker.worker.wait_idle(60.0), "umbp's transfers did not finish"
+            assert worker.worker.wait_idle(THREAD_WAIT_S), "umbp's transfers did not finish"
 
     def close(self) -> None:
         for worker in self.workers:
@@ -403,49 +405,51 @@ class Driver:
         self.steps.append(record)
         return record
 
-    def run(self, request_ids: Iterable[str], max_steps: int = 400) -> list[StepRecord]:
+    def run(self, request_ids: Iterable[str], max_steps: int | None = None) -> list[StepRecord]:
         """Step until every named request has finished."""
         wanted = set(request_ids)
-        records = []
-        for _ in range(max_steps):
-            records.append(self.step())
-            if not wanted & set(self.scheduler.requests):
-                return records
-        raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
+        return self._step_until(lambda record: not wanted & set(self.scheduler.requests),
+                                f"requests {sorted(wanted)} did not finish", max_steps)
 
-    def run_collecting_preemptions(self, request_ids: Iterable[str],
-                                   max_steps: int = 400) -> set[str]:
+    def run_collecting_preemptions(self, request_ids: Iterable[str]) -> set[str]:
         """Step until every named request has finished; the requests vLLM preempted on
         the way."""
-        wanted = set(request_ids)
-        preempted: set[str] = set()
-        for _ in range(max_steps):
-            preempted |= set(self.step().output.preempted_req_ids or ())
-            if not wanted & set(self.scheduler.requests):
-                return preempted
-        raise AssertionError(f"requests {sorted(wanted)} did not finish in {max_steps} steps")
+        records = self.run(request_ids)
+        return {request_id for record in records
+                for request_id in record.output.preempted_req_ids or ()}
 
-    def until_scheduled(self, request_id: str, max_steps: int = 200) -> list[StepRecord]:
+    def until_scheduled(self, request_id: str, max_steps: int | None = None) -> list[StepRecord]:
         """Step until vLLM schedules the request to compute (after its asynchronous
         load, if any, was reported finished: umbp's load thread decides when)."""
-        records = []
-        for _ in range(max_steps):
-            records.append(self.step())
-            if request_id in records[-1].output.num_scheduled_tokens:
-                return records
-            time.sleep(0.005)
-        raise AssertionError(f"{request_id} was not scheduled in {max_steps} steps")
+        return self._step_until(
+            lambda record: request_id in record.output.num_scheduled_tokens,
+            f"{request_id} was not scheduled", max_steps, pause_s=0.005,
+        )
 
-    def until_reported(self, request_id: str, max_steps: int = 200) -> list[StepRecord]:
+    def until_reported(self, request_id: str, max_steps: int | None = None) -> list[StepRecord]:
         """Step until vLLM hears the request's asynchronous load finished (in the
         step umbp's load thread got there)."""
-        records = []
-        for _ in range(max_steps):
+        return self._step_until(
+            lambda record: request_id in record.kv_output.finished_recving,
+            f"{request_id}'s load was not reported", max_steps, pause_s=0.005,
+        )
+
+    def _step_until(self, done: Callable[[StepRecord], bool], failure: str,
+                    max_steps: int | None, pause_s: float = 0.0) -> list[StepRecord]:
+        """Step as vLLM's engine loop does until ``done`` holds for a step. umbp's
+        threads decide when, and on a loaded machine a put or a load can take seconds:
+        unless the caller bounds the steps (a claim about them), the bound is a
+        deadline, which only a hang reaches."""
+        deadline = time.monotonic() + THREAD_WAIT_S
+        records: list[StepRecord] = []
+        while True:
             records.append(self.step())
-            if request_id in records[-1].kv_output.finished_recving:
+            if done(records[-1]):
                 return records
-            time.sleep(0.005)
-        raise AssertionError(f"{request_id}'s load was not reported in {max_steps} steps")
+            if len(records) == max_steps or time.monotonic() > deadline:
+                raise AssertionError(f"{failure} in {len(records)} steps")
+            if pause_s:
+                time.sleep(pause_s)
 
     @staticmethod
     def reported(records: Iterable[StepRecord]) -> Reported:
@@ -465,17 +469,13 @@ class Driver:
             pair for record in records for pair in record.loads.get(request_id, [])
         ))
 
-    def drain(self, max_steps: int = 200) -> None:
+    def drain(self) -> None:
         """Step an idle engine as vLLM's engine loop does, until its scheduler has
         nothing left (``has_requests``: the connector's pending work, store
         acknowledgements and KV-event checks; finished requests whose blocks wait for
         a load still running)."""
-        for _ in range(max_steps):
-            self.step()
-            if not self.scheduler.has_requests():
-                return
-            time.sleep(0.01)
-        raise AssertionError("the connector kept pending push work")
+        self._step_until(lambda record: not self.scheduler.has_requests(),
+                         "the connector kept pending push work", None, pause_s=0.01)
 
     def fill_pool(self, request_id: str, tokens: Sequence[int]) -> None:
         """Compute ``tokens`` once, let every store be acknowledged, then empty
