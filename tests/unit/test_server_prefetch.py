@@ -38,7 +38,7 @@ class GatedTier(SsdTier):
         self.most_in_flight = 0
         self._count = threading.Lock()
 
-    def read_into(self, key: str, out: Any) -> tuple[LoadStatus, int]:
+    def read_pieces_into(self, key: str, pieces: Any) -> tuple[LoadStatus, int]:
         with self._count:
             self.reads.append(key)
             self.in_flight += 1
@@ -46,7 +46,7 @@ class GatedTier(SsdTier):
         self.reading.set()
         try:
             assert self.gate.wait(30), "the test never opened the gate"
-            return super().read_into(key, out)
+            return super().read_pieces_into(key, pieces)
         finally:
             with self._count:
                 self.in_flight -= 1

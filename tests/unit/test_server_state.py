@@ -4,6 +4,7 @@ put or get (copying into the pool, hashing) is done here by hand, as the client 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,43 @@ def test_objects_past_the_watermark_move_to_ssd_and_come_back_bit_identical(
     assert ssd.lookup([cold_key]) == (True,), "tiers are inclusive: the SSD copy stays"
 
 
+def test_a_promotion_reads_straight_into_pages_that_are_not_contiguous(ssd: SsdTier) -> None:
+    """The pages a promotion gets after evictions are scattered: the SSD tier reads the
+    object into each of them in turn (no staging buffer), bit-identical."""
+    rig = Rig(8, cold=ssd)
+    for key in "abcdef":
+        assert rig.put({key: key.encode() * PAGE}) == [True]
+    for key in "ace":  # b, d and f become the oldest: their pages 1, 3, 5 leave first
+        assert rig.get([key], [PAGE]) == [key.encode() * PAGE]
+    payload = bytes(range(256)) * (3 * PAGE // 256)
+    assert ssd.put("cold", payload)
+    token, answers = rig.core.begin_get(rig.session, ["cold"], [len(payload)])
+    nbytes, checksum, regions = answers[0]  # type: ignore[misc]
+    assert len(regions) > 1, "the set-up must leave the free pages scattered"
+    assert b"".join(bytes(rig.view[o : o + n]) for o, n in regions) == payload
+    assert (nbytes, checksum) == (len(payload), xxhash.xxh3_64_intdigest(payload))
+    rig.core.end_get(rig.session, token, [])
+    assert rig.counters()["promotions"] == 1
+
+
+def test_room_made_for_a_promotion_never_evicts_it_from_a_full_ssd_tier(tmp_path: Path) -> None:
+    """Making room demotes DRAM objects, and on a full SSD tier their writes evict its
+    least recently used: the object being promoted, the oldest there, is held against
+    eviction meanwhile, so it is still there to be read straight into the freed pages."""
+    with SsdTier(tmp_path / "full", 8 * PAGE, slot_bytes=PAGE) as full:
+        cold = b"c" * 2 * PAGE
+        assert full.put("cold", cold)  # the oldest on the SSD tier
+        for index in range(6):
+            assert full.put(f"s{index}", bytes([index]) * PAGE)
+        rig = Rig(8, cold=full)
+        for key in "abcdef":  # 6 of 8 pages, under the high watermark: nothing demoted
+            assert rig.put({key: key.encode() * PAGE}) == [True]
+        assert full.lookup(list("abcdef")) == (False,) * 6
+        assert rig.get(["cold"], [len(cold)]) == [cold]
+        assert rig.counters()["evictions_to_ssd"] > 0, "room was made by demotions"
+        assert full.lookup(["cold"]) == (True,)
+
+
 def test_a_put_of_a_key_on_ssd_writes_nothing(ssd: SsdTier) -> None:
     assert ssd.put("cold", b"c" * 100)
     rig = Rig(8, cold=ssd)
@@ -202,8 +240,12 @@ class _FullDisk:
         self.tried.append(key)
         return False
 
-    def read_into(self, key: str, out: object) -> tuple[LoadStatus, int]:
+    def read_pieces_into(self, key: str, pieces: object) -> tuple[LoadStatus, int]:
         return LoadStatus.MISSING, 0
+
+    @contextlib.contextmanager
+    def held(self, key: str) -> Iterator[bool]:
+        yield False
 
     def size_of(self, key: str) -> int | None:
         return None

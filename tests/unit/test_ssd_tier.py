@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import errno
+import itertools
 import json
 import os
 import random
@@ -971,6 +972,57 @@ def test_a_large_fragmented_object_is_hashed_chunk_by_chunk_as_written_and_read(
     status, checksum = tier.read_into("big", out)
     assert status is LoadStatus.HIT and bytes(out) == payload
     assert checksum == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_an_object_reads_into_pieces_that_hold_its_bytes_in_order(
+    open_tier: Callable[..., SsdTier],
+) -> None:
+    """A promotion's DRAM pages need not be contiguous: the object is read into each
+    piece in turn (pieces cut across slots and the hash's chunks), checksummed as one;
+    pieces that do not add up to its size are a size mismatch, nothing copied."""
+    import xxhash
+
+    from umbp.runtime.paged_copy import CHUNK_BYTES
+
+    tier = open_tier(slots=8, slot_bytes=256 << 10)
+    payload = content(3, CHUNK_BYTES + (300 << 10) + 5)
+    assert tier.put("big", payload)
+    cuts = [0, 7, 4096, CHUNK_BYTES - 1, CHUNK_BYTES + 4096, len(payload)]
+    pieces = [bytearray(end - start) for start, end in itertools.pairwise(cuts)]
+    status, checksum = tier.read_pieces_into("big", pieces)
+    assert status is LoadStatus.HIT and b"".join(pieces) == payload
+    assert checksum == xxhash.xxh3_64_intdigest(payload)
+    short = [bytearray(len(payload) - 1), bytearray(0)]
+    assert tier.read_pieces_into("big", short) == (LoadStatus.SIZE_MISMATCH, 0)
+    assert not any(short[0])
+
+
+def test_a_held_object_is_not_evicted_and_drops_cleanly_when_removed_or_cleared(
+    open_tier: Callable[..., SsdTier],
+) -> None:
+    """While held (a promotion makes room for it), puts evict other objects, never the
+    held one; a remove or a clear while held still drops it, and its
+    slots are accounted for once, when the hold ends."""
+    tier = open_tier(slots=4)
+    assert tier.put("old", content(1, SLOT))
+    with tier.held("old") as resident:
+        assert resident
+        for index in range(4):  # the fourth needs room: the oldest but the held one goes
+            assert tier.put(f"n{index}", content(10 + index, SLOT))
+        assert tier.lookup(["old", "n0", "n1", "n2", "n3"]) == (True, False, True, True, True)
+        assert read(tier, "old", SLOT) == (LoadStatus.HIT, content(1, SLOT))
+    with tier.held("nowhere") as resident:
+        assert not resident
+    with tier.held("old"):
+        assert tier.remove("old")
+        assert tier.free_slot_count() == 0, "its slot waits for the hold to end"
+    assert tier.free_slot_count() == 1 and slot_accounting_holds(tier)
+    with tier.held("n2"):
+        assert tier.clear()
+    assert tier.free_slot_count() == 4 and slot_accounting_holds(tier)
+    for index in range(4):
+        assert tier.put(f"again{index}", content(20 + index, SLOT))
+    assert slot_accounting_holds(tier) and tier.free_slot_count() == 0
 
 
 def test_a_checksum_given_with_a_put_is_kept_and_a_wrong_one_never_serves_bytes(

@@ -11,6 +11,7 @@ tier's own `lookup` is used only where an exact answer matters (before demoting)
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from umbp.runtime.contract import LoadStatus
@@ -28,10 +29,16 @@ class ColdTier(Protocol):
         objects for room; False when it cannot (too large, disk full, I/O error)."""
         ...
 
-    def read_into(self, key: str, out: Buffer) -> tuple[LoadStatus, int]:
-        """HIT, MISSING, CORRUPT (the object was dropped), SIZE_MISMATCH or UNAVAILABLE;
-        with HIT the xxh3-64 the bytes in `out` were verified to have (so the server
-        need not hash them again)."""
+    def read_pieces_into(self, key: str, pieces: Sequence[Buffer]) -> tuple[LoadStatus, int]:
+        """Read the object into `pieces` (its bytes in order: a promotion's DRAM pages,
+        which need not be contiguous). HIT, MISSING, CORRUPT (the object was dropped),
+        SIZE_MISMATCH or UNAVAILABLE; with HIT the xxh3-64 the bytes in the pieces were
+        verified to have (so the server need not hash them again)."""
+        ...
+
+    def held(self, key: str) -> AbstractContextManager[bool]:
+        """Keep the object from being evicted while the block runs (whether it is
+        resident): room made for its promotion must not push it out of the tier."""
         ...
 
     def size_of(self, key: str) -> int | None:

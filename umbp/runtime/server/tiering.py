@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 import xxhash
 
 from umbp.runtime.contract import LoadStatus
-from umbp.runtime.paged_copy import write_regions
 from umbp.runtime.server import protocol
 from umbp.runtime.server.cold import ColdTier
 from umbp.runtime.server.index import Entry, PoolIndex, Regions, pages_for
@@ -412,40 +411,26 @@ class Tiering:
     def _load_cold(
         self, cold: ColdTier, key: str, nbytes: int
     ) -> tuple[LoadStatus, Regions | None, int]:
-        """Copy a cold object into fresh DRAM pages: (status, its regions when HIT, xxh3 of
-        the bytes now in those pages, hashed once, as the SSD tier read them). Straight
-        into the pages when they are free without
-        making room; otherwise through a staging buffer read *before* making room, since
-        making room demotes other objects, and their writes may make the SSD tier evict
-        this very one."""
-        namespace = namespace_of(key)
-        with self._lock:
-            index = self._index
-            direct = not index.needs_room_for(namespace, pages_for(nbytes, index.page_bytes))
-            regions = index.reserve(nbytes) if direct else None
-        try:
-            if regions is not None and len(regions) <= 1:
-                status, checksum = cold.read_into(key, self._region_view(regions))
+        """Read a cold object straight into fresh DRAM pages, wherever they lie (one copy
+        per byte): (status, its regions when HIT, xxh3 of the bytes now in those pages,
+        hashed once, as the SSD tier read them). The SSD tier holds the object while room
+        is made for it: those demotions' writes may evict its other objects, never this
+        one."""
+        with cold.held(key) as resident:
+            if not resident:
+                return LoadStatus.MISSING, None, 0
+            regions = self.reserve([nbytes], namespace_of(key))[0]
+            if regions is None:
+                return LoadStatus.UNAVAILABLE, None, 0  # DRAM all pinned, or past the quota
+            try:
+                status, checksum = cold.read_pieces_into(key, self._region_views(regions))
                 if status is LoadStatus.HIT:
                     return status, regions, checksum
-            else:
-                staging = bytearray(nbytes)
-                status, checksum = cold.read_into(key, staging)
-                if status is LoadStatus.HIT:
-                    if regions is None:
-                        regions = self.reserve([nbytes], namespace)[0]
-                    if regions is None:
-                        return LoadStatus.UNAVAILABLE, None, 0  # DRAM is all pinned
-                    if write_regions(self._view, regions, staging) != checksum:
-                        status = LoadStatus.CORRUPT  # changed in the pages meanwhile
-                    else:
-                        return status, regions, checksum
-        except Exception:  # the reserved pages must come back
-            logger.exception("umbp serve: promotion of %r failed", key)
-            status = LoadStatus.UNAVAILABLE
-        if regions is not None:
-            with self._lock:
-                self._index.release(regions)
+            except Exception:  # the reserved pages must come back
+                logger.exception("umbp serve: promotion of %r failed", key)
+                status = LoadStatus.UNAVAILABLE
+        with self._lock:
+            self._index.release(regions)
         return status, None, 0
 
     def _gather(self, entry: Entry) -> memoryview | bytes:
@@ -460,6 +445,10 @@ class Tiering:
             return memoryview(bytearray())
         offset, length = regions[0]
         return self._view[offset : offset + length]
+
+    def _region_views(self, regions: Regions) -> list[memoryview]:
+        view = self._view
+        return [view[offset : offset + length] for offset, length in regions]
 
 
 _COLD_ANSWERS = {

@@ -124,24 +124,37 @@ def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
         raise WriteFailed(error, offset + written) from error
 
 
-def read_extents(fd: int, extents: Extents, destination: memoryview) -> int | None:
-    """Read every extent into its place in `destination`; the xxh3-64 of what arrived,
-    hashed a cache-sized chunk at a time right after its read (one pass over the bytes),
-    or None when the file ends before the object does (truncated underneath us).
-    OSError on I/O errors."""
-    if destination.nbytes <= 2 * CHUNK_BYTES:
-        for file_offset, start, length in extents:
-            if not _read_whole(fd, destination[start : start + length], file_offset):
-                return None
-        return int(xxhash.xxh3_64_intdigest(destination))
+def read_extents(fd: int, extents: Extents, destination: Sequence[memoryview]) -> int | None:
+    """Read every extent into its place in `destination`, the object's bytes in order
+    laid over one or more writable views (the pages a promotion reserved need not be
+    contiguous); the xxh3-64 of what arrived, hashed a cache-sized chunk at a time right
+    after its read (one pass over the bytes), or None when the file ends before the
+    object does (truncated underneath us). OSError on I/O errors."""
     hasher = xxhash.xxh3_64()
     for file_offset, start, length in extents:  # in object order
         for at in range(0, length, CHUNK_BYTES):
-            piece = destination[start + at : start + min(length, at + CHUNK_BYTES)]
-            if not _read_whole(fd, piece, file_offset + at):
-                return None
-            hasher.update(piece)
+            offset = file_offset + at
+            for piece in _views_of(destination, start + at, start + min(length, at + CHUNK_BYTES)):
+                if not _read_whole(fd, piece, offset):
+                    return None
+                hasher.update(piece)
+                offset += piece.nbytes
     return int(hasher.intdigest())
+
+
+def _views_of(pieces: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The views of `pieces` (an object's bytes in order) that hold its bytes
+    [start, stop)."""
+    views: list[memoryview] = []
+    base = 0
+    for piece in pieces:
+        end = base + piece.nbytes
+        if end > start and base < stop:
+            views.append(piece[max(start, base) - base : min(stop, end) - base])
+        if end >= stop:
+            break
+        base = end
+    return views
 
 
 def _read_whole(fd: int, target: memoryview, file_offset: int) -> bool:

@@ -106,6 +106,7 @@ class SsdTier(ClosesOnExit):
         self._lock = threading.Lock()
         self._io = SharedLock()
         self._closed = False
+        self._resets = 0  # clears and closes: each forgets every object, holds included
         self._fd = open_slot_file(self._path)
         try:
             require_room(self._fd, self._file_bytes, self._path)
@@ -163,17 +164,21 @@ class SsdTier(ClosesOnExit):
         return self.read_into(key, out)[0]
 
     def read_into(self, key: str, out: Buffer) -> tuple[LoadStatus, int]:
-        """Read the object stored under `key` into the writable, C-contiguous `out`, whose
-        length must equal the object's.
+        """`read_pieces_into` one writable, C-contiguous buffer."""
+        return self.read_pieces_into(key, [out])
 
-        HIT refreshes LRU order; with it the object's xxh3-64, which the bytes in `out`
-        were verified to have (hashed as they were read), 0 otherwise. CORRUPT (checksum
-        mismatch or data missing from the file) drops the object for good; `out` then
-        holds garbage. SIZE_MISMATCH copies nothing. UNAVAILABLE when closed or on a read
+    def read_pieces_into(self, key: str, pieces: Sequence[Buffer]) -> tuple[LoadStatus, int]:
+        """Read the object stored under `key` into `pieces`: writable, C-contiguous
+        buffers that hold its bytes in order, whose lengths must add up to the object's.
+
+        HIT refreshes LRU order; with it the object's xxh3-64, which the bytes in the
+        pieces were verified to have (hashed as they were read), 0 otherwise. CORRUPT
+        (checksum mismatch or data missing from the file) drops the object for good; the
+        pieces then hold garbage. SIZE_MISMATCH copies nothing. UNAVAILABLE when closed or on a read
         I/O error (the object is kept: the error may be transient). Raises ValueError for
         an unusable buffer.
         """
-        destination = byte_view(out, writable=True)
+        destination = [byte_view(piece, writable=True) for piece in pieces]
         with self._io.shared():
             with self._lock:
                 if self._closed:
@@ -182,7 +187,7 @@ class SsdTier(ClosesOnExit):
                 if stored is None:
                     self._counters.misses += 1
                     return LoadStatus.MISSING, 0
-                if destination.nbytes != stored.nbytes:
+                if sum(piece.nbytes for piece in destination) != stored.nbytes:
                     return LoadStatus.SIZE_MISMATCH, 0
             try:
                 arrived = read_extents(self._fd, stored.extents, destination)
@@ -204,6 +209,25 @@ class SsdTier(ClosesOnExit):
                 self._counters.hits += 1
                 self._counters.bytes_read += stored.nbytes
                 return LoadStatus.HIT, stored.checksum
+
+    @contextlib.contextmanager
+    def held(self, key: str) -> Iterator[bool]:
+        """Keep the object under `key` from being evicted while the block runs (room is
+        being made for it elsewhere, and those writes must not push it out); yields
+        whether it is resident. A remove, a corrupt read or a clear still drops it: its
+        slots then come back when the block ends."""
+        with self._lock:
+            stored = None if self._closed else self._slots.get(key)
+            if stored is not None:
+                self._slots.pin(stored)
+            resets = self._resets
+        try:
+            yield stored is not None
+        finally:
+            if stored is not None:
+                with self._lock:
+                    if self._resets == resets:
+                        self._slots.unpin(stored)
 
     def size_of(self, key: str) -> int | None:
         """Size of the object under `key`, None when not resident or closed. Does not
@@ -273,6 +297,7 @@ class SsdTier(ClosesOnExit):
             owned = sorted(slot for stored in self._slots.entries() for slot in stored.pages)
             self._invalidate_records(owned)
             self._slots.reset()
+            self._resets += 1
             self._evicted.clear()
             return True
 
@@ -291,6 +316,7 @@ class SsdTier(ClosesOnExit):
                 return
             self._closed = True
             self._slots.reset()
+            self._resets += 1
             self._evicted.clear()
             os.close(self._fd)
 
