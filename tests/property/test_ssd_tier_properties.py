@@ -14,6 +14,7 @@ with random small geometry. After every step it checks:
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import tempfile
@@ -32,6 +33,13 @@ KEYS = tuple(f"k{index}" for index in range(8))
 
 def content(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
+
+
+def split(size: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) ranges covering 0..size, cut at `cuts` (taken modulo size + 1; empty
+    pieces included)."""
+    points = [0, *sorted(cut % (size + 1) for cut in cuts), size]
+    return list(itertools.pairwise(points))
 
 
 class ReferenceTier:
@@ -116,6 +124,31 @@ class SsdTierMachine(RuleBasedStateMachine):
         size = max(0, slots * self.model.slot_bytes - trim)
         data = content(seed, size)
         assert self.tier.put(key, memoryview(data)) is self.model.put(key, data)
+
+    @rule(
+        key=st.sampled_from(KEYS),
+        seed=st.integers(0, 2**32),
+        slots=st.integers(0, 6),
+        trim=st.integers(0, 15),
+        cuts=st.lists(st.integers(0, 2**16), max_size=4),
+    )
+    def put_in_pieces(self, key: str, seed: int, slots: int, trim: int, cuts: list[int]) -> None:
+        """A DRAM object's pages, scattered: any split of the bytes stores the same."""
+        data = content(seed, max(0, slots * self.model.slot_bytes - trim))
+        pieces = [memoryview(data)[start:end] for start, end in split(len(data), cuts)]
+        assert self.tier.put_pieces(key, pieces) is self.model.put(key, data)
+
+    @precondition(lambda self: bool(self.model.objects))
+    @rule(data=st.data(), cuts=st.lists(st.integers(0, 2**16), max_size=4))
+    def load_into_pieces(self, data: st.DataObject, cuts: list[int]) -> None:
+        """Any split of the destination reads the same bytes."""
+        key = data.draw(st.sampled_from(tuple(self.model.objects)))
+        expected = self.model.objects[key]
+        pieces = [bytearray(end - start) for start, end in split(len(expected), cuts)]
+        status, _checksum = self.tier.read_pieces_into(key, pieces)
+        assert status is self.model.load(key, len(expected))
+        if status is LoadStatus.HIT:
+            assert b"".join(pieces) == expected
 
     @precondition(lambda self: bool(self.model.objects))
     @rule(data=st.data())

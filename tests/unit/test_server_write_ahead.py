@@ -91,10 +91,10 @@ class _HeldSsd:
         self.writing = threading.Event()
         self.release = threading.Event()
 
-    def put(self, key: str, payload: object, checksum: int | None = None) -> bool:
+    def put_pieces(self, key: str, pieces: object, checksum: int | None = None) -> bool:
         self.writing.set()
         assert self.release.wait(10.0)
-        return self.tier.put(key, payload, checksum)  # type: ignore[arg-type]
+        return self.tier.put_pieces(key, pieces, checksum)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.tier, name)

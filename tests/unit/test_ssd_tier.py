@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -516,17 +517,17 @@ def test_write_io_error_leaves_nothing_readable(
 ) -> None:
     tier = open_tier()
     assert tier.put("earlier", content(0, 2 * SLOT))
-    real_pwrite = os.pwrite
+    real_pwritev = os.pwritev
     calls = 0
 
-    def pwrite_failing_on_the_second_call(fd: int, data: bytes, offset: int) -> int:
+    def pwritev_failing_on_the_second_call(fd: int, buffers: Any, offset: int) -> int:
         nonlocal calls
         calls += 1
         if calls == 2:  # the first run of header records, after the data went in
             raise OSError(errno.EIO, "injected write error")
-        return real_pwrite(fd, data, offset)
+        return real_pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "pwrite", pwrite_failing_on_the_second_call)
+    monkeypatch.setattr(os, "pwritev", pwritev_failing_on_the_second_call)
     assert not tier.put("failed", content(1, 3 * SLOT))
     monkeypatch.undo()
     assert tier.lookup(["failed"]) == (False,)
@@ -738,7 +739,7 @@ CRASH_CONTENTS = {
 
 def run_crashing_child(directory: Path, crash_at: int) -> dict[str, list[str]] | None:
     """Fork a child that runs `crash_scenario` and SIGKILLs itself just before its
-    `crash_at`-th pwrite, reporting what was resident and which puts had returned.
+    `crash_at`-th write (`pwritev`), reporting what was resident and which puts had returned.
     None when the scenario finished before reaching that write."""
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -747,19 +748,19 @@ def run_crashing_child(directory: Path, crash_at: int) -> dict[str, list[str]] |
             os.close(read_end)
             tier = SsdTier(directory, CRASH_SLOTS * CRASH_SLOT, CRASH_SLOT)
             completed = list(tier.keys())
-            real_pwrite = os.pwrite
+            real_pwritev = os.pwritev
             calls = 0
 
-            def pwrite_then_die(fd: int, data: bytes, offset: int) -> int:
+            def pwritev_then_die(fd: int, buffers: Any, offset: int) -> int:
                 nonlocal calls
                 if calls == crash_at:
                     report = {"resident": list(tier._slots.keys()), "completed": completed}
                     os.write(write_end, json.dumps(report).encode())
                     os.kill(os.getpid(), signal.SIGKILL)
                 calls += 1
-                return real_pwrite(fd, data, offset)
+                return real_pwritev(fd, buffers, offset)
 
-            os.pwrite = pwrite_then_die  # type: ignore[assignment]
+            os.pwritev = pwritev_then_die  # type: ignore[assignment]
             crash_scenario(tier, completed)
             os.write(write_end, b"null")
             os._exit(0)

@@ -23,8 +23,9 @@ __all__ = ["ColdTier", "open_cold_tier"]
 
 
 class ColdTier(Protocol):
-    def put(self, key: str, payload: Buffer, checksum: int | None = None) -> bool:
-        """Store `payload` under `key` (`checksum`: its xxh3-64, which the server has
+    def put_pieces(self, key: str, pieces: Sequence[Buffer], checksum: int | None = None) -> bool:
+        """Store under `key` the object whose bytes `pieces` hold in order (a DRAM object's
+        pages, written from where they lie; `checksum`: its xxh3-64, which the server has
         verified, so that the tier need not hash it again), evicting the tier's own LRU
         objects for room; False when it cannot (too large, disk full, I/O error)."""
         ...

@@ -200,11 +200,12 @@ class Tiering:
             return ()
 
     def _demote_one(self, cold: ColdTier, victim: Entry) -> Demotion:
-        payload = self._gather(victim)
-        if int(xxhash.xxh3_64_intdigest(payload)) != victim.checksum:
+        pieces = self._region_views(victim.regions)
+        if _xxh3_of(pieces) != victim.checksum:
             return Demotion.CORRUPT
-        # The tier writes what the hash just read (in cache) and keeps its checksum.
-        return (Demotion.WRITTEN if cold.put(victim.key, payload, victim.checksum)
+        # The tier writes what the hash just read, from where it lies, and keeps its
+        # checksum.
+        return (Demotion.WRITTEN if cold.put_pieces(victim.key, pieces, victim.checksum)
                 else Demotion.FAILED)
 
     def write_ahead(self, limit: int, give_way: Callable[[], bool]) -> tuple[int, bool]:
@@ -433,22 +434,19 @@ class Tiering:
             self._index.release(regions)
         return status, None, 0
 
-    def _gather(self, entry: Entry) -> memoryview | bytes:
-        """The bytes of a pinned entry as one buffer (a view when it is one region)."""
-        if len(entry.regions) <= 1:
-            return self._region_view(entry.regions)
-        view = self._view
-        return b"".join(view[offset : offset + length] for offset, length in entry.regions)
-
-    def _region_view(self, regions: Regions) -> memoryview:
-        if not regions:
-            return memoryview(bytearray())
-        offset, length = regions[0]
-        return self._view[offset : offset + length]
-
     def _region_views(self, regions: Regions) -> list[memoryview]:
         view = self._view
         return [view[offset : offset + length] for offset, length in regions]
+
+
+def _xxh3_of(pieces: Sequence[memoryview]) -> int:
+    """xxh3-64 of the bytes the pieces hold in order."""
+    if len(pieces) == 1:
+        return int(xxhash.xxh3_64_intdigest(pieces[0]))
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    return int(hasher.intdigest())
 
 
 _COLD_ANSWERS = {

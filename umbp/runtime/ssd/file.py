@@ -112,16 +112,21 @@ def preallocate(fd: int, file_bytes: int, path: Path) -> None:
 
 
 def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
-    """pwrite until done (a short write is legal, e.g. at a file size limit); raise
-    `WriteFailed` with the offset reached when the kernel refuses the rest."""
-    written = 0
+    """`pwritev_all` of one buffer."""
+    pwritev_all(fd, [memoryview(data)], offset)
+
+
+def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write `views` in turn at `offset`, in one call while the kernel takes it all,
+    until done (a short write is legal, e.g. at a file size limit); raise `WriteFailed`
+    with the offset reached when the kernel refuses the rest."""
     try:
-        written = os.pwrite(fd, data, offset)
-        view = memoryview(data)
-        while written < view.nbytes:
-            written += os.pwrite(fd, view[written:], offset + written)
+        while views:
+            written = os.pwritev(fd, views, offset)
+            offset += written
+            views = _after(views, written)
     except OSError as error:
-        raise WriteFailed(error, offset + written) from error
+        raise WriteFailed(error, offset) from error
 
 
 def read_extents(fd: int, extents: Extents, destination: Sequence[memoryview]) -> int | None:
@@ -133,12 +138,11 @@ def read_extents(fd: int, extents: Extents, destination: Sequence[memoryview]) -
     hasher = xxhash.xxh3_64()
     for file_offset, start, length in extents:  # in object order
         for at in range(0, length, CHUNK_BYTES):
-            offset = file_offset + at
-            for piece in _views_of(destination, start + at, start + min(length, at + CHUNK_BYTES)):
-                if not _read_whole(fd, piece, offset):
-                    return None
-                hasher.update(piece)
-                offset += piece.nbytes
+            views = _views_of(destination, start + at, start + min(length, at + CHUNK_BYTES))
+            if not _read_whole(fd, views, file_offset + at):
+                return None
+            for view in views:
+                hasher.update(view)
     return int(hasher.intdigest())
 
 
@@ -157,13 +161,25 @@ def _views_of(pieces: Sequence[memoryview], start: int, stop: int) -> list[memor
     return views
 
 
-def _read_whole(fd: int, target: memoryview, file_offset: int) -> bool:
-    done = os.preadv(fd, [target], file_offset)
-    while done < target.nbytes:  # short reads are legal; zero means the file ended
-        count = os.preadv(fd, [target[done:]], file_offset + done)
+def _after(views: list[memoryview], count: int) -> list[memoryview]:
+    """What of `views` follows their first `count` bytes."""
+    while views and count >= views[0].nbytes:
+        count -= views[0].nbytes
+        views = views[1:]
+    if views and count:
+        views = [views[0][count:], *views[1:]]
+    return views
+
+
+def _read_whole(fd: int, views: list[memoryview], file_offset: int) -> bool:
+    """Fill `views` in turn from `file_offset` (one call while the kernel has it all)."""
+    views = [view for view in views if view.nbytes]
+    while views:  # short reads are legal; zero means the file ended
+        count = os.preadv(fd, views, file_offset)
         if count == 0:
             return False
-        done += count
+        file_offset += count
+        views = _after(views, count)
     return True
 
 
@@ -172,31 +188,29 @@ def write_object(
     geometry: SlotGeometry,
     slots: tuple[int, ...],
     encoded_key: bytes,
-    source: memoryview,
+    source: Sequence[memoryview],
     checksum: int | None,
     generation: int,
 ) -> tuple[Extents, int]:
-    """Write one object into `slots`; its extents and payload checksum (`checksum` when
-    the caller knows it, else xxh3-64 computed a cache-sized chunk at a time just before
-    that chunk is written, so the write copies bytes the hash brought into cache).
-    Payload first, header records last, so that a record on disk always describes bytes
-    that are fully in place. On `WriteFailed` the records already written are zeroed
-    before it is raised again: nothing of the object stays readable."""
-    nbytes = source.nbytes
+    """Write one object, its bytes in order over the views of `source` (a DRAM object's
+    pages need not be contiguous), into `slots`; its extents and payload checksum
+    (`checksum` when the caller knows it, else xxh3-64 computed a cache-sized chunk at a
+    time just before that chunk is written, so the write copies bytes the hash brought
+    into cache). Payload first, header records last, so that a record on disk always
+    describes bytes that are fully in place. On `WriteFailed` the records already
+    written are zeroed before it is raised again: nothing of the object stays readable."""
+    nbytes = sum(piece.nbytes for piece in source)
     extents = geometry.extents(slots, nbytes)
     written_records: list[int] = []
     try:
-        if checksum is None and nbytes <= 2 * CHUNK_BYTES:
-            checksum = int(xxhash.xxh3_64_intdigest(source))
         hasher = None if checksum is not None else xxhash.xxh3_64()
         for file_offset, start, length in extents:  # in object order
-            if hasher is None:
-                pwrite_all(fd, source[start : start + length], file_offset)
-                continue
             for at in range(0, length, CHUNK_BYTES):
-                piece = source[start + at : start + min(length, at + CHUNK_BYTES)]
-                hasher.update(piece)
-                pwrite_all(fd, piece, file_offset + at)
+                views = _views_of(source, start + at, start + min(length, at + CHUNK_BYTES))
+                if hasher is not None:
+                    for view in views:
+                        hasher.update(view)
+                pwritev_all(fd, views, file_offset + at)
         if hasher is not None:
             checksum = int(hasher.intdigest())
         assert checksum is not None

@@ -123,9 +123,13 @@ class SsdTier(ClosesOnExit):
     # ----------------------------------------------------------------- the API
 
     def put(self, key: str, payload: Buffer, checksum: int | None = None) -> bool:
-        """Store `payload` (any C-contiguous buffer) under `key`; `checksum`: its xxh3-64
-        when the caller has it (the server demoting an object it just verified), else
-        computed while the payload is written.
+        """`put_pieces` of one C-contiguous buffer."""
+        return self.put_pieces(key, [payload], checksum)
+
+    def put_pieces(self, key: str, pieces: Sequence[Buffer], checksum: int | None = None) -> bool:
+        """Store under `key` the object whose bytes `pieces` (C-contiguous buffers) hold in
+        order; `checksum`: its xxh3-64 when the caller has it (the server demoting an
+        object it just verified), else computed while the payload is written.
 
         True: the object is readable now (not fsynced: see the module docstring). A
         resident key answers True without rewriting (a key names its content) and becomes
@@ -134,7 +138,8 @@ class SsdTier(ClosesOnExit):
         encodable), the tier is closed, or a write failed (ENOSPC, EFBIG, EIO); nothing of
         the object is readable then. Raises ValueError for an unusable buffer.
         """
-        source = byte_view(payload, writable=False)
+        source = [byte_view(piece, writable=False) for piece in pieces]
+        nbytes = sum(piece.nbytes for piece in source)
         encoded_key = encode_key(key)
         with self._io.alone(), self._lock:
             if self._closed or encoded_key is None:
@@ -145,7 +150,7 @@ class SsdTier(ClosesOnExit):
             if resident is not None:
                 slots.touch(resident)
                 return True
-            needed = pages_for(source.nbytes, self._slot_bytes)
+            needed = pages_for(nbytes, self._slot_bytes)
             if not slots.fits(needed):
                 self._counters.put_rejects += 1
                 return False
@@ -157,7 +162,7 @@ class SsdTier(ClosesOnExit):
             if taken is None:
                 self._counters.put_rejects += 1
                 return False
-            return self._write_object(key, encoded_key, source, taken, checksum)
+            return self._write_object(key, encoded_key, source, nbytes, taken, checksum)
 
     def get_into(self, key: str, out: Buffer) -> LoadStatus:
         """`read_into` without the checksum."""
@@ -367,12 +372,11 @@ class SsdTier(ClosesOnExit):
     # ------------------------------------------------------------ the write path
 
     def _write_object(
-        self, key: str, encoded_key: bytes, source: memoryview, slots: tuple[int, ...],
-        checksum: int | None,
+        self, key: str, encoded_key: bytes, source: Sequence[memoryview], nbytes: int,
+        slots: tuple[int, ...], checksum: int | None,
     ) -> bool:
         """Write the object (`umbp.runtime.ssd.file.write_object`: payload first, header records last)
         and admit it; on a failed write nothing of it stays readable."""
-        nbytes = source.nbytes
         generation = self._next_generation
         self._next_generation += 1
         try:
