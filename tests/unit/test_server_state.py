@@ -174,14 +174,21 @@ def test_objects_past_the_watermark_move_to_ssd_and_come_back_bit_identical(
     assert ssd.lookup([cold_key]) == (True,), "tiers are inclusive: the SSD copy stays"
 
 
-def test_a_promotion_reads_straight_into_pages_that_are_not_contiguous(ssd: SsdTier) -> None:
-    """The pages a promotion gets after evictions are scattered: the SSD tier reads the
-    object into each of them in turn (no staging buffer), bit-identical."""
+def rig_whose_next_pages_are_scattered(ssd: SsdTier) -> Rig:
+    """Six one-page objects in 8 pages, b, d and f the oldest: the room the next
+    three-page object needs takes their pages 1, 3 and 5 first."""
     rig = Rig(8, cold=ssd)
     for key in "abcdef":
         assert rig.put({key: key.encode() * PAGE}) == [True]
-    for key in "ace":  # b, d and f become the oldest: their pages 1, 3, 5 leave first
+    for key in "ace":
         assert rig.get([key], [PAGE]) == [key.encode() * PAGE]
+    return rig
+
+
+def test_a_promotion_reads_straight_into_pages_that_are_not_contiguous(ssd: SsdTier) -> None:
+    """The pages a promotion gets after evictions are scattered: the SSD tier reads the
+    object into each of them in turn (no staging buffer), bit-identical."""
+    rig = rig_whose_next_pages_are_scattered(ssd)
     payload = bytes(range(256)) * (3 * PAGE // 256)
     assert ssd.put("cold", payload)
     token, answers = rig.core.begin_get(rig.session, ["cold"], [len(payload)])
@@ -196,11 +203,7 @@ def test_a_promotion_reads_straight_into_pages_that_are_not_contiguous(ssd: SsdT
 def test_an_object_on_scattered_pages_is_demoted_from_where_it_lies(ssd: SsdTier) -> None:
     """A put into scattered pages, later pushed out of DRAM: the SSD tier writes it from
     its pages in turn (no gathering copy) and holds the same bytes."""
-    rig = Rig(8, cold=ssd)
-    for key in "abcdef":
-        assert rig.put({key: key.encode() * PAGE}) == [True]
-    for key in "ace":  # b, d and f become the oldest: their pages 1, 3, 5 leave first
-        assert rig.get([key], [PAGE]) == [key.encode() * PAGE]
+    rig = rig_whose_next_pages_are_scattered(ssd)
     payload = bytes(range(256)) * (3 * PAGE // 256)
     assert rig.put({"scattered": payload}) == [True]
     _token, answers = rig.core.begin_get(rig.session, ["scattered"], [len(payload)])

@@ -979,8 +979,9 @@ def test_an_object_reads_into_pieces_that_hold_its_bytes_in_order(
     open_tier: Callable[..., SsdTier],
 ) -> None:
     """A promotion's DRAM pages need not be contiguous: the object is read into each
-    piece in turn (pieces cut across slots and the hash's chunks), checksummed as one;
-    pieces that do not add up to its size are a size mismatch, nothing copied."""
+    piece in turn (pieces cut across slots and the hash's chunks), checksummed as one,
+    and written from pieces as well, however many; pieces that do not add up to its
+    size are a size mismatch, nothing copied."""
     import xxhash
 
     from umbp.runtime.paged_copy import CHUNK_BYTES
@@ -993,6 +994,12 @@ def test_an_object_reads_into_pieces_that_hold_its_bytes_in_order(
     status, checksum = tier.read_pieces_into("big", pieces)
     assert status is LoadStatus.HIT and b"".join(pieces) == payload
     assert checksum == xxhash.xxh3_64_intdigest(payload)
+    tiny = 64  # `umbp serve --page-bytes 64`: more pieces per chunk than one call takes
+    assert tier.put_pieces("tiny", [payload[at : at + tiny] for at in range(0, len(payload), tiny)])
+    pieces = [bytearray(tiny) for _ in range(0, len(payload), tiny)]
+    pieces[-1] = bytearray(len(payload) % tiny or tiny)
+    assert tier.read_pieces_into("tiny", pieces)[0] is LoadStatus.HIT
+    assert b"".join(pieces) == payload
     short = [bytearray(len(payload) - 1), bytearray(0)]
     assert tier.read_pieces_into("big", short) == (LoadStatus.SIZE_MISMATCH, 0)
     assert not any(short[0])

@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import xxhash
 
@@ -52,6 +52,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("umbp")
+
+# The most buffers one preadv/pwritev takes (Linux: 1024); a chunk over pages of a few
+# hundred bytes has more, and goes in several calls.
+_IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 _ZEROS = bytes(64 * RECORD_BYTES)
 
@@ -122,7 +126,7 @@ def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
     with the offset reached when the kernel refuses the rest."""
     try:
         while views:
-            written = os.pwritev(fd, views, offset)
+            written = os.pwritev(fd, views[:_IOV_MAX], offset)
             offset += written
             views = _after(views, written)
     except OSError as error:
@@ -175,7 +179,7 @@ def _read_whole(fd: int, views: list[memoryview], file_offset: int) -> bool:
     """Fill `views` in turn from `file_offset` (one call while the kernel has it all)."""
     views = [view for view in views if view.nbytes]
     while views:  # short reads are legal; zero means the file ended
-        count = os.preadv(fd, views, file_offset)
+        count = os.preadv(fd, views[:_IOV_MAX], file_offset)
         if count == 0:
             return False
         file_offset += count

@@ -179,9 +179,9 @@ class SsdTier(ClosesOnExit):
         HIT refreshes LRU order; with it the object's xxh3-64, which the bytes in the
         pieces were verified to have (hashed as they were read), 0 otherwise. CORRUPT
         (checksum mismatch or data missing from the file) drops the object for good; the
-        pieces then hold garbage. SIZE_MISMATCH copies nothing. UNAVAILABLE when closed or on a read
-        I/O error (the object is kept: the error may be transient). Raises ValueError for
-        an unusable buffer.
+        pieces then hold garbage. SIZE_MISMATCH copies nothing. UNAVAILABLE when closed
+        or on a read I/O error (the object is kept: the error may be transient). Raises
+        ValueError for an unusable buffer.
         """
         destination = [byte_view(piece, writable=True) for piece in pieces]
         with self._io.shared():
