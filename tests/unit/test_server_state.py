@@ -5,6 +5,7 @@ put or get (copying into the pool, hashing) is done here by hand, as the client 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,72 @@ def test_room_made_for_a_promotion_never_evicts_it_from_a_full_ssd_tier(tmp_path
         assert rig.get(["cold"], [len(cold)]) == [cold]
         assert rig.counters()["evictions_to_ssd"] > 0, "room was made by demotions"
         assert full.lookup(["cold"]) == (True,)
+
+
+class _GatedWrites:
+    """An SSD tier whose writes wait until `opened` is set (a slow disk, held still)."""
+
+    def __init__(self, tier: SsdTier) -> None:
+        self.tier = tier
+        self.opened = threading.Event()
+        self.writing = threading.Event()
+
+    def put_pieces(self, key: str, pieces: Any, checksum: int | None = None) -> bool:
+        self.writing.set()
+        self.opened.wait(30)
+        return self.tier.put_pieces(key, pieces, checksum)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tier, name)
+
+
+def test_a_reservation_waits_for_the_room_another_is_making_instead_of_failing(
+    ssd: SsdTier,
+) -> None:
+    """While one put makes room (its victims' SSD writes under way), others may take the
+    free pages below the watermark; one that finds none left waits for the victims'
+    pages and is stored, rather than answered False while room was on its way (two
+    prefetch readers did this: one making room, the other failing the rest of a prefix
+    fast, whose request then waited for it in vain)."""
+    gated = _GatedWrites(ssd)
+    rig = Rig(16, cold=gated)  # type: ignore[arg-type]
+    for index in range(15):  # at the high watermark: one page free
+        assert rig.put({f"o{index}": bytes([index]) * PAGE}) == [True]
+    maker = threading.Thread(
+        target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
+    maker.start()
+    assert gated.writing.wait(30), "the put making room is writing its victims"
+    assert rig.put({"y": b"y" * PAGE}) == [True]  # the last free page
+    opener = threading.Timer(0.2, gated.opened.set)
+    opener.start()
+    assert rig.put({"z": b"z" * PAGE}) == [True]
+    assert gated.opened.is_set(), "it was stored once the victims had left"
+    maker.join(30)
+    assert rig.get(["x", "y", "z"], [PAGE] * 3) == [b"x" * PAGE, b"y" * PAGE, b"z" * PAGE]
+
+
+def test_a_reservation_waits_for_room_being_made_no_longer_than_its_bound(
+    ssd: SsdTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Victims whose writes do not end: a put that found too few free pages stores what
+    fits and answers False for the rest once `ROOM_WAIT_S` passed (never waits for
+    ever)."""
+    from umbp.runtime.server import tiering
+
+    monkeypatch.setattr(tiering, "ROOM_WAIT_S", 0.1)
+    gated = _GatedWrites(ssd)
+    rig = Rig(16, cold=gated)  # type: ignore[arg-type]
+    for index in range(16 - 1):
+        assert rig.put({f"o{index}": bytes([index]) * PAGE}) == [True]
+    maker = threading.Thread(
+        target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
+    maker.start()
+    assert gated.writing.wait(30)
+    assert rig.put({"y": b"y" * PAGE, "z": b"z" * PAGE}) == [True, False]
+    assert not gated.opened.is_set()
+    gated.opened.set()
+    maker.join(30)
+    assert rig.put({"z": b"z" * PAGE}) == [True]
 
 
 def test_a_put_of_a_key_on_ssd_writes_nothing(ssd: SsdTier) -> None:

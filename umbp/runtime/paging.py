@@ -108,6 +108,11 @@ class PagedLru(Generic[R]):
         return len(self._free)
 
     @property
+    def leaving_pages(self) -> int:
+        """Pages of victims chosen and not yet gone (being demoted)."""
+        return self._leaving_pages
+
+    @property
     def used_pages(self) -> int:
         """Reserved pages, and pages of resident or pinned retired objects."""
         return self.total_pages - len(self._retired_pages) - len(self._free)

@@ -70,6 +70,8 @@ class Tiering:
         self._index = index
         self._cold = cold
         self._lock = lock
+        self._room_made = threading.Condition(lock)
+        """Notified when victims' pages come free (`_demote`)."""
         self._counters = counters
         self.cold_keys = ColdKeys(cold.sizes() if cold is not None else (), dram=index)
         """The cold tier's keys and sizes, read under the lock (see the module docstring)."""
@@ -127,10 +129,28 @@ class Tiering:
         with self._lock:
             victims = self._choose_victims_locked(needed, namespace)
             if not victims:
-                return self._reserve_locked(sizes, namespace)
+                return self._reserve_or_wait_locked(sizes, namespace)
         self._demote(victims)
         with self._lock:
             return self._reserve_locked(sizes, namespace)
+
+    def _reserve_or_wait_locked(
+        self, sizes: Sequence[int], namespace: str | None
+    ) -> list[Regions | None]:
+        """Reserve without making room; where pages ran out while another thread's
+        victims are leaving (their pages count as free already, so no room was made
+        here), wait for them (at most `ROOM_WAIT_S`) and try again, rather than fail
+        what fits once they are gone."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            reserved = self._reserve_locked(sizes, namespace)
+            left = deadline - time.monotonic()
+            if None not in reserved or not self._index.leaving_pages or left <= 0:
+                return reserved
+            for regions in reserved:  # all or nothing again, after the wait
+                if regions is not None:
+                    self._index.release(regions)
+            self._room_made.wait(left)
 
     def _reserve_locked(self, sizes: Sequence[int], namespace: str | None) -> list[Regions | None]:
         index = self._index
@@ -182,6 +202,7 @@ class Tiering:
         with self._lock:
             for victim, outcome in zip(victims, outcomes):
                 self._settle_victim_locked(victim, outcome)
+            self._room_made.notify_all()
             cleared = self.generation != generation
             self.cold_keys.difference_update(evicted)
             if cleared:
@@ -448,6 +469,11 @@ def _xxh3_of(pieces: Sequence[memoryview]) -> int:
         hasher.update(piece)
     return int(hasher.intdigest())
 
+
+ROOM_WAIT_S = 2.0
+"""How long a reservation that found no free page waits for the pages of victims another
+thread is demoting (room-making writes them to the SSD tier first: ~70-140 ms for a
+round of ~50 victims here) before it answers that nothing fits."""
 
 _COLD_ANSWERS = {
     LoadStatus.MISSING: protocol.GET_MISSING,
