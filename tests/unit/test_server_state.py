@@ -237,20 +237,20 @@ def test_room_made_for_a_promotion_never_evicts_it_from_a_full_ssd_tier(tmp_path
         assert full.lookup(["cold"]) == (True,)
 
 
-class _GatedWrites:
-    """An SSD tier whose writes wait until `opened` is set (a slow disk, held still)."""
+class HeldSsd:
+    """A real SsdTier whose writes wait until `release` (to drop or clear mid-write)."""
 
     def __init__(self, tier: SsdTier) -> None:
         self.tier = tier
-        self.opened = threading.Event()
         self.writing = threading.Event()
+        self.release = threading.Event()
 
-    def put_pieces(self, key: str, pieces: Any, checksum: int | None = None) -> bool:
+    def put_pieces(self, key: str, pieces: object, checksum: int | None = None) -> bool:
         self.writing.set()
-        self.opened.wait(30)
-        return self.tier.put_pieces(key, pieces, checksum)
+        assert self.release.wait(10.0)
+        return self.tier.put_pieces(key, pieces, checksum)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self.tier, name)
 
 
@@ -262,19 +262,19 @@ def test_a_reservation_waits_for_the_room_another_is_making_instead_of_failing(
     pages and is stored, rather than answered False while room was on its way (two
     prefetch readers did this: one making room, the other failing the rest of a prefix
     fast, whose request then waited for it in vain)."""
-    gated = _GatedWrites(ssd)
-    rig = Rig(16, cold=gated)  # type: ignore[arg-type]
+    held = HeldSsd(ssd)
+    rig = Rig(16, cold=held)  # type: ignore[arg-type]
     for index in range(15):  # at the high watermark: one page free
         assert rig.put({f"o{index}": bytes([index]) * PAGE}) == [True]
     maker = threading.Thread(
         target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
     maker.start()
-    assert gated.writing.wait(30), "the put making room is writing its victims"
+    assert held.writing.wait(30), "the put making room is writing its victims"
     assert rig.put({"y": b"y" * PAGE}) == [True]  # the last free page
-    opener = threading.Timer(0.2, gated.opened.set)
+    opener = threading.Timer(0.2, held.release.set)
     opener.start()
     assert rig.put({"z": b"z" * PAGE}) == [True]
-    assert gated.opened.is_set(), "it was stored once the victims had left"
+    assert held.release.is_set(), "it was stored once the victims had left"
     maker.join(30)
     assert rig.get(["x", "y", "z"], [PAGE] * 3) == [b"x" * PAGE, b"y" * PAGE, b"z" * PAGE]
 
@@ -288,17 +288,17 @@ def test_a_reservation_waits_for_room_being_made_no_longer_than_its_bound(
     from umbp.runtime.server import tiering
 
     monkeypatch.setattr(tiering, "ROOM_WAIT_S", 0.1)
-    gated = _GatedWrites(ssd)
-    rig = Rig(16, cold=gated)  # type: ignore[arg-type]
+    held = HeldSsd(ssd)
+    rig = Rig(16, cold=held)  # type: ignore[arg-type]
     for index in range(16 - 1):
         assert rig.put({f"o{index}": bytes([index]) * PAGE}) == [True]
     maker = threading.Thread(
         target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
     maker.start()
-    assert gated.writing.wait(30)
+    assert held.writing.wait(30)
     assert rig.put({"y": b"y" * PAGE, "z": b"z" * PAGE}) == [True, False]
-    assert not gated.opened.is_set()
-    gated.opened.set()
+    assert not held.release.is_set()
+    held.release.set()
     maker.join(30)
     assert rig.put({"z": b"z" * PAGE}) == [True]
 

@@ -5,7 +5,6 @@ dropped, not written; the writer gives way to reads of the SSD tier."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_server_prefetch import GatedTier
-from tests.unit.test_server_state import PAGE, Rig
+from tests.unit.test_server_state import PAGE, HeldSsd, Rig
 from umbp.runtime.server.index import PoolIndex
 from umbp.runtime.server.state import StoreCore
 from umbp.runtime.ssd.tier import SsdTier
@@ -83,26 +82,9 @@ def test_no_write_ahead_when_set_to_zero(ssd: SsdTier) -> None:
     rig.core.close()
 
 
-class _HeldSsd:
-    """A real SsdTier whose writes wait until `release` (to drop or clear mid-write)."""
-
-    def __init__(self, tier: SsdTier) -> None:
-        self.tier = tier
-        self.writing = threading.Event()
-        self.release = threading.Event()
-
-    def put_pieces(self, key: str, pieces: object, checksum: int | None = None) -> bool:
-        self.writing.set()
-        assert self.release.wait(10.0)
-        return self.tier.put_pieces(key, pieces, checksum)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.tier, name)
-
-
 @pytest.mark.parametrize("how", ["drop", "clear"])
 def test_what_is_dropped_while_written_ahead_leaves_no_ssd_copy(ssd: SsdTier, how: str) -> None:
-    held = _HeldSsd(ssd)
+    held = HeldSsd(ssd)
     rig = _rig(held)
     keys = [f"k{i:02}" for i in range(28)]
     for index, key in enumerate(keys):
