@@ -238,7 +238,7 @@ def test_room_made_for_a_promotion_never_evicts_it_from_a_full_ssd_tier(tmp_path
 
 
 class HeldSsd:
-    """A real SsdTier whose writes wait until `release` (to drop or clear mid-write)."""
+    """A real SsdTier whose writes wait until `release` (to act while one is under way)."""
 
     def __init__(self, tier: SsdTier) -> None:
         self.tier = tier
@@ -254,14 +254,9 @@ class HeldSsd:
         return getattr(self.tier, name)
 
 
-def test_a_reservation_waits_for_the_room_another_is_making_instead_of_failing(
-    ssd: SsdTier,
-) -> None:
-    """While one put makes room (its victims' SSD writes under way), others may take the
-    free pages below the watermark; one that finds none left waits for the victims'
-    pages and is stored, rather than answered False while room was on its way (two
-    prefetch readers did this: one making room, the other failing the rest of a prefix
-    fast, whose request then waited for it in vain)."""
+def rig_making_room(ssd: SsdTier) -> tuple[Rig, HeldSsd, threading.Thread]:
+    """A DRAM tier one page short of full and a put (in a thread) making room for one
+    more: its victims' SSD writes held until `release`."""
     held = HeldSsd(ssd)
     rig = Rig(16, cold=held)  # type: ignore[arg-type]
     for index in range(15):  # at the high watermark: one page free
@@ -270,6 +265,18 @@ def test_a_reservation_waits_for_the_room_another_is_making_instead_of_failing(
         target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
     maker.start()
     assert held.writing.wait(30), "the put making room is writing its victims"
+    return rig, held, maker
+
+
+def test_a_reservation_waits_for_the_room_another_is_making_instead_of_failing(
+    ssd: SsdTier,
+) -> None:
+    """While one put makes room (its victims' SSD writes under way), others may take the
+    free pages below the watermark; one that finds none left waits for the victims'
+    pages and is stored, rather than answered False while room was on its way (two
+    prefetch readers did this: one making room, the other failing the rest of a prefix
+    fast, whose request then waited for it in vain)."""
+    rig, held, maker = rig_making_room(ssd)
     assert rig.put({"y": b"y" * PAGE}) == [True]  # the last free page
     opener = threading.Timer(0.2, held.release.set)
     opener.start()
@@ -288,14 +295,7 @@ def test_a_reservation_waits_for_room_being_made_no_longer_than_its_bound(
     from umbp.runtime.server import tiering
 
     monkeypatch.setattr(tiering, "ROOM_WAIT_S", 0.1)
-    held = HeldSsd(ssd)
-    rig = Rig(16, cold=held)  # type: ignore[arg-type]
-    for index in range(16 - 1):
-        assert rig.put({f"o{index}": bytes([index]) * PAGE}) == [True]
-    maker = threading.Thread(
-        target=lambda: rig.put({"x": b"x" * PAGE}, rig.core.open_session()))
-    maker.start()
-    assert held.writing.wait(30)
+    rig, held, maker = rig_making_room(ssd)
     assert rig.put({"y": b"y" * PAGE, "z": b"z" * PAGE}) == [True, False]
     assert not held.release.is_set()
     held.release.set()

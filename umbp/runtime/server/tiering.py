@@ -38,6 +38,11 @@ __all__ = ["Demotion", "GetAnswer", "Tiering"]
 
 logger = logging.getLogger("umbp.serve")
 
+ROOM_WAIT_S = 2.0
+"""How long a reservation that found no free page waits for the pages of victims another
+thread is demoting (room-making writes them to the SSD tier first: ~70-140 ms for a
+round of ~50 victims here) before it answers that nothing fits."""
+
 GetAnswer = str | tuple[int, int, Regions]
 
 
@@ -469,11 +474,6 @@ def _xxh3_of(pieces: Sequence[memoryview]) -> int:
         hasher.update(piece)
     return int(hasher.intdigest())
 
-
-ROOM_WAIT_S = 2.0
-"""How long a reservation that found no free page waits for the pages of victims another
-thread is demoting (room-making writes them to the SSD tier first: ~70-140 ms for a
-round of ~50 victims here) before it answers that nothing fits."""
 
 _COLD_ANSWERS = {
     LoadStatus.MISSING: protocol.GET_MISSING,
