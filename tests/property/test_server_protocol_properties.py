@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore, protocol
-from umbp.runtime.server.launch import start_server, stop_server
+from umbp.runtime.server.launch import probe_server, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -440,6 +440,11 @@ def test_connections_beyond_the_limit_are_refused_with_a_reason() -> None:
     try:
         held = [_held_connection(path) for _ in range(4)]
         # Four served connections hold all four slots: the fifth is refused for sure.
+        # An engine's start-up probe finds the server there (it starts, and misses
+        # until a slot comes free), and says why it was not served.
+        probe = probe_server(path, 20.0)
+        assert probe.listening and probe.hello is None
+        assert "limit of 4 connections" in probe.problem, probe
         extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         extra.settimeout(20.0)
         extra.connect(path)

@@ -85,18 +85,25 @@ class _SharedStore(WorkerStore, SchedulerStore, Protocol):
 
 def _open_server_store(config: ConnectorConfig, lookup_only: bool) -> _SharedStore:
     from umbp.runtime.server.client import ServerStore
-    from umbp.runtime.server.launch import server_reachable
+    from umbp.runtime.server.launch import probe_server
 
     endpoint = config.endpoint
     assert endpoint is not None, "validated: mode 'server' needs endpoint"
     timeout = config.lookup_timeout_s if lookup_only else config.io_timeout_s
-    if not server_reachable(endpoint, timeout):
-        if not config.auto_start:
-            raise BackendUnavailable(
-                f"umbp: no umbp server answers at {endpoint}. Start one with "
-                f"`umbp serve --socket {endpoint} --capacity <bytes>` (see docs/operations.md), "
-                "or set auto_start: true in kv_connector_extra_config"
-            )
+    probe = probe_server(endpoint, timeout)
+    if probe.hello is None and probe.listening:
+        # A server is there but slow or full: the store's calls are bounded and retried,
+        # so the engine starts and misses until it answers, as it would after start-up.
+        logger.warning("umbp: the umbp server at %s is not answering yet (%s); starting "
+                       "anyway: lookups miss and stores are dropped until it answers",
+                       endpoint, probe.problem)
+    elif probe.hello is None and not config.auto_start:
+        raise BackendUnavailable(
+            f"umbp: no umbp server answers at {endpoint} ({probe.problem}). Start one with "
+            f"`umbp serve --socket {endpoint} --capacity <bytes>` (see docs/operations.md), "
+            "or set auto_start: true in kv_connector_extra_config"
+        )
+    elif probe.hello is None:
         _auto_start_server(config, endpoint)
     return ServerStore(endpoint, io_timeout_s=timeout,
                        reconnect_interval_s=config.reconnect_interval_s)
@@ -106,7 +113,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
     """Start a detached server unless another process of this node just did: every
     worker and the scheduler of every engine may race here, so the check and the
     start happen under one lock file beside the socket."""
-    from umbp.runtime.server.launch import server_reachable, start_server
+    from umbp.runtime.server.launch import probe_server, start_server
     from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
     try:
@@ -117,7 +124,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
         raise BackendUnavailable(f"umbp: auto_start refused: {error}") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
-        if server_reachable(endpoint, config.io_timeout_s):
+        if probe_server(endpoint, config.io_timeout_s).listening:  # another just started one
             return
         log_path = endpoint + ".log"
         logger.warning("umbp: no server at %s; starting one (auto_start), log in %s",

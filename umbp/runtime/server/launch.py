@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,13 +12,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from umbp.runtime.server import protocol
 from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
-__all__ = ["ServerStartError", "server_reachable", "start_server", "stop_server"]
+__all__ = ["Probe", "ServerStartError", "probe_server", "server_reachable", "start_server", "stop_server"]
 
 _POLL_S = 0.05
 _LOG_TAIL_BYTES = 4000
@@ -27,24 +29,52 @@ class ServerStartError(RuntimeError):
     """The server died or did not answer in time; the message ends with its log tail."""
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What one HELLO at a socket found: the server's answer, or why none came and
+    whether anything accepted the connection (a server that is stalled, overloaded or at
+    its connection limit is there; a missing socket or a dead server's is not)."""
+
+    hello: dict[str, Any] | None
+    listening: bool
+    problem: str
+
+
 def server_reachable(socket_path: str, timeout_s: float = 1.0) -> bool:
     """True when a umbp server answers a HELLO at `socket_path` within `timeout_s`
     (a socket file left by a dead server, or a stalled server, answers False)."""
-    return _hello(socket_path, timeout_s) is not None
+    return probe_server(socket_path, timeout_s).hello is not None
 
 
-def _hello(socket_path: str, timeout_s: float) -> dict[str, Any] | None:
+def probe_server(socket_path: str, timeout_s: float) -> Probe:
+    """Send one HELLO to `socket_path` and wait at most `timeout_s` for its answer."""
     deadline = protocol.Deadline(timeout_s)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(deadline.remaining())
-        sock.connect(socket_path)
-        protocol.send_all(sock, protocol.encode_json(protocol.HELLO, {}), deadline)
-        op, body = protocol.read_frame(sock, deadline)
-        hello = protocol.decode_json(body) if op == protocol.OK else None
-        return hello if isinstance(hello, dict) else None
-    except OSError:
-        return None
+        try:
+            sock.connect(socket_path)
+        except BlockingIOError:  # a Unix socket's listen queue is full
+            return Probe(None, True, "its queue of connections waiting to be accepted is full")
+        except OSError as error:
+            return Probe(None, False, error.strerror or str(error))
+        try:
+            # A refused connection may be closed before the HELLO is written: its reason
+            # is still there to read.
+            with contextlib.suppress(BrokenPipeError):
+                protocol.send_all(sock, protocol.encode_json(protocol.HELLO, {}), deadline)
+            op, body = protocol.read_frame(sock, deadline)
+            answer = protocol.decode_json(body)
+        except TimeoutError:
+            return Probe(None, True, f"it accepted a connection but did not answer within "
+                                     f"{timeout_s:g} s")
+        except OSError as error:
+            return Probe(None, True, f"it accepted a connection, then: {error}")
+        if op != protocol.OK:
+            return Probe(None, True, f"it refused: {answer}")
+        if not isinstance(answer, dict):
+            return Probe(None, True, "its answer to HELLO is not an object")
+        return Probe(answer, True, "")
     finally:
         sock.close()
 
@@ -162,7 +192,7 @@ def _wait_until_answering(
     deadline = time.monotonic() + wait_s
     logged = _size(log_name)
     while True:
-        hello = _hello(socket_path, timeout_s=1.0)
+        hello = probe_server(socket_path, timeout_s=1.0).hello
         if hello is not None and hello.get("pid") == process.pid:
             return
         code = process.poll()
