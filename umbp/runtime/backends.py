@@ -91,20 +91,22 @@ def _open_server_store(config: ConnectorConfig, lookup_only: bool) -> _SharedSto
     assert endpoint is not None, "validated: mode 'server' needs endpoint"
     timeout = config.lookup_timeout_s if lookup_only else config.io_timeout_s
     probe = probe_server(endpoint, timeout)
-    if probe.hello is None and probe.listening:
-        # A server is there but slow or full: the store's calls are bounded and retried,
-        # so the engine starts and misses until it answers, as it would after start-up.
-        logger.warning("umbp: the umbp server at %s is not answering yet (%s); starting "
-                       "anyway: lookups miss and stores are dropped until it answers",
-                       endpoint, probe.problem)
-    elif probe.hello is None and not config.auto_start:
-        raise BackendUnavailable(
-            f"umbp: no umbp server answers at {endpoint} ({probe.problem}). Start one with "
-            f"`umbp serve --socket {endpoint} --capacity <bytes>` (see docs/operations.md), "
-            "or set auto_start: true in kv_connector_extra_config"
-        )
-    elif probe.hello is None:
-        _auto_start_server(config, endpoint)
+    if probe.hello is None:
+        if probe.listening:
+            # A server is there but slow or full: the store's calls are bounded and
+            # retried, so the engine starts and misses until it answers, as it would
+            # after start-up.
+            logger.warning("umbp: the umbp server at %s is not answering yet (%s); starting "
+                           "anyway: lookups miss and stores are dropped until it answers",
+                           endpoint, probe.problem)
+        elif config.auto_start:
+            _auto_start_server(config, endpoint)
+        else:
+            raise BackendUnavailable(
+                f"umbp: no umbp server answers at {endpoint} ({probe.problem}). Start one "
+                f"with `umbp serve --socket {endpoint} --capacity <bytes>` (see "
+                "docs/operations.md), or set auto_start: true in kv_connector_extra_config"
+            )
     return ServerStore(endpoint, io_timeout_s=timeout,
                        reconnect_interval_s=config.reconnect_interval_s)
 

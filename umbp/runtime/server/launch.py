@@ -19,7 +19,10 @@ from typing import Any
 from umbp.runtime.server import protocol
 from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
-__all__ = ["Probe", "ServerStartError", "probe_server", "server_reachable", "start_server", "stop_server"]
+__all__ = [
+    "Probe", "ServerStartError", "probe_server", "server_reachable", "start_server",
+    "stop_server",
+]
 
 _POLL_S = 0.05
 _LOG_TAIL_BYTES = 4000
