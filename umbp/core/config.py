@@ -141,8 +141,8 @@ OPTION_DOCS: Final[Mapping[str, str]] = MappingProxyType(
         "announced (disaggregated prefill, kv_transfer_params) to reach the pool before "
         "the rest is computed (> 0)",
         "endpoint": "server: path of the `umbp serve` Unix socket (required)",
-        "auto_start": "server: start `umbp serve` at endpoint when none answers there "
-        "(it outlives the engine, so others and later engines share it)",
+        "auto_start": "server: start `umbp serve` at endpoint when none is there (it "
+        "outlives the engine, so others and later engines share it)",
         "pool_dir": "server with auto_start: tmpfs directory of the DRAM tier's shared "
         "file (default /dev/shm; one mounted with huge=within_size gives it huge pages)",
         "ssd_dir": "server with auto_start: directory of the SSD tier's slot file",
