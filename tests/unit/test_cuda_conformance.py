@@ -185,6 +185,49 @@ def test_a_server_lends_and_reserves_its_shared_memory_on_a_lane(
     assert driver.fake.violations == []
 
 
+def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
+    make_cuda: Callable[..., CudaDriver], server: Any, tmp_path: Path
+) -> None:
+    """``umbp serve`` killed and started again at the same socket, with a pool of another
+    size: the worker's link maps the new pool when it reconnects (on a lane), registers
+    it before anything in it is lent or reserved, and unregisters the old pool before it
+    can be unmapped: stores and restores through the new server copy registered memory
+    only, never the pages CUDA locked for the old pool."""
+    import os
+    import signal
+
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+                              "load_async": False, "reconnect_interval_s": 0.01})
+    link = driver.worker.worker._store._link
+    driver.fill_pool("a", prompt(4))
+    assert driver.fake.registered_bytes == 16 << 20  # the first server's pool
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait()
+    second = start_server(server.socket_path, 32 << 20, page_bytes=4096,
+                          log_path=str(tmp_path / "second.log"))
+    try:
+        for attempt in range(5):  # the first store after the kill finds the link broken
+            driver.fill_pool(f"probe-{attempt}", prompt(2, seed=10 + attempt))
+            connected = link.connected_server()
+            if connected is not None and connected[1] == second.pid:
+                break
+        else:
+            raise AssertionError("the worker never reconnected to the restarted server")
+        tokens = prompt(4, seed=5)
+        driver.fill_pool("c", tokens)
+        restore(driver, tokens, "d", load_async=False)
+        driver.settle()
+        assert driver.cached_tokens("d") == 4 * BLOCK
+        assert driver.assert_blocks_hold("d", tokens, range(4)) == 4 * 2
+        assert driver.fake.registered_bytes == 32 << 20  # the new pool only
+        assert driver.fake.violations == []
+    finally:
+        driver.close()
+        stop_server(second, server.socket_path)
+
+
 def test_stores_wait_for_the_forward_pass_and_the_sampled_tokens(
     make_cuda: Callable[..., CudaDriver],
 ) -> None:

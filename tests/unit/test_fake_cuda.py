@@ -4,7 +4,11 @@ the same work done right."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,6 +97,74 @@ def test_a_copy_from_memory_never_registered_is_reported_pageable() -> None:
     pageable = np.zeros((1, 64), dtype=np.uint8)
     fake.copy(fake.new_stream("s"), copier.copy([0], pageable, to_kv=False))
     assert "pageable" in fake.violations[0]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FIXED = 0x10
+
+
+def map_file(path: Path, nbytes: int, at: int | None = None) -> int:
+    """The address of `path`'s first `nbytes`, mapped shared (at `at`, replacing what is
+    mapped there, when given)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        address = _LIBC.mmap(at, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_SHARED | (_MAP_FIXED if at else 0), fd, 0)
+    finally:
+        os.close(fd)
+    assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    return int(address)
+
+
+def rows_at(address: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * 128).from_address(address)).reshape(2, 64)
+
+
+def test_a_registration_outliving_its_mapping_is_reported(tmp_path: Path) -> None:
+    """A file's pages registered, then unmapped and another file mapped at the same
+    address: a copy through the old registration, and its late unregistration, are
+    reported (CUDA would move the pages it locked); unregistering before the unmapping
+    and registering the new mapping is not."""
+    fake, copier, _, _ = setup()
+    stream = fake.new_stream("s")
+    done = fake.new_event()
+    address = map_file(tmp_path / "first", 4096)
+    assert fake.register_host(address, 4096)
+    fake.copy(stream, copier.copy([1], rows_at(address), to_kv=False))
+    done.record(stream)
+    done.synchronize()
+    assert fake.violations == []
+    _LIBC.munmap(address, 4096)
+    assert map_file(tmp_path / "second", 4096, at=address) == address
+    fake.copy(stream, copier.copy([2], rows_at(address), to_kv=False))
+    assert any("unmapped since" in v for v in fake.violations), fake.violations
+    fake.unregister_host(address)
+    assert "unmapped before it was unregistered" in fake.violations[-1]
+    fake.violations.clear()
+
+    assert fake.register_host(address, 4096)  # the right order: the new mapping registered
+    fake.copy(stream, copier.copy([3], rows_at(address), to_kv=False))
+    done.record(stream)
+    done.synchronize()
+    fake.unregister_host(address)
+    _LIBC.munmap(address, 4096)
+    assert fake.violations == []
+    assert fake.registered_bytes == 128  # setup's rows alone
+
+
+def test_registering_twice_and_unregistering_what_starts_no_registration_are_reported(
+) -> None:
+    fake, _, _, rows = setup()
+    assert not fake.register_host(rows.ctypes.data + 64, 64)
+    assert "registered twice" in fake.violations[-1]
+    fake.unregister_host(rows.ctypes.data + 64)
+    assert "no registration starts" in fake.violations[-1]
+    assert fake.registered_bytes == rows.nbytes
 
 
 def test_a_copy_outside_device_memory_is_a_wild_pointer() -> None:

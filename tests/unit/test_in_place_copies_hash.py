@@ -69,8 +69,8 @@ class Recording:
 
         return ReservedObjects(reservation.memory, reservation.pages, commit)
 
-    def lent_memory(self) -> Any:
-        return self.pool.lent_memory()
+    def watch_lent_memory(self, watcher: Any) -> None:
+        self.pool.watch_lent_memory(watcher)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)

@@ -422,6 +422,34 @@ def test_closing_a_pool_with_a_loan_out_leaves_the_lent_memory_readable() -> Non
     closed.release()
 
 
+def test_a_watcher_hears_of_the_slab_at_once_and_of_its_end_after_the_last_loan() -> None:
+    """What a GPU worker registers: the slab, told at once; its end only when the pool is
+    closed and the last loan and reservation are settled (before the slab can go)."""
+    heard: list[tuple[str, int, int]] = []
+
+    class Watcher:
+        def mapped(self, address: int, nbytes: int) -> None:
+            heard.append(("mapped", address, nbytes))
+
+        def unmapping(self, address: int) -> None:
+            heard.append(("unmapping", address, 0))
+
+    pool = make_pool()
+    pool.watch_lent_memory(Watcher())
+    slab = pool.lent_memory()
+    assert heard == [("mapped", int(slab.ctypes.data), int(slab.nbytes))]
+    pool.put_batch(["a"], [content(1, 100)])
+    loan = pool.lend(["a"], 100)
+    reservation = pool.reserve(["b"], 100)
+    pool.close()
+    loan.release()
+    assert len(heard) == 1  # the reservation is still out
+    assert reservation.commit([True]) == (False,)
+    assert heard[1:] == [("unmapping", int(slab.ctypes.data), 0)]
+    pool.watch_lent_memory(Watcher())
+    assert len(heard) == 2  # closed: nothing mapped to tell of
+
+
 def test_a_loan_is_verified_at_most_once_and_released_exactly_once() -> None:
     pool = make_pool()
     pool.put_batch(["a"], [content(1, 100)])

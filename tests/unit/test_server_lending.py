@@ -122,3 +122,69 @@ def test_a_server_killed_under_a_loan_loses_nothing_of_the_client(
     assert reservation.commit([True]) == (False,)
     with pytest.raises(StoreUnavailable):
         store.lend(["a"], 100)
+
+
+class Watcher:
+    """Records what a `WatchesLentMemory` hears, in order."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, int, int]] = []
+
+    def mapped(self, address: int, nbytes: int) -> None:
+        self.heard.append(("mapped", address, nbytes))
+
+    def unmapping(self, address: int) -> None:
+        self.heard.append(("unmapping", address, 0))
+
+
+def test_a_watcher_hears_of_each_pool_mapped_and_of_the_old_ones_end_after_its_loans(
+    server: Any, tmp_path: Any,
+) -> None:
+    """What a GPU worker registers with its copy engines: the first server's pool when
+    the client connects, the restarted server's pool when it reconnects (before anything
+    in it is lent), and the end of the first one's mapping only once the loan and the
+    reservation made in it are settled, so nothing registered is unmapped under a copy."""
+    import signal
+
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    watcher = Watcher()
+    store = ServerStore(server.socket_path, io_timeout_s=5.0, reconnect_interval_s=0.01)
+    store.watch_lent_memory(watcher)
+    assert watcher.heard == []  # not connected yet
+    assert store.put_batch(["a"], [content(8, 100)]) == (True,)
+    ((kind, first, nbytes),) = watcher.heard
+    assert (kind, nbytes) == ("mapped", 16 << 20)
+    loan = store.lend(["a"], 100)
+    reservation = store.reserve(["b"], 100)
+    assert first <= int(loan.memory.ctypes.data) < first + nbytes
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    second_server = start_server(server.socket_path, 32 << 20, page_bytes=PAGE,
+                                 log_path=str(tmp_path / "second.log"))
+    try:
+        assert store.lookup(["a"]) == (False,)  # reconnected at once: the new, empty pool
+        assert store.put_batch(["c"], [content(9, 100)]) == (True,)
+        assert len(watcher.heard) == 2
+        kind, second, nbytes = watcher.heard[1]
+        assert (kind, nbytes) == ("mapped", 32 << 20) and second != first
+        loan.release()
+        assert len(watcher.heard) == 2  # the reservation is still out in the first pool
+        assert reservation.commit([True]) == (False,)
+        assert watcher.heard[2:] == [("unmapping", first, 0)]
+        store.close()
+        assert watcher.heard[3:] == [("unmapping", second, 0)]
+    finally:
+        store.close()
+        stop_server(second_server, server.socket_path)
+
+
+def test_a_watcher_added_while_connected_hears_of_the_pool_at_once(store: ServerStore) -> None:
+    assert store.lookup(["x"]) == (False,)
+    watcher = Watcher()
+    store.watch_lent_memory(watcher)
+    ((kind, address, nbytes),) = watcher.heard
+    assert (kind, nbytes) == ("mapped", 16 << 20)
+    loan = store.lend(["x"], 100)
+    assert address <= int(loan.memory.ctypes.data) < address + nbytes
+    loan.release()

@@ -80,6 +80,7 @@ __all__ = [
     "TierAware",
     "UncheckedObjects",
     "VerifiesLoan",
+    "WatchesLentMemory",
     "WorkerStore",
 ]
 
@@ -271,10 +272,25 @@ class LendsObjects(Protocol):
         when the store cannot be reached (nothing is lent then)."""
         ...
 
-    def lent_memory(self) -> npt.NDArray[np.uint8]:
-        """All the memory loans (and reservations, `ReservesObjects`) lie in, one
-        region for the store's lifetime: what a GPU host registers once, at start, so
-        that its copy engines read and write it directly."""
+    def watch_lent_memory(self, watcher: WatchesLentMemory) -> None:
+        """Tell `watcher` of the memory loans (and reservations, `ReservesObjects`)
+        lie in, as it comes and goes: what a GPU host registers with its copy engines.
+        `mapped` is called for the memory mapped now, if any, before this returns, and
+        for every later mapping (a restarted server's new pool) before anything in it is
+        lent or reserved; `unmapping` once no loan or reservation in a mapping is
+        outstanding, before it is unmapped (the memory a device registered must not go
+        before it is unregistered)."""
+        ...
+
+
+class WatchesLentMemory(Protocol):
+    def mapped(self, address: int, nbytes: int) -> None:
+        """`[address, address + nbytes)` may be lent or reserved from now on."""
+        ...
+
+    def unmapping(self, address: int) -> None:
+        """The mapping at `address` is about to go: nothing in it is lent or reserved,
+        and nothing will be."""
         ...
 
 

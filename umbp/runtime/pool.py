@@ -51,6 +51,7 @@ from umbp.runtime.contract import (
     ReservesObjects,
     SchedulerStore,
     StoreUnavailable,
+    WatchesLentMemory,
     WorkerStore,
 )
 from umbp.runtime.counters import PoolCounters
@@ -154,6 +155,8 @@ class SlabPool(ClosesOnExit):
         self._page_rows: npt.NDArray[np.uint8] = np.frombuffer(self._slab, np.uint8).reshape(
             self._total_pages, page_bytes
         )
+        self._slab_address = int(self._page_rows.ctypes.data)
+        self._watchers: list[WatchesLentMemory] = []
         self._outstanding = 0  # objects lent and pages reserved, not yet given back
         self._reserved_keys: set[str] = set()
         self._generation = 0  # clear and close: reservations made before are not stored
@@ -245,6 +248,15 @@ class SlabPool(ClosesOnExit):
         """The slab as page rows: every loan and reservation lies in it."""
         return self._page_rows
 
+    def watch_lent_memory(self, watcher: WatchesLentMemory) -> None:
+        """`watcher` hears of the slab now (`mapped`), and of its end once the pool is
+        closed and nothing lent or reserved is outstanding; nothing when closed already."""
+        with self._lock:
+            if self._closed:
+                return
+            self._watchers.append(watcher)
+            watcher.mapped(self._slab_address, int(self._page_rows.nbytes))
+
     def reserve(self, keys: Sequence[str], nbytes: int) -> ReservedObjects:
         """Reserve pages for each key's object of `nbytes` (`ReservesObjects`), evicting
         as a put does. A resident key gets no pages and is stored (LRU refreshed); a key
@@ -301,6 +313,7 @@ class SlabPool(ClosesOnExit):
                 if stored is not None:
                     self._pages.unpin(stored)
                     self._outstanding -= 1
+            self._tell_unmapping_once_unused()
 
     def _commit_reservation(
         self, reservation: _Reservation, checksums: Sequence[int | None]
@@ -331,6 +344,7 @@ class SlabPool(ClosesOnExit):
                 self._counters.puts += 1
                 self._counters.bytes_written += reservation.nbytes
                 results.append(True)
+            self._tell_unmapping_once_unused()
         return tuple(results)
 
     def _refusal(self, stored: _StoredObject | None) -> LoadStatus:
@@ -392,6 +406,7 @@ class SlabPool(ClosesOnExit):
                 return
             self._closed = True
             self._forget_everything()
+            self._tell_unmapping_once_unused()
             self._slab_bytes.release()
             self._page_rows = np.empty((0, self._page_bytes), np.uint8)
             try:
@@ -530,6 +545,14 @@ class SlabPool(ClosesOnExit):
             self._pages.reset()
         self._hashes_by_prefix.clear()
         self._evicted.clear()
+
+    def _tell_unmapping_once_unused(self) -> None:
+        """Closed, and no borrower or reserver left (under the lock): the slab's watchers
+        let go of it before it can be unmapped."""
+        if self._closed and not self._outstanding:
+            watchers, self._watchers = self._watchers, []
+            for watcher in watchers:
+                watcher.unmapping(self._slab_address)
 
     def _require_open(self) -> None:
         if self._closed:

@@ -57,13 +57,13 @@ from umbp.core.stores.results import stores_past_failed_loads
 from umbp.gpu.copier import BlockCopier
 from umbp.gpu.device import Device, HostDevice, device_for
 from umbp.gpu.lanes import Lane
+from umbp.gpu.registrations import HostRegistrations
 from umbp.gpu.staging import StagingRing
 from umbp.runtime.backends import WorkerBackend, open_worker_backend
 from umbp.runtime.contract import (
     LabelsNamespaces,
     LendsObjects,
     RegistersHostMemory,
-    StoreUnavailable,
     WorkerStore,
 )
 from umbp.runtime.pool import SlabPool
@@ -86,11 +86,6 @@ flight to finish. vLLM's engine loop runs such steps back to back in Python whil
 transfers are pending, holding the GIL that the transfer threads need between their
 copies: a 64 MiB restore took ~1 s on an otherwise idle engine. Waiting here releases
 it; a transfer that finishes ends the wait at once."""
-
-REGISTER_CHUNK_BYTES = 32 << 30
-"""Host memory is registered with the device in pieces of at most this (drivers limit
-one registration's size)."""
-
 
 class UMBPWorker:
     def __init__(
@@ -124,7 +119,7 @@ class UMBPWorker:
         self._ctx: TransferContext | None = None
         self._stores: StoreQueue | None = None
         self._lanes: tuple[Lane, ...] = ()  # store I/O: the load lane's, the store lane's
-        self._registered: list[int] = []  # host ranges registered with the device
+        self._registrations: HostRegistrations | None = None
         self._report = LoadReport()
         # Requests computing over a failed synchronous load (this step's or one the
         # scheduler has not resolved yet): save() stores none of theirs.
@@ -182,8 +177,10 @@ class UMBPWorker:
         if isinstance(self._backend.store, LabelsNamespaces):  # `umbp ls` names the model
             self._backend.store.register_namespace(self.namespace, self._label)
         in_place = copies_in_place(self._config.mode)
-        ring = None if in_place else self._staging_for(device)
-        self._register_lent_memory(device)
+        registrations = self._registrations = HostRegistrations(device)
+        ring = None if in_place else self._staging(registrations)
+        if isinstance(self._backend.store, LendsObjects):
+            self._backend.store.watch_lent_memory(registrations)
         load_io = Lane("umbp-load-io", on_start=device.bind_thread)
         self._store_io = store_io = Lane("umbp-store-io", on_start=device.bind_thread)
         self._lanes = (load_io, store_io)
@@ -238,7 +235,7 @@ class UMBPWorker:
                 positions[name] = (group_id, index)
         return positions
 
-    def _staging_for(self, device: Device) -> StagingRing:
+    def _staging(self, registrations: HostRegistrations) -> StagingRing:
         """The staging area, for a store whose objects do not copy in place: registered
         with the device and with a transport that moves only registered memory."""
         largest = max(self._object_bytes.values())
@@ -248,7 +245,7 @@ class UMBPWorker:
                 f"stored object ({largest} bytes); raise it in kv_connector_extra_config"
             )
         ring = StagingRing(self._config.staging_bytes)
-        self._register_with_device(device, ring.address, ring.nbytes)
+        registrations.mapped(ring.address, ring.nbytes)
         store = self._store
         if isinstance(store, RegistersHostMemory):
             try:
@@ -257,26 +254,6 @@ class UMBPWorker:
                 logger.warning("umbp: the store's transport refused the staging area: %s",
                                error)
         return ring
-
-    def _register_lent_memory(self, device: Device) -> None:
-        """The store's memory, which copies read and write in place, registered with the
-        device once: its copy engines then move those bytes directly (a server that
-        restarts maps a new pool, copied from pageable memory until the engine restarts)."""
-        store = self._store
-        if isinstance(store, LendsObjects):
-            try:
-                memory = store.lent_memory()
-            except StoreUnavailable as error:
-                logger.warning("umbp: the store's memory could not be registered: %s", error)
-                return
-            self._register_with_device(device, int(memory.ctypes.data), int(memory.nbytes))
-
-    def _register_with_device(self, device: Device, address: int, nbytes: int) -> None:
-        for start in range(0, nbytes, REGISTER_CHUNK_BYTES):
-            if not device.register_host(address + start, min(REGISTER_CHUNK_BYTES,
-                                                             nbytes - start)):
-                return  # host device: nothing to do; refused: said once, copies still work
-            self._registered.append(address + start)
 
     def handshake(self) -> UMBPHandshake | None:
         if self._backend is None or self._ctx is None:
@@ -574,9 +551,8 @@ class UMBPWorker:
         ctx = self._ctx
         if ctx is not None:
             ctx.device.close()
-            for address in self._registered:
-                ctx.device.unregister_host(address)
-            self._registered = []
+            if self._registrations is not None:
+                self._registrations.close()
             if ctx.ring is not None:
                 store = self._store
                 if isinstance(store, RegistersHostMemory):

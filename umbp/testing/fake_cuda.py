@@ -29,6 +29,13 @@ after it) and reports :attr:`FakeCuda.violations`:
 * a store copy not ordered after the step's sampled-token copy (vLLM issues stores
   after it, so they never delay it);
 * a copy from or to host memory never registered (a pageable copy);
+* registered host memory unmapped before it was unregistered, and a copy through a
+  registration whose memory was unmapped since (CUDA would move the pages it locked
+  then, not what is mapped there now): told apart by the file and offset
+  ``/proc/self/maps`` gives for the address (a server's pool file), so the unmapping of
+  anonymous memory followed by another anonymous mapping at the same address goes unseen;
+* host memory registered twice, or an unregistration that starts no registration (CUDA
+  answers both with an error);
 * a device call from a host thread that never bound the device;
 * a copy carrying hash states (``BlockCopy.hashes``): the copy engines would not feed
   them, and the store would be handed checksums never computed.
@@ -56,6 +63,47 @@ __all__ = ["FakeCuda", "Op"]
 
 Ranges = tuple[tuple[int, int], ...]
 """Sorted, merged ``[start, end)`` byte intervals."""
+
+Backing = tuple[int, int]
+"""What is mapped at an address: (the file's inode, the offset in it), or (0, the address)
+for anonymous memory."""
+
+
+def mappings() -> list[tuple[int, int, Backing]]:
+    """This process's mappings from ``/proc/self/maps``: (start, end, backing of start),
+    sorted."""
+    found: list[tuple[int, int, Backing]] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _, offset, _, inode = line.split(maxsplit=5)[:5]
+            start, end = (int(bound, 16) for bound in span.split("-"))
+            found.append((start, end, (int(inode), int(offset, 16)) if int(inode) else (0, start)))
+    return found
+
+
+def backing_at(address: int, mapped: Sequence[tuple[int, int, Backing]]) -> Backing | None:
+    """What ``mapped`` (:func:`mappings`) holds at ``address``; None when nothing."""
+    index = bisect.bisect_right(mapped, (address, float("inf"))) - 1
+    if index < 0 or not mapped[index][0] <= address < mapped[index][1]:
+        return None
+    start, _, (inode, offset) = mapped[index]
+    return inode, offset + address - start
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    end: int
+    backing: Backing | None
+    """What was mapped at the start when it was registered."""
+
+    def still_mapped(self, start: int, address: int,
+                     mapped: Sequence[tuple[int, int, Backing]]) -> bool:
+        """Whether ``address`` (inside the registration at ``start``) still holds what was
+        registered."""
+        if self.backing is None:
+            return False
+        inode, offset = self.backing
+        return backing_at(address, mapped) == (inode, offset + address - start)
 
 
 def merged(ranges: Iterable[tuple[int, int]]) -> Ranges:
@@ -141,7 +189,8 @@ class FakeCuda:
         self._live: list[Op] = []  # operations not yet known complete to every thread
         self._observed = 0  # happens before anything submitted from now on
         self._device_ranges: list[tuple[int, int]] = []
-        self._host_ranges: list[tuple[int, int]] = []
+        self._host_ranges: Ranges = ()
+        self._registrations: dict[int, _Registration] = {}
         self._default_streams: dict[int, FakeStream] = {}
         self.forward = FakeStream(self, "forward")
         self.model_thread: int | None = None
@@ -204,6 +253,7 @@ class FakeCuda:
             if not self._inside(self._host_ranges, start, end):
                 self.violations.append(f"a copy touches host memory [{start:#x}, {end:#x}) that "
                                        "was never registered (pageable)")
+        self._check_still_mapped(host_side)
 
         def run() -> None:
             for source, destination, size in triples:
@@ -236,21 +286,52 @@ class FakeCuda:
         self._host_lane.submit(job)
 
     def register_host(self, address: int, nbytes: int) -> bool:
+        backing = backing_at(address, mappings())
         with self._lock:
-            self._host_ranges = list(merged([*self._host_ranges, (address, address + nbytes)]))
+            if overlap(self._host_ranges, ((address, address + nbytes),)):
+                self.violations.append(f"host memory at {address:#x} registered twice")
+                return False
+            self._registrations[address] = _Registration(address + nbytes, backing)
+            self._host_ranges = merged((start, r.end) for start, r in self._registrations.items())
             self.registered_bytes += nbytes
         return True
 
     def unregister_host(self, address: int) -> None:
+        mapped = mappings()
         with self._lock:
-            for index, (start, end) in enumerate(self._host_ranges):
-                if start <= address < end:
-                    self.registered_bytes -= end - address
-                    if start < address:
-                        self._host_ranges[index] = (start, address)
-                    else:
-                        del self._host_ranges[index]
-                    return
+            registration = self._registrations.pop(address, None)
+            if registration is None:
+                self.violations.append(f"unregistering {address:#x}, where no registration "
+                                       "starts")
+                return
+            if not registration.still_mapped(address, address, mapped):
+                self.violations.append(f"host memory registered at {address:#x} was unmapped "
+                                       "before it was unregistered")
+            self._host_ranges = merged((start, r.end) for start, r in self._registrations.items())
+            self.registered_bytes -= registration.end - address
+
+    def _check_still_mapped(self, host_side: Ranges) -> None:
+        """Every registration of a file's pages a copy goes through still holds the pages
+        registered (``/proc/self/maps`` is read only then: anonymous memory cannot be told
+        apart from a later mapping at its address anyway)."""
+        with self._lock:
+            through = [
+                (start, registration, max(start, low))
+                for start, registration in self._registrations.items()
+                if registration.backing is not None and registration.backing[0]
+                for low, high in host_side
+                if start < high and low < registration.end
+            ]
+        if not through:
+            return
+        mapped = mappings()
+        for start, registration, address in through:
+            if not registration.still_mapped(start, address, mapped):
+                with self._lock:
+                    self.violations.append(
+                        f"a copy through the registration at {start:#x}, whose memory was "
+                        "unmapped since (the device would move the pages it locked then)")
+                return
 
     def bind_thread(self) -> None:
         with self._lock:

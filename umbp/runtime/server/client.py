@@ -48,6 +48,7 @@ from umbp.runtime.contract import (
     StoreRefused,
     StoreUnavailable,
     TierAware,
+    WatchesLentMemory,
     WorkerStore,
 )
 from umbp.runtime.host_memory import byte_views
@@ -298,11 +299,11 @@ class ServerStore(ClosesOnExit):
 
     # --------------------------------------------------------- copies in place
 
-    def lent_memory(self) -> npt.NDArray[np.uint8]:
-        """The server's shared pool, as this client maps it, in pages: loans and
-        reservations lie in it (connects first if needed; raises `StoreUnavailable`)."""
-        connection = self._link.current()
-        return _page_rows(connection)
+    def watch_lent_memory(self, watcher: WatchesLentMemory) -> None:
+        """`watcher` hears of the server's pool as this client maps it, now if connected,
+        and again after every reconnection (a restarted server's pool is a new mapping),
+        and of each mapping's end once no loan or reservation in it is left."""
+        self._link.watch_mappings(watcher)
 
     def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects:
         """Pin the objects under `keys` in the server's DRAM (one BEGIN_GET, as a get

@@ -8,7 +8,10 @@ a server this client is no longer connected to; the failing exchange raises
 `reconnect_interval_s`; in between, exchanges fail at once instead of hammering a server
 that is down. When a server (the same one, or a restarted one with a new pool) answers
 again, the link maps its pool, repeats its greetings (what a new server must hear, such
-as the namespaces this client registered) and carries on by itself.
+as the namespaces this client registered) and carries on by itself. Whoever watches the
+memory loans lie in (`watch_mappings`: a GPU worker registering it with its copy engines)
+hears of each mapping before anything in it is lent, and of its end once nothing in it is
+(after the socket's last copy, before the mapping can be unmapped).
 
 Thread-safe: one lock serialises the socket (a request and its answer are one critical
 section); copies into and out of the pool run outside it, inside `Connection.copying()`.
@@ -28,7 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from umbp.runtime.contract import StoreUnavailable
+from umbp.runtime.contract import StoreUnavailable, WatchesLentMemory
+from umbp.runtime.registered_memory import buffer_address
 from umbp.runtime.server import protocol
 from umbp.runtime.server.shm import SharedPool, map_shared_pool
 
@@ -47,7 +51,8 @@ class Connection:
     Copies into or out of the pool run inside `copying()`. Dropping the connection while
     a copy runs defers closing the socket until that copy ends: the server releases a
     connection's reservations and pins only when it sees the socket close, so no page can
-    be handed to someone else while this client may still touch it.
+    be handed to someone else while this client may still touch it. The mapping's
+    watchers hear of its end then too: no loan or reservation in it is left.
     """
 
     def __init__(
@@ -62,6 +67,13 @@ class Connection:
         self._guard = threading.Lock()
         self._copies = 0
         self._dropped = False
+        self._watchers: list[WatchesLentMemory] = []
+
+    def watch(self, watcher: WatchesLentMemory) -> None:
+        """Tell `watcher` of the mapping now (`mapped`) and of its end (`unmapping`). Called
+        under the link's lock, so the connection cannot be dropped meanwhile."""
+        self._watchers.append(watcher)
+        watcher.mapped(buffer_address(self.pool.view), self.pool.nbytes)
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[memoryview]:
@@ -85,7 +97,7 @@ class Connection:
             self._copies -= 1
             close_now = self._dropped and self._copies == 0
         if close_now:
-            self.sock.close()
+            self._close()
 
     def drop(self) -> None:
         """Close now, or when the last copy in flight ends. The mapping is never closed
@@ -94,6 +106,20 @@ class Connection:
             self._dropped = True
             close_now = self._copies == 0
         if close_now:
+            self._close()
+
+    def _close(self) -> None:
+        """The last use of the connection ended: its socket closes, and its mapping's
+        watchers let go of the memory before anything can unmap it."""
+        address = buffer_address(self.pool.view)
+        try:
+            for watcher in self._watchers:
+                try:
+                    watcher.unmapping(address)
+                except Exception:  # one watcher's failure must not keep the pins
+                    logger.exception("umbp: a watcher of the pool's mapping failed")
+        finally:
+            self._watchers = []
             self.sock.close()
 
 
@@ -113,6 +139,7 @@ class ServerLink:
         self._last_attempt = float("-inf")
         self._closed = False
         self._greetings: dict[str, tuple[int, Any]] = {}
+        self._watchers: list[WatchesLentMemory] = []
 
     @property
     def endpoint(self) -> str:
@@ -127,6 +154,14 @@ class ServerLink:
         with self._lock:
             self._closed = True
             self._disconnect_locked()
+
+    def watch_mappings(self, watcher: WatchesLentMemory) -> None:
+        """`watcher` hears of the pool mapped now, if any, and of every later one
+        (`WatchesLentMemory`)."""
+        with self._lock:
+            self._watchers.append(watcher)
+            if self._connection is not None:
+                self._connection.watch(watcher)
 
     def greet_with(self, name: str, op: int, request: Any) -> None:
         """Send `request` on every new connection, right after HELLO (the latest one
@@ -295,6 +330,8 @@ class ServerLink:
                 except ServerRefused as error:  # the server lives; the greeting was wrong
                     logger.warning("umbp: server at %s refused a greeting: %s",
                                    self._endpoint, error)
+            for watcher in self._watchers:
+                connection.watch(watcher)
         except BaseException:
             connection.drop()
             raise

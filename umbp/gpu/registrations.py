@@ -1,0 +1,63 @@
+"""Host memory registered with a device (page-locked, so that its copy engines move the
+bytes directly), kept by the mapping it lies in.
+
+A registration must end before its memory is unmapped: CUDA keeps the pages it locked,
+and a later mapping at the same address would be copied to and from those old pages.
+The worker's staging area lives as long as the worker; a store's lent memory (the
+embedded pool's slab, a server's shared pool) is followed through the store
+(`WatchesLentMemory`): a restarted server's new pool is registered when it is mapped,
+and the old one unregistered once no loan or reservation in it is left.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from umbp.gpu.device import Device
+
+__all__ = ["REGISTER_CHUNK_BYTES", "HostRegistrations"]
+
+REGISTER_CHUNK_BYTES = 32 << 30
+"""Host memory is registered in pieces of at most this (drivers limit one registration's
+size)."""
+
+
+class HostRegistrations:
+    """The host ranges registered with `device`, by mapping (`WatchesLentMemory`).
+    Thread-safe: a store tells of its mappings from whichever thread (re)connects."""
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._lock = threading.Lock()
+        self._pieces: dict[int, list[int]] = {}  # mapping's address -> pieces registered
+        self._closed = False
+
+    def mapped(self, address: int, nbytes: int) -> None:
+        """Register `[address, address + nbytes)`, in pieces; a device that refuses (or
+        needs nothing) leaves the rest unregistered: its copies still work, slower."""
+        with self._lock:
+            if self._closed or address in self._pieces:
+                return
+            pieces = self._pieces[address] = []
+            for start in range(address, address + nbytes, REGISTER_CHUNK_BYTES):
+                if not self._device.register_host(
+                    start, min(REGISTER_CHUNK_BYTES, address + nbytes - start)
+                ):
+                    return
+                pieces.append(start)
+
+    def unmapping(self, address: int) -> None:
+        """Unregister the mapping at `address` (nothing when it was not registered)."""
+        with self._lock:
+            pieces = self._pieces.pop(address, [])
+            for start in pieces:
+                self._device.unregister_host(start)
+
+    def close(self) -> None:
+        """Unregister everything (once every copy finished); later mappings are ignored."""
+        with self._lock:
+            self._closed = True
+            for pieces in self._pieces.values():
+                for start in pieces:
+                    self._device.unregister_host(start)
+            self._pieces.clear()
