@@ -11,11 +11,14 @@ and the old one unregistered once no loan or reservation in it is left.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from umbp.gpu.device import Device
 
 __all__ = ["REGISTER_CHUNK_BYTES", "HostRegistrations"]
+
+logger = logging.getLogger("umbp")
 
 REGISTER_CHUNK_BYTES = 32 << 30
 """Host memory is registered in pieces of at most this (drivers limit one registration's
@@ -39,12 +42,16 @@ class HostRegistrations:
             if self._closed or address in self._pieces:
                 return
             pieces = self._pieces[address] = []
+            registered = 0
             for start in range(address, address + nbytes, REGISTER_CHUNK_BYTES):
-                if not self._device.register_host(
-                    start, min(REGISTER_CHUNK_BYTES, address + nbytes - start)
-                ):
-                    return
+                size = min(REGISTER_CHUNK_BYTES, address + nbytes - start)
+                if not self._device.register_host(start, size):
+                    break
                 pieces.append(start)
+                registered += size
+            if registered:  # an operator sees a restarted server's pool taken up
+                logger.info("umbp: %d MiB of host memory at %#x registered with %s",
+                            registered >> 20, address, self._device.name)
 
     def unmapping(self, address: int) -> None:
         """Unregister the mapping at `address` (nothing when it was not registered)."""
@@ -52,6 +59,9 @@ class HostRegistrations:
             pieces = self._pieces.pop(address, [])
             for start in pieces:
                 self._device.unregister_host(start)
+            if pieces:
+                logger.info("umbp: host memory at %#x unregistered from %s (unmapped next)",
+                            address, self._device.name)
 
     def close(self) -> None:
         """Unregister everything (once every copy finished); later mappings are ignored."""
