@@ -102,8 +102,8 @@ def test_engines_in_separate_processes_share_the_server_and_only_same_layouts_me
 def test_server_killed_while_the_engine_runs_then_back_offloading_resumes(
     llama_fp32: str, server: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
-    options = _connector(server, reconnect_interval_s=0.2, io_timeout_s=1.0,
-                         lookup_timeout_s=1.0)
+    options = _connector(server, reconnect_interval_s=0.2, io_timeout_s=2.0,
+                         lookup_timeout_s=2.0)  # a killed server refuses at once: no wait
     steps = ["generate", "reset", "server_kill", "stats", "generate", "reset", "server_start",
              "wait_reconnect", "generate", "stats", "reset", "generate", "server_stats",
              "stats"]
@@ -125,7 +125,9 @@ def test_server_killed_while_the_engine_runs_then_back_offloading_resumes(
 def test_server_stalled_requests_keep_completing_within_the_timeouts(
     llama_fp32: str, server: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
-    options = _connector(server, io_timeout_s=0.5, lookup_timeout_s=0.5,
+    # Timeouts well above the machine's usual pauses: after SIGCONT, a lookup or load that
+    # timed out would miss, and fail the hits asserted below (0.5 s left little room).
+    options = _connector(server, io_timeout_s=2.0, lookup_timeout_s=2.0,
                          reconnect_interval_s=0.2)
     steps = ["generate", "reset", "stats", "server_stop", "generate", "server_cont", "stats",
              "wait_reconnect", "reset", "generate", "stats"]

@@ -62,7 +62,7 @@ def scheduler_store(
             assert all(pool.put_batch(keys, [memoryview(b"x")] * len(keys)))
             if rank == unserved:
                 continue
-            store = connect_to_pool(embedded.address, timeout_s=1.0)
+            store = connect_to_pool(embedded.address, timeout_s=5.0)  # never waited out
             assert isinstance(store, HashLookup)
             stores[tag] = StringsOnly(store) if rank in string_ranks else store
         yield RankedLookup(stores)
