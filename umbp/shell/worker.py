@@ -87,6 +87,7 @@ transfers are pending, holding the GIL that the transfer threads need between th
 copies: a 64 MiB restore took ~1 s on an otherwise idle engine. Waiting here releases
 it; a transfer that finishes ends the wait at once."""
 
+
 class UMBPWorker:
     def __init__(
         self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, *,
