@@ -228,6 +228,41 @@ def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
         stop_server(second, server.socket_path)
 
 
+def test_a_server_stalled_at_start_has_its_pool_registered_once_it_answers(
+    make_cuda: Callable[..., CudaDriver], server: Any
+) -> None:
+    """``umbp serve`` stopped (SIGSTOP) while the engine starts: the engine starts without
+    its pool (nothing to register yet); once the server answers, the worker's first
+    connection maps the pool and registers it before copying into it, so stores and
+    restores copy registered memory only (before, it stayed pageable until the engine
+    restarted)."""
+    import os
+    import signal
+
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+                                  "load_async": False, "io_timeout_s": 1.0,
+                                  "lookup_timeout_s": 1.0, "reconnect_interval_s": 0.01})
+        assert driver.fake.registered_bytes == 0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    link = driver.worker.worker._store._link
+    for attempt in range(5):  # a call may still find the connection of the stall broken
+        driver.fill_pool(f"probe-{attempt}", prompt(2, seed=20 + attempt))
+        if link.connected_server() is not None:
+            break
+    else:
+        raise AssertionError("the worker never connected to the continued server")
+    tokens = prompt(4, seed=6)
+    driver.fill_pool("a", tokens)
+    restore(driver, tokens, "b", load_async=False)
+    driver.settle()
+    assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
+    assert driver.fake.registered_bytes == 16 << 20  # the server's pool
+    assert driver.fake.violations == []
+
+
 def test_stores_wait_for_the_forward_pass_and_the_sampled_tokens(
     make_cuda: Callable[..., CudaDriver],
 ) -> None:
