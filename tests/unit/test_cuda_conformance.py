@@ -185,6 +185,18 @@ def test_a_server_lends_and_reserves_its_shared_memory_on_a_lane(
     assert driver.fake.violations == []
 
 
+def fill_until_connected(driver: CudaDriver, seed: int, server_pid: int | None = None) -> None:
+    """Store small prompts until the worker's link is connected (to `server_pid`'s server
+    when given): the first calls after a kill or a stall may find the link broken."""
+    link = driver.worker.worker._store._link
+    for attempt in range(5):
+        driver.fill_pool(f"probe-{seed}-{attempt}", prompt(2, seed=seed + attempt))
+        connected = link.connected_server()
+        if connected is not None and server_pid in (None, connected[1]):
+            return
+    raise AssertionError("the worker never connected to the server")
+
+
 def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
     make_cuda: Callable[..., CudaDriver], server: Any, tmp_path: Path
 ) -> None:
@@ -200,7 +212,6 @@ def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
 
     driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
                               "load_async": False, "reconnect_interval_s": 0.01})
-    link = driver.worker.worker._store._link
     driver.fill_pool("a", prompt(4))
     assert driver.fake.registered_bytes == 16 << 20  # the first server's pool
     os.kill(server.pid, signal.SIGKILL)
@@ -208,13 +219,7 @@ def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
     second = start_server(server.socket_path, 32 << 20, page_bytes=4096,
                           log_path=str(tmp_path / "second.log"))
     try:
-        for attempt in range(5):  # the first store after the kill finds the link broken
-            driver.fill_pool(f"probe-{attempt}", prompt(2, seed=10 + attempt))
-            connected = link.connected_server()
-            if connected is not None and connected[1] == second.pid:
-                break
-        else:
-            raise AssertionError("the worker never reconnected to the restarted server")
+        fill_until_connected(driver, seed=10, server_pid=second.pid)
         tokens = prompt(4, seed=5)
         driver.fill_pool("c", tokens)
         restore(driver, tokens, "d", load_async=False)
@@ -247,13 +252,7 @@ def test_a_server_stalled_at_start_has_its_pool_registered_once_it_answers(
         assert driver.fake.registered_bytes == 0
     finally:
         os.kill(server.pid, signal.SIGCONT)
-    link = driver.worker.worker._store._link
-    for attempt in range(5):  # a call may still find the connection of the stall broken
-        driver.fill_pool(f"probe-{attempt}", prompt(2, seed=20 + attempt))
-        if link.connected_server() is not None:
-            break
-    else:
-        raise AssertionError("the worker never connected to the continued server")
+    fill_until_connected(driver, seed=20)
     tokens = prompt(4, seed=6)
     driver.fill_pool("a", tokens)
     restore(driver, tokens, "b", load_async=False)

@@ -56,18 +56,19 @@ class HostRegistrations:
     def unmapping(self, address: int) -> None:
         """Unregister the mapping at `address` (nothing when it was not registered)."""
         with self._lock:
-            pieces = self._pieces.pop(address, [])
-            for start in pieces:
-                self._device.unregister_host(start)
-            if pieces:
-                logger.info("umbp: host memory at %#x unregistered from %s (unmapped next)",
-                            address, self._device.name)
+            self._unregister_locked(address)
 
     def close(self) -> None:
         """Unregister everything (once every copy finished); later mappings are ignored."""
         with self._lock:
             self._closed = True
-            for pieces in self._pieces.values():
-                for start in pieces:
-                    self._device.unregister_host(start)
-            self._pieces.clear()
+            for address in list(self._pieces):
+                self._unregister_locked(address)
+
+    def _unregister_locked(self, address: int) -> None:
+        pieces = self._pieces.pop(address, [])
+        for start in pieces:
+            self._device.unregister_host(start)
+        if pieces:
+            logger.info("umbp: host memory at %#x unregistered from %s (unmapped next)",
+                        address, self._device.name)

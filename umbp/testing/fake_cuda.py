@@ -200,7 +200,6 @@ class FakeCuda:
         self._bound: set[int] = set()
         self._host_lane: Lane | None = None
         self.violations: list[str] = []
-        self.registered_bytes = 0
         self.copies: list[Op] = []
         self.model_thread_syncs = 0
 
@@ -292,8 +291,7 @@ class FakeCuda:
                 self.violations.append(f"host memory at {address:#x} registered twice")
                 return False
             self._registrations[address] = _Registration(address + nbytes, backing)
-            self._host_ranges = merged((start, r.end) for start, r in self._registrations.items())
-            self.registered_bytes += nbytes
+            self._host_ranges = self._registered_ranges()
         return True
 
     def unregister_host(self, address: int) -> None:
@@ -307,8 +305,15 @@ class FakeCuda:
             if not registration.still_mapped(address, address, mapped):
                 self.violations.append(f"host memory registered at {address:#x} was unmapped "
                                        "before it was unregistered")
-            self._host_ranges = merged((start, r.end) for start, r in self._registrations.items())
-            self.registered_bytes -= registration.end - address
+            self._host_ranges = self._registered_ranges()
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(r.end - start for start, r in self._registrations.items())
+
+    def _registered_ranges(self) -> Ranges:
+        return merged((start, r.end) for start, r in self._registrations.items())
 
     def _check_still_mapped(self, host_side: Ranges) -> None:
         """Every registration of a file's pages a copy goes through still holds the pages

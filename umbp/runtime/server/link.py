@@ -64,6 +64,8 @@ class Connection:
         """The server's page: regions start on one, an object's pages are its regions'."""
         self.server_id = server_id
         self.server_pid = pid
+        self.address = buffer_address(pool.view)
+        """Where the pool lies in this process: what the mapping's watchers are told."""
         self._guard = threading.Lock()
         self._copies = 0
         self._dropped = False
@@ -73,7 +75,7 @@ class Connection:
         """Tell `watcher` of the mapping now (`mapped`) and of its end (`unmapping`). Called
         under the link's lock, so the connection cannot be dropped meanwhile."""
         self._watchers.append(watcher)
-        watcher.mapped(buffer_address(self.pool.view), self.pool.nbytes)
+        watcher.mapped(self.address, self.pool.nbytes)
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[memoryview]:
@@ -111,11 +113,10 @@ class Connection:
     def _close(self) -> None:
         """The last use of the connection ended: its socket closes, and its mapping's
         watchers let go of the memory before anything can unmap it."""
-        address = buffer_address(self.pool.view)
         try:
             for watcher in self._watchers:
                 try:
-                    watcher.unmapping(address)
+                    watcher.unmapping(self.address)
                 except Exception:  # one watcher's failure must not keep the pins
                     logger.exception("umbp: a watcher of the pool's mapping failed")
         finally:
