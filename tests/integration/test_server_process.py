@@ -35,6 +35,7 @@ from umbp.runtime.server import (
 )
 from umbp.runtime.server.launch import serve_command
 from umbp.runtime.ssd.format import SLOT_FILE_NAME
+from umbp.testing.faults import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -115,22 +116,6 @@ def wait_until(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
-
-
-def stop(pid: int) -> None:
-    """SIGSTOP, and wait until every thread is stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    tasks = Path(f"/proc/{pid}/task")
-
-    def stopped() -> bool:
-        try:
-            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                      for task in tasks.iterdir()]
-        except FileNotFoundError:
-            return False  # a thread went away while we looked
-        return all(state in ("T", "t") for state in states)
-
-    assert wait_until(stopped, 10.0)
 
 
 def shm_path(store: ServerStore) -> str:
@@ -354,7 +339,7 @@ def test_a_stalled_server_costs_at_most_the_io_timeout(servers: Servers) -> None
     store = ServerStore(servers.socket, io_timeout_s=timeout, reconnect_interval_s=0.0)
     try:
         assert store.put_batch(["a"], [data[0]]) == (True,)
-        stop(process.pid)
+        stop_process(process.pid)
         try:
             started = time.monotonic()
             with pytest.raises(StoreUnavailable):
@@ -619,9 +604,13 @@ def test_umbp_stats_prints_a_table_and_json(servers: Servers) -> None:
 
 
 def test_start_server_reports_a_server_that_dies_with_its_log(servers: Servers) -> None:
-    with pytest.raises(ServerStartError, match="capacity"):
-        start_server(servers.socket, 100, page_bytes=4096, wait_s=30.0,
-                     log_path=str(servers.directory / "failed.log"))
+    """Its log lies beside its socket unless named, and the error quotes it."""
+    with pytest.raises(ServerStartError, match="capacity") as failed:
+        start_server(servers.socket, 100, page_bytes=4096, wait_s=30.0)
+    log = servers.socket + ".log"
+    assert f"log {log}:" in str(failed.value)
+    assert "capacity" in Path(log).read_text()
+    assert Path(log).stat().st_mode & 0o077 == 0  # it names the pool's file
     servers.start(1 * MIB)
     with pytest.raises(ServerStartError, match="already answers"):
         start_server(servers.socket, 1 * MIB, page_bytes=4096, wait_s=30.0,

@@ -28,8 +28,14 @@ import pytest
 from tests.integration.harness import server_events
 from umbp.runtime.contract import LoadStatus
 from umbp.runtime.server import ServerStore
-from umbp.runtime.server.launch import server_reachable, start_server, stop_server
+from umbp.runtime.server.launch import (
+    ServerStartError,
+    server_reachable,
+    start_server,
+    stop_server,
+)
 from umbp.runtime.ssd.format import RECORD_BYTES, SLOT_FILE_NAME, SUPERBLOCK_BYTES
+from umbp.testing.faults import stop_process
 from umbp.testing.tmpfs import CannotMount, small_tmpfs
 
 pytestmark = pytest.mark.integration
@@ -80,17 +86,6 @@ def read_back(store: ServerStore, keys: list[str], size: int) -> list[tuple[Load
 # ------------------------------------------------------- who serves at a path
 
 
-def _stop_process(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T":
-            return
-        time.sleep(0.01)
-    raise AssertionError("the server did not stop")
-
-
 def test_a_second_serve_never_clobbers_a_stopped_server_with_a_full_backlog(
     workdir: Path,
 ) -> None:
@@ -103,7 +98,7 @@ def test_a_second_serve_never_clobbers_a_stopped_server_with_a_full_backlog(
         with ServerStore(path) as store:
             assert store.put_batch(["kept"], [payload(1, 9000)]) == (True,)
             pool_file = store.server_stats()["server"]["shm_path"]
-        _stop_process(live.pid)
+        stop_process(live.pid)
         while len(backlog) < 1000:  # fill the backlog until connect would block
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
@@ -250,6 +245,24 @@ def test_directories_others_can_write_are_refused_unless_sticky(workdir: Path) -
     path = str(sticky / "umbp.sock")
     server = start_server(path, 1 * MIB, page_bytes=4096, log_path=str(workdir / "s.log"))
     stop_server(server, path)
+
+
+def test_a_servers_log_is_never_followed_or_shared(workdir: Path) -> None:
+    """The log names the pool's file: a symbolic link or a log others may read is
+    refused before any server starts, and the error names it."""
+    path = str(workdir / "umbp.sock")
+    target = workdir / "elsewhere.log"
+    link = workdir / "link.log"
+    link.symlink_to(target)
+    with pytest.raises(ServerStartError, match="is a symbolic link"):
+        start_server(path, 1 * MIB, page_bytes=4096, log_path=str(link))
+    assert not target.exists()
+    shared = workdir / "shared.log"
+    shared.write_text("")
+    shared.chmod(0o644)
+    with pytest.raises(ServerStartError, match="open to other users"):
+        start_server(path, 1 * MIB, page_bytes=4096, log_path=str(shared))
+    assert not server_reachable(path, 1.0)
 
 
 # ------------------------------------------------------------ another user

@@ -115,7 +115,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
     """Start a detached server unless another process of this node just did: every
     worker and the scheduler of every engine may race here, so the check and the
     start happen under one lock file beside the socket."""
-    from umbp.runtime.server.launch import probe_server, start_server
+    from umbp.runtime.server.launch import probe_server, server_log_path, start_server
     from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
     try:
@@ -128,7 +128,7 @@ def _auto_start_server(config: ConnectorConfig, endpoint: str) -> None:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         if probe_server(endpoint, config.io_timeout_s).listening:  # another just started one
             return
-        log_path = endpoint + ".log"
+        log_path = server_log_path(endpoint)
         logger.warning("umbp: no server at %s; starting one (auto_start), log in %s",
                        endpoint, log_path)
         try:

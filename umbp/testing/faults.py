@@ -8,6 +8,8 @@ done here, so no production module carries a test-only code path.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from umbp.runtime.ssd.format import (
     read_geometry,
 )
 
-__all__ = ["flip_pool_objects", "flip_stored_bytes"]
+__all__ = ["flip_pool_objects", "flip_stored_bytes", "stop_process"]
 
 
 def flip_pool_objects(pool: SlabPool, keys: Iterable[str]) -> int:
@@ -63,3 +65,24 @@ def flip_stored_bytes(directory: str | os.PathLike[str]) -> int:
         return flipped
     finally:
         os.close(descriptor)
+
+
+def stop_process(pid: int, wait_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped: delivery is
+    asynchronous, and a thread still running could answer the request meant to find the
+    process stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + wait_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {wait_s:g} s")
+        time.sleep(0.01)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for task in Path(f"/proc/{pid}/task").iterdir()]
+    except FileNotFoundError:
+        return False  # a thread went away while we looked
+    return all(state in ("T", "t") for state in states)

@@ -9,19 +9,19 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umbp.runtime.private_files import UnsafePath, open_private_file, prepare_directory
 from umbp.runtime.server import protocol
 from umbp.runtime.server.server import DEFAULT_PAGE_BYTES
 
 __all__ = [
-    "Probe", "ServerStartError", "probe_server", "server_reachable", "start_server",
-    "stop_server",
+    "Probe", "ServerStartError", "probe_server", "server_log_path", "server_reachable",
+    "start_server", "stop_server",
 ]
 
 _POLL_S = 0.05
@@ -138,13 +138,15 @@ def start_server(
 ) -> subprocess.Popen[bytes]:
     """Spawn `umbp serve` and return once it answers at `socket_path`.
 
-    Its output goes to `log_path` (appended), or to a temporary file. `detach=True` starts
-    it in a session of its own, so that it outlives the caller and its terminal's
-    signals. `extra_args`: further `umbp serve` options (quotas, metrics...). Raises
-    `ServerStartError` with the log's tail when the server exits, or goes `wait_s`
-    without answering and without logging anything (it is then killed): a server
-    allocating a large DRAM tier logs its progress every second, and is waited for as
-    long as it does.
+    Its output is appended to `log_path`, by default `server_log_path(socket_path)`
+    (beside the socket, where its operator looks and whatever cleans the socket's
+    directory finds it). `detach=True` starts it in a session of its own, so that it
+    outlives the caller and its terminal's signals. `extra_args`: further `umbp serve`
+    options (quotas, metrics...). Raises `ServerStartError` with the log's tail when the
+    server exits, or goes `wait_s` without answering and without logging anything (it is
+    then killed): a server allocating a large DRAM tier logs its progress every second,
+    and is waited for as long as it does; and, naming the problem, before starting
+    anything when the log is a symbolic link or open to other users.
     """
     if server_reachable(socket_path, timeout_s=1.0):
         raise ServerStartError(f"a umbp server already answers at {socket_path}")
@@ -155,7 +157,8 @@ def start_server(
         persist_on_exit=persist_on_exit, max_connections=max_connections,
         frame_timeout_s=frame_timeout_s, extra_args=extra_args,
     )
-    log_fd, log_name = _open_log(log_path)
+    log_name = server_log_path(socket_path) if log_path is None else log_path
+    log_fd = _open_log(log_name)
     try:
         process = subprocess.Popen(
             command,
@@ -171,12 +174,21 @@ def start_server(
     return process
 
 
-def _open_log(log_path: str | None) -> tuple[int, str]:
-    """(descriptor, name) of the server's log: `log_path` appended to, owner-only (it
-    names the pool's file), or a fresh temporary file."""
-    if log_path is None:
-        return tempfile.mkstemp(prefix="umbp-serve-", suffix=".log")
-    return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), log_path
+def _open_log(log_name: str) -> int:
+    """The log appended to, owner-only (it names the pool's file), its directory made
+    as the server makes its socket's."""
+    try:
+        prepare_directory(os.path.dirname(log_name) or ".", "server log directory")
+        return open_private_file(log_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                 "server log")
+    except (UnsafePath, OSError) as error:
+        raise ServerStartError(f"umbp serve was not started: {error}") from None
+
+
+def server_log_path(socket_path: str) -> str:
+    """Where a server started for `socket_path` logs unless told otherwise (owner-only:
+    the log names the pool's file)."""
+    return socket_path + ".log"
 
 
 def _child_environment() -> dict[str, str]:
