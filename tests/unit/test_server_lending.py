@@ -13,6 +13,7 @@ import pytest
 
 from umbp.runtime.contract import LoadStatus, StoreUnavailable
 from umbp.runtime.server.client import ServerStore
+from umbp.testing.faults import stop_process
 
 PAGE = 4096  # the `server` fixture's page
 
@@ -115,6 +116,9 @@ def test_a_server_killed_under_a_loan_loses_nothing_of_the_client(
     assert store.put_batch(["a"], [content(7, 100)]) == (True,)
     loan = store.lend(["a"], 100)
     reservation = store.reserve(["b"], 100)
+    watcher = Watcher()
+    store.watch_lent_memory(watcher)
+    ((_, address, _),) = watcher.heard
     server.send_signal(signal.SIGKILL)
     server.wait()
     assert loan.verify() == (LoadStatus.HIT,)
@@ -122,6 +126,9 @@ def test_a_server_killed_under_a_loan_loses_nothing_of_the_client(
     assert reservation.commit([True]) == (False,)
     with pytest.raises(StoreUnavailable):
         store.lend(["a"], 100)
+    # A dead server's pool is let go of at once (nothing of it is lent any more), so
+    # that its memory is not held until a new server answers.
+    assert watcher.heard[1:] == [("unmapping", address, 0)]
 
 
 class Watcher:
@@ -177,6 +184,43 @@ def test_a_watcher_hears_of_each_pool_mapped_and_of_the_old_ones_end_after_its_l
     finally:
         store.close()
         stop_server(second_server, server.socket_path)
+
+
+def test_a_server_that_was_only_slow_keeps_its_pool_mapped_across_the_reconnection(
+    server: Any,
+) -> None:
+    """A timed-out exchange drops the connection, but the server may be alive: when the
+    same server answers the reconnection, its pool is taken up as it was, not mapped (and,
+    on a GPU, registered) a second time; a loan made before goes on in it. Letting go
+    comes once no connection holds it, at close."""
+    import signal
+
+    watcher = Watcher()
+    store = ServerStore(server.socket_path, io_timeout_s=0.5, reconnect_interval_s=0.01)
+    store.watch_lent_memory(watcher)
+    try:
+        assert store.put_batch(["a"], [content(10, 100)]) == (True,)
+        ((_, address, nbytes),) = watcher.heard
+        loan = store.lend(["a"], 100)
+        stop_process(server.pid)
+        try:
+            with pytest.raises(StoreUnavailable, match="TimeoutError"):
+                store.lookup(["a"])
+        finally:
+            server.send_signal(signal.SIGCONT)
+        assert store.put_batch(["b"], [content(11, 100)]) == (True,)  # reconnected
+        again = store.lend(["b"], 100)
+        assert address <= int(again.memory.ctypes.data) < address + nbytes
+        (pages,) = again.pages
+        assert pages is not None and object_bytes(again.memory, pages, 100) == content(11, 100)
+        assert again.verify() == (LoadStatus.HIT,)
+        again.release()
+        loan.release()  # its connection's end: the link still holds the mapping
+        assert watcher.heard == [("mapped", address, nbytes)]
+        store.close()
+        assert watcher.heard[1:] == [("unmapping", address, 0)]
+    finally:
+        store.close()
 
 
 def test_a_watcher_added_while_connected_hears_of_the_pool_at_once(store: ServerStore) -> None:

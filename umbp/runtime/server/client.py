@@ -300,9 +300,10 @@ class ServerStore(ClosesOnExit):
     # --------------------------------------------------------- copies in place
 
     def watch_lent_memory(self, watcher: WatchesLentMemory) -> None:
-        """`watcher` hears of the server's pool as this client maps it, now if connected,
-        and again after every reconnection (a restarted server's pool is a new mapping),
-        and of each mapping's end once no loan or reservation in it is left."""
+        """`watcher` hears of the server's pool as this client maps it, now if mapped, and
+        again after a reconnection to another server (a restarted server's pool is a new
+        mapping; the same server's, after a timeout, is still the one it heard of), and
+        of each mapping's end once no loan or reservation in it is left."""
         self._link.watch_mappings(watcher)
 
     def lend(self, keys: Sequence[str], nbytes: int) -> LentObjects:

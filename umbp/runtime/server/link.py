@@ -1,17 +1,26 @@
 """The client's link to a `umbp serve` process: one connection and the pool mapping it
 announced, reconnects, and request/answer exchanges within a timeout.
 
-Failure semantics: any socket error, timeout or protocol error drops the connection *and*
-the mapping that came with it, so nothing is ever read from or written into the pool of
-a server this client is no longer connected to; the failing exchange raises
-`StoreUnavailable` within `io_timeout_s`. A new connection is tried at most once per
-`reconnect_interval_s`; in between, exchanges fail at once instead of hammering a server
-that is down. When a server (the same one, or a restarted one with a new pool) answers
-again, the link maps its pool, repeats its greetings (what a new server must hear, such
-as the namespaces this client registered) and carries on by itself. Whoever watches the
-memory loans lie in (`watch_mappings`: a GPU worker registering it with its copy engines)
-hears of each mapping before anything in it is lent, and of its end once nothing in it is
-(after the socket's last copy, before the mapping can be unmapped).
+Failure semantics: any socket error, timeout or protocol error drops the connection, so
+nothing is ever read from or written into the pool through a connection the server no
+longer honours (it released that connection's pins and reservations); the failing
+exchange raises `StoreUnavailable` within `io_timeout_s`. A new connection is tried at
+most once per `reconnect_interval_s`; in between, exchanges fail at once instead of
+hammering a server that is down. When a server answers again, the link repeats its
+greetings (what a new server must hear, such as the namespaces this client registered)
+and carries on by itself.
+
+The pool's mapping (`Mapping`) outlives a connection dropped on a timeout: the server
+may only have been slow, and mapping a large pool anew (its page tables, and a GPU
+worker's registration of it) costs seconds, so a reconnection to the same server (the
+same server id, pool file and size) takes it up again. Any other failure means the
+server is gone or is not the one expected (a dead server's socket is closed by the
+kernel, which the client sees as a reset or end of stream), and so does a reconnection
+that fails or reaches another server: then the link lets go of the old mapping at once,
+and it ends when the last connection using it does. Whoever watches the memory loans lie
+in (`watch_mappings`: a GPU worker registering it with its copy engines) hears of each
+mapping once, before anything in it is lent, and of its end once nothing in it is (after
+the last connection using it closed, before the mapping can be unmapped).
 
 Thread-safe: one lock serialises the socket (a request and its answer are one critical
 section); copies into and out of the pool run outside it, inside `Connection.copying()`.
@@ -36,7 +45,7 @@ from umbp.runtime.registered_memory import buffer_address
 from umbp.runtime.server import protocol
 from umbp.runtime.server.shm import SharedPool, map_shared_pool
 
-__all__ = ["Connection", "ServerLink", "Stale", "decode"]
+__all__ = ["Connection", "Mapping", "ServerLink", "Stale", "decode"]
 
 logger = logging.getLogger("umbp.server.client")
 
@@ -45,37 +54,74 @@ class Stale(Exception):
     """The connection a multi-step call started on is gone."""
 
 
+class Mapping:
+    """A server's pool mapped into this process, held by the connections to that server
+    and by the link while it may reconnect to it. Its watchers hear of it once, and of
+    its end when the last holder lets go (the views stay valid: CPython unmaps the pool
+    only when the last of them goes)."""
+
+    def __init__(self, pool: SharedPool, server_id: str) -> None:
+        self.pool = pool
+        self.server_id = server_id
+        self.address = buffer_address(pool.view)
+        """Where the pool lies in this process: what the watchers are told."""
+        self._guard = threading.Lock()
+        self._holders = 1
+        self._watchers: list[WatchesLentMemory] = []
+
+    def serves(self, hello: Any) -> bool:
+        """Is this the pool the server that said `hello` announces?"""
+        return (str(hello["server_id"]) == self.server_id
+                and str(hello["shm_path"]) == self.pool.path
+                and int(hello["shm_bytes"]) == self.pool.nbytes)
+
+    def watch(self, watcher: WatchesLentMemory) -> None:
+        """Tell `watcher` of the mapping now (`mapped`) and of its end (`unmapping`); only
+        by a holder, so the mapping has not ended."""
+        with self._guard:
+            self._watchers.append(watcher)
+        watcher.mapped(self.address, self.pool.nbytes)
+
+    def hold(self) -> Mapping:
+        with self._guard:
+            self._holders += 1
+        return self
+
+    def release(self) -> None:
+        """One holder lets go; the last one tells the watchers of the end."""
+        with self._guard:
+            self._holders -= 1
+            if self._holders > 0:
+                return
+            watchers, self._watchers = self._watchers, []
+        for watcher in watchers:
+            try:
+                watcher.unmapping(self.address)
+            except Exception:  # one watcher's failure must not keep the others' hold
+                logger.exception("umbp: a watcher of the pool's mapping failed")
+
+
 class Connection:
-    """One live connection and the pool mapping it announced: they live and die together.
+    """One live connection, holding the pool mapping the server announced.
 
     Copies into or out of the pool run inside `copying()`. Dropping the connection while
     a copy runs defers closing the socket until that copy ends: the server releases a
     connection's reservations and pins only when it sees the socket close, so no page can
-    be handed to someone else while this client may still touch it. The mapping's
-    watchers hear of its end then too: no loan or reservation in it is left.
+    be handed to someone else while this client may still touch it. The connection lets
+    go of the mapping then too: no loan or reservation of its is left in it.
     """
 
-    def __init__(
-        self, sock: socket.socket, pool: SharedPool, server_id: str, pid: int, page_bytes: int
-    ) -> None:
+    def __init__(self, sock: socket.socket, mapping: Mapping, pid: int, page_bytes: int) -> None:
         self.sock = sock
-        self.pool = pool
+        self.mapping = mapping
+        self.pool = mapping.pool
         self.page_bytes = page_bytes
         """The server's page: regions start on one, an object's pages are its regions'."""
-        self.server_id = server_id
+        self.server_id = mapping.server_id
         self.server_pid = pid
-        self.address = buffer_address(pool.view)
-        """Where the pool lies in this process: what the mapping's watchers are told."""
         self._guard = threading.Lock()
         self._copies = 0
         self._dropped = False
-        self._watchers: list[WatchesLentMemory] = []
-
-    def watch(self, watcher: WatchesLentMemory) -> None:
-        """Tell `watcher` of the mapping now (`mapped`) and of its end (`unmapping`). Called
-        under the link's lock, so the connection cannot be dropped meanwhile."""
-        self._watchers.append(watcher)
-        watcher.mapped(self.address, self.pool.nbytes)
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[memoryview]:
@@ -102,8 +148,7 @@ class Connection:
             self._close()
 
     def drop(self) -> None:
-        """Close now, or when the last copy in flight ends. The mapping is never closed
-        explicitly: CPython unmaps it when the last view of it goes."""
+        """Close now, or when the last copy in flight ends."""
         with self._guard:
             self._dropped = True
             close_now = self._copies == 0
@@ -111,16 +156,11 @@ class Connection:
             self._close()
 
     def _close(self) -> None:
-        """The last use of the connection ended: its socket closes, and its mapping's
-        watchers let go of the memory before anything can unmap it."""
+        """The last use of the connection ended: it lets go of the mapping (whose last
+        holder tells the watchers, before anything can unmap it), and its socket closes."""
         try:
-            for watcher in self._watchers:
-                try:
-                    watcher.unmapping(self.address)
-                except Exception:  # one watcher's failure must not keep the pins
-                    logger.exception("umbp: a watcher of the pool's mapping failed")
+            self.mapping.release()
         finally:
-            self._watchers = []
             self.sock.close()
 
 
@@ -141,6 +181,9 @@ class ServerLink:
         self._closed = False
         self._greetings: dict[str, tuple[int, Any]] = {}
         self._watchers: list[WatchesLentMemory] = []
+        self._mapping: Mapping | None = None
+        """The link's hold on the pool of the server it is (or, after a timeout, was)
+        connected to."""
 
     @property
     def endpoint(self) -> str:
@@ -154,15 +197,16 @@ class ServerLink:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._disconnect_locked()
+            self._drop_connection_locked()
+            self._let_go_of_mapping_locked()
 
     def watch_mappings(self, watcher: WatchesLentMemory) -> None:
         """`watcher` hears of the pool mapped now, if any, and of every later one
         (`WatchesLentMemory`)."""
         with self._lock:
             self._watchers.append(watcher)
-            if self._connection is not None:
-                self._connection.watch(watcher)
+            if self._mapping is not None:
+                self._mapping.watch(watcher)
 
     def greet_with(self, name: str, op: int, request: Any) -> None:
         """Send `request` on every new connection, right after HELLO (the latest one
@@ -301,6 +345,7 @@ class ServerLink:
         try:
             self._connection = self._connect(deadline)
         except (OSError, ValueError, KeyError, TypeError) as error:
+            self._let_go_of_mapping_unless_slow_locked(error)
             raise StoreUnavailable(self.describe(error)) from error
         return self._connection, True
 
@@ -317,13 +362,12 @@ class ServerLink:
             if op != protocol.OK:
                 raise protocol.ProtocolError(f"unexpected hello answer op {op}")
             hello = decode(body)
-            pool = map_shared_pool(str(hello["shm_path"]), int(hello["shm_bytes"]))
+            pid, page_bytes = int(hello["pid"]), int(hello["page_bytes"])
+            mapping = self._mapping_for_locked(hello)
         except BaseException:
             sock.close()
             raise
-        logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
-        connection = Connection(sock, pool, str(hello["server_id"]), int(hello["pid"]),
-                                int(hello["page_bytes"]))
+        connection = Connection(sock, mapping.hold(), pid, page_bytes)
         try:
             for op, request in self._greetings.values():
                 try:
@@ -331,20 +375,46 @@ class ServerLink:
                 except ServerRefused as error:  # the server lives; the greeting was wrong
                     logger.warning("umbp: server at %s refused a greeting: %s",
                                    self._endpoint, error)
-            for watcher in self._watchers:
-                connection.watch(watcher)
         except BaseException:
             connection.drop()
             raise
         return connection
 
+    def _mapping_for_locked(self, hello: Any) -> Mapping:
+        """The pool `hello` announces: still mapped when it is the one this link holds,
+        else mapped now (after letting go of the old one), its watchers told."""
+        if self._mapping is not None and self._mapping.serves(hello):
+            logger.info("umbp: connected to server %s (pid %s) again; its pool is still mapped",
+                        hello["server_id"], hello["pid"])
+            return self._mapping
+        self._let_go_of_mapping_locked()
+        pool = map_shared_pool(str(hello["shm_path"]), int(hello["shm_bytes"]))
+        logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
+        mapping = self._mapping = Mapping(pool, str(hello["server_id"]))
+        for watcher in self._watchers:
+            mapping.watch(watcher)
+        return mapping
+
+    def _let_go_of_mapping_locked(self) -> None:
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
+
     def _fail_locked(self, error: BaseException) -> None:
         if isinstance(error, ServerRefused):
             return
         logger.warning("umbp: lost server at %s: %s", self._endpoint, error)
-        self._disconnect_locked()
+        self._drop_connection_locked()
+        self._let_go_of_mapping_unless_slow_locked(error)
 
-    def _disconnect_locked(self) -> None:
+    def _let_go_of_mapping_unless_slow_locked(self, error: BaseException) -> None:
+        """Keep the pool mapped after a timeout only: a slow server may answer again as
+        the same server; a dead one's socket was closed by the kernel (a reset, an end of
+        stream, or a refused connection)."""
+        if not isinstance(error, TimeoutError):
+            self._let_go_of_mapping_locked()
+
+    def _drop_connection_locked(self) -> None:
         if self._connection is not None:
             self._connection.drop()
             self._connection = None
