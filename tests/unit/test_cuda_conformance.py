@@ -245,7 +245,9 @@ def test_a_server_stalled_at_start_has_its_pool_registered_once_it_answers(
     import os
     import signal
 
-    os.kill(server.pid, signal.SIGSTOP)
+    from umbp.testing.faults import stop_process
+
+    stop_process(server.pid)
     try:
         driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
                                   "load_async": False, "io_timeout_s": 1.0,

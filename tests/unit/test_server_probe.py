@@ -22,6 +22,7 @@ from umbp.core.config import ConnectorConfig, parse_connector_config
 from umbp.runtime.backends import BackendUnavailable, open_scheduler_store
 from umbp.runtime.contract import StoreUnavailable
 from umbp.runtime.server.launch import Probe, probe_server
+from umbp.testing.faults import stop_process
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_a_stalled_server_lets_the_engine_start_and_serves_once_it_answers(
     would refuse, and the engine would not start)."""
     endpoint = server.socket_path
     config = server_config(endpoint, auto_start=auto_start, reconnect_interval_s=0.1)
-    os.kill(server.pid, signal.SIGSTOP)
+    stop_process(server.pid)
     try:
         with caplog.at_level(logging.WARNING, logger="umbp"):
             store = open_scheduler_store(config, {})

@@ -138,7 +138,9 @@ class _ServerControl:
                     process.wait()
             return {"step": step, "pid": pid}
         if step == "server_stop":
-            os.kill(self._require_pid(), signal.SIGSTOP)
+            from umbp.testing.faults import stop_process
+
+            stop_process(self._require_pid())
             return {"step": step}
         if step == "server_cont":
             os.kill(self._require_pid(), signal.SIGCONT)
