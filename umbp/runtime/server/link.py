@@ -114,14 +114,20 @@ class Connection:
     def __init__(self, sock: socket.socket, mapping: Mapping, pid: int, page_bytes: int) -> None:
         self.sock = sock
         self.mapping = mapping
-        self.pool = mapping.pool
         self.page_bytes = page_bytes
         """The server's page: regions start on one, an object's pages are its regions'."""
-        self.server_id = mapping.server_id
         self.server_pid = pid
         self._guard = threading.Lock()
         self._copies = 0
         self._dropped = False
+
+    @property
+    def pool(self) -> SharedPool:
+        return self.mapping.pool
+
+    @property
+    def server_id(self) -> str:
+        return self.mapping.server_id
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[memoryview]:
