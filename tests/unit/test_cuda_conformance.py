@@ -234,6 +234,42 @@ def test_a_restarted_servers_new_pool_is_registered_and_the_old_one_let_go(
         stop_server(second, server.socket_path)
 
 
+def test_a_server_dead_while_the_engine_idles_has_its_pool_unregistered_at_once(
+    make_cuda: Callable[..., CudaDriver], server: Any, tmp_path: Path
+) -> None:
+    """``umbp serve`` killed while the engine asks nothing of it: the worker hears the hang-up
+    on the process's watching thread and unregisters the dead pool there and then, on its
+    own device (not a context of device 0 made by a thread that never chose one), so the
+    pages CUDA locked are free before a new server wants the room; the next store connects
+    to the new server and registers its pool."""
+    import os
+    import signal
+    import time
+
+    from umbp.runtime.server.launch import start_server, stop_server
+
+    driver = make_cuda(extra={"mode": "server", "endpoint": server.socket_path,
+                              "load_async": False, "reconnect_interval_s": 0.01})
+    driver.fill_pool("a", prompt(4))
+    assert driver.fake.registered_bytes == 16 << 20
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait()
+    deadline = time.monotonic() + 10.0
+    while driver.fake.registered_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert driver.fake.registered_bytes == 0, "the dead server's pool is still registered"
+    assert driver.fake.violations == []
+    second = start_server(server.socket_path, 32 << 20, page_bytes=4096,
+                          log_path=str(tmp_path / "second.log"))
+    try:
+        fill_until_connected(driver, seed=11, server_pid=second.pid)
+        assert driver.fake.registered_bytes == 32 << 20
+        assert driver.fake.violations == []
+    finally:
+        driver.close()
+        stop_server(second, server.socket_path)
+
+
 def test_a_server_stalled_at_start_has_its_pool_registered_once_it_answers(
     make_cuda: Callable[..., CudaDriver], server: Any
 ) -> None:

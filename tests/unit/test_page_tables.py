@@ -4,6 +4,7 @@ the mapping ends up in this process's page tables, and not one byte changes."""
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from pathlib import Path
 
@@ -48,5 +49,36 @@ def test_every_page_of_a_mapped_pool_becomes_present_and_no_byte_changes() -> No
         assert int(np.count_nonzero(seen)) == len(range(0, nbytes, STEP_BYTES // 2))
         assert bool((seen[::STEP_BYTES // 2] == 7).all())
         del marks, seen
+    finally:
+        shm.release_shared_pool(pool)
+
+
+def test_a_detached_pool_leaves_the_process_and_its_filler_stops_though_views_live_on() -> None:
+    """A client's end of a pool (`detach_shared_pool`): the filler stops rather than make
+    the empty memory put in the file's place present, neither a mapping nor a descriptor
+    of this process holds the file while a view of it lives on (a tmpfs frees a removed
+    file's pages only then), that view reads zeros, and writing it changes nothing in the
+    server's pool."""
+    nbytes = 256 * MIB
+    pool = shm.create_shared_pool(nbytes)
+    try:
+        np.frombuffer(pool.mapping, np.uint8)[:MIB] = 9
+        mapped = shm.map_shared_pool(pool.path, nbytes)
+        assert mapped.filler is not None
+        view = np.frombuffer(mapped.mapping, np.uint8)
+        assert int(view[0]) == 9
+        shm.detach_shared_pool(mapped)
+        mapped.filler.join(30)
+        assert not mapped.filler.is_alive()
+        assert not any(pool.path in line for line in Path("/proc/self/maps").read_text()
+                       .splitlines() if line.startswith(f"{view.ctypes.data:x}-"))
+        assert mapped.mapping_fd is not None  # the descriptor CPython's mmap keeps
+        assert os.readlink(f"/proc/self/fd/{mapped.mapping_fd}") == os.devnull
+        # At most the step the filler was in when told to stop, not the 256 MiB.
+        assert resident_kib(mapped.mapping) <= STEP_BYTES // 1024
+        assert not view[:MIB].any()
+        view[:MIB] = 1
+        assert bool((np.frombuffer(pool.mapping, np.uint8)[:MIB] == 9).all())
+        del view
     finally:
         shm.release_shared_pool(pool)

@@ -4,7 +4,10 @@ what a worker copies to and from its KV cache, with no staging copy between."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,6 +132,84 @@ def test_a_server_killed_under_a_loan_loses_nothing_of_the_client(
     # A dead server's pool is let go of at once (nothing of it is lent any more), so
     # that its memory is not held until a new server answers.
     assert watcher.heard[1:] == [("unmapping", address, 0)]
+
+
+def test_an_idle_client_lets_go_of_a_dead_servers_pool_without_being_asked_anything(
+    store: ServerStore, server: Any,
+) -> None:
+    """An engine with nothing to do sends no request, and a tmpfs pool's pages stay
+    allocated while any process maps them: so when its server dies the client lets go of
+    the pool at once (its watchers told, the file no longer mapped here, though views of
+    it live on), and a new server, which unlinks the old pool, gets that memory back."""
+    import signal
+
+    assert store.put_batch(["a"], [content(12, 100)]) == (True,)
+    loan = store.lend(["a"], 100)
+    assert loan.verify() == (LoadStatus.HIT,)
+    loan.release()
+    watcher = Watcher()
+    store.watch_lent_memory(watcher)
+    ((_, address, _),) = watcher.heard
+    assert len(_held_pools_of(server.pid)) == 1  # one file, mapped and open
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    _wait_until_let_go(watcher, server.pid)
+    assert watcher.heard[1:] == [("unmapping", address, 0)]
+    # The loan's view of the pool outlives its use, as a worker's does until its next
+    # restore: the file left this process all the same, and the view reads empty memory.
+    assert _held_pools_of(server.pid) == set()
+    assert not loan.memory.any()
+    with pytest.raises(StoreUnavailable, match="unreachable|refused|No such file"):
+        store.lookup(["a"])
+
+
+def test_a_server_killed_after_it_stopped_answering_is_let_go_of_while_the_client_idles(
+    server: Any,
+) -> None:
+    """A timeout keeps the pool for a reconnection to the same server, with no connection
+    left to hear a hang-up on: the server hung, its operator killed it, the engine asks
+    nothing more. The client hears the process exit and lets go of its pool then."""
+    import signal
+
+    watcher = Watcher()
+    store = ServerStore(server.socket_path, io_timeout_s=0.5, reconnect_interval_s=0.01)
+    store.watch_lent_memory(watcher)
+    try:
+        assert store.put_batch(["a"], [content(13, 100)]) == (True,)
+        ((_, address, _),) = watcher.heard
+        stop_process(server.pid)
+        with pytest.raises(StoreUnavailable, match="TimeoutError"):
+            store.lookup(["a"])
+        time.sleep(0.3)
+        assert watcher.heard[1:] == []  # kept: the server may only be slow
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        _wait_until_let_go(watcher, server.pid)
+        assert watcher.heard[1:] == [("unmapping", address, 0)]
+        assert _held_pools_of(server.pid) == set()
+    finally:
+        store.close()
+
+
+def _wait_until_let_go(watcher: Watcher, server_pid: int) -> None:
+    """Until the watcher heard the end and the pool left this process (in that order:
+    a GPU unregisters the pool before it goes), at most 10 s."""
+    deadline = time.monotonic() + 10.0
+    while (len(watcher.heard) < 2 or _held_pools_of(server_pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _held_pools_of(server_pid: int) -> set[str]:
+    """The files of the server's pool (named after its pid) that this process maps or
+    holds open: either keeps a tmpfs file's pages allocated after it is removed."""
+    with open("/proc/self/maps") as maps:
+        held = {line.split(maxsplit=5)[5].strip() for line in maps
+                if f"/umbp-{server_pid}-" in line}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if f"/umbp-{server_pid}-" in (target := os.readlink(f"/proc/self/fd/{name}")):
+                held.add(target)
+    return held
 
 
 class Watcher:

@@ -27,7 +27,10 @@ size)."""
 
 class HostRegistrations:
     """The host ranges registered with `device`, by mapping (`WatchesLentMemory`).
-    Thread-safe: a store tells of its mappings from whichever thread (re)connects."""
+    Thread-safe: a store tells of its mappings from whichever thread (re)connects or
+    hears its server hang up, so each call first makes the device the thread's own (CUDA
+    registers in the calling thread's current device, and a thread that never chose one
+    would act in a context of device 0, creating it if need be)."""
 
     def __init__(self, device: Device) -> None:
         self._device = device
@@ -38,6 +41,7 @@ class HostRegistrations:
     def mapped(self, address: int, nbytes: int) -> None:
         """Register `[address, address + nbytes)`, in pieces; a device that refuses (or
         needs nothing) leaves the rest unregistered: its copies still work, slower."""
+        self._device.bind_thread()
         with self._lock:
             if self._closed or address in self._pieces:
                 return
@@ -55,11 +59,13 @@ class HostRegistrations:
 
     def unmapping(self, address: int) -> None:
         """Unregister the mapping at `address` (nothing when it was not registered)."""
+        self._device.bind_thread()
         with self._lock:
             self._unregister_locked(address)
 
     def close(self) -> None:
         """Unregister everything (once every copy finished); later mappings are ignored."""
+        self._device.bind_thread()
         with self._lock:
             self._closed = True
             for address in list(self._pieces):

@@ -287,6 +287,7 @@ class FakeCuda:
     def register_host(self, address: int, nbytes: int) -> bool:
         backing = backing_at(address, mappings())
         with self._lock:
+            self._require_bound_locked("host memory registered")
             if overlap(self._host_ranges, ((address, address + nbytes),)):
                 self.violations.append(f"host memory at {address:#x} registered twice")
                 return False
@@ -297,6 +298,7 @@ class FakeCuda:
     def unregister_host(self, address: int) -> None:
         mapped = mappings()
         with self._lock:
+            self._require_bound_locked("host memory unregistered")
             registration = self._registrations.pop(address, None)
             if registration is None:
                 self.violations.append(f"unregistering {address:#x}, where no registration "
@@ -341,6 +343,15 @@ class FakeCuda:
     def bind_thread(self) -> None:
         with self._lock:
             self._bound.add(threading.get_ident())
+
+    def _require_bound_locked(self, what: str) -> None:
+        """CUDA acts in the calling thread's current device: another device's context (a
+        new thread's is device 0's), where a registration is not found and an unbound
+        thread creates a context of its own."""
+        ident = threading.get_ident()
+        if ident != self.model_thread and ident not in self._bound:
+            self.violations.append(f"{what} from a thread that never bound the device "
+                                   f"({threading.current_thread().name})")
 
     def close(self) -> None:
         if self._host_lane is not None:
@@ -387,11 +398,8 @@ class FakeCuda:
     def enqueue(self, stream: FakeStream, kind: str, *, reads: Ranges = (), writes: Ranges = (),
                 deps: Sequence[Op] = (), run: Callable[[], None] | None = None,
                 label: str = "") -> Op:
-        ident = threading.get_ident()
         with self._lock:
-            if ident != self.model_thread and ident not in self._bound:
-                self.violations.append(f"{kind} enqueued from a thread that never bound the "
-                                       f"device ({threading.current_thread().name})")
+            self._require_bound_locked(f"{kind} enqueued")
             predecessors = list(deps) + ([stream.last] if stream.last is not None else [])
             op = Op(len(self._ops), stream, kind, reads, writes, predecessors, run,
                     label=label)

@@ -17,7 +17,13 @@ same server id, pool file and size) takes it up again. Any other failure means t
 server is gone or is not the one expected (a dead server's socket is closed by the
 kernel, which the client sees as a reset or end of stream), and so does a reconnection
 that fails or reaches another server: then the link lets go of the old mapping at once,
-and it ends when the last connection using it does. Whoever watches the memory loans lie
+and it ends when the last connection using it does. A server that closes a connection
+while this client asks nothing of it (it died, or stopped) is heard at once (`hangups`),
+not at the next request, and so is the exit of a server whose pool is kept after a
+timeout (its process, known by the connection's peer credentials): an idle engine does
+not keep a dead server's pool, whose pages a tmpfs keeps allocated while any process
+maps it or holds it open (`detach_shared_pool` takes it out of this process even while
+views of it live on). Whoever watches the memory loans lie
 in (`watch_mappings`: a GPU worker registering it with its copy engines) hears of each
 mapping once, before anything in it is lent, and of its end once nothing in it is (after
 the last connection using it closed, before the mapping can be unmapped).
@@ -37,13 +43,15 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from umbp.runtime.contract import StoreUnavailable, WatchesLentMemory
 from umbp.runtime.registered_memory import buffer_address
 from umbp.runtime.server import protocol
-from umbp.runtime.server.shm import SharedPool, map_shared_pool
+from umbp.runtime.server.hangups import EXITED, HANG_UPS, ServerExit, peer_closed
+from umbp.runtime.server.shm import SharedPool, detach_shared_pool, map_shared_pool
 
 __all__ = ["Connection", "Mapping", "ServerLink", "Stale", "decode"]
 
@@ -57,12 +65,15 @@ class Stale(Exception):
 class Mapping:
     """A server's pool mapped into this process, held by the connections to that server
     and by the link while it may reconnect to it. Its watchers hear of it once, and of
-    its end when the last holder lets go (the views stay valid: CPython unmaps the pool
-    only when the last of them goes)."""
+    its end when the last holder lets go; then the pool's file leaves this process
+    (`detach_shared_pool`: views that outlive their use stay valid, over empty memory)."""
 
-    def __init__(self, pool: SharedPool, server_id: str) -> None:
+    def __init__(self, pool: SharedPool, server_id: str, exit: ServerExit | None) -> None:
         self.pool = pool
         self.server_id = server_id
+        self.exit = exit
+        """The server process's exit, heard while no connection is left to hear its
+        hang-up on (after a timeout)."""
         self.address = buffer_address(pool.view)
         """Where the pool lies in this process: what the watchers are told."""
         self._guard = threading.Lock()
@@ -99,6 +110,10 @@ class Mapping:
                 watcher.unmapping(self.address)
             except Exception:  # one watcher's failure must not keep the others' hold
                 logger.exception("umbp: a watcher of the pool's mapping failed")
+        detach_shared_pool(self.pool)
+        if self.exit is not None:
+            HANG_UPS.forget(self.exit)
+            self.exit.close()
 
 
 class Connection:
@@ -369,7 +384,7 @@ class ServerLink:
                 raise protocol.ProtocolError(f"unexpected hello answer op {op}")
             hello = decode(body)
             pid, page_bytes = int(hello["pid"]), int(hello["page_bytes"])
-            mapping = self._mapping_for_locked(hello)
+            mapping = self._mapping_for_locked(hello, sock)
         except BaseException:
             sock.close()
             raise
@@ -384,19 +399,45 @@ class ServerLink:
         except BaseException:
             connection.drop()
             raise
+        self._watch_for_hang_up(connection)
         return connection
 
-    def _mapping_for_locked(self, hello: Any) -> Mapping:
-        """The pool `hello` announces: still mapped when it is the one this link holds,
-        else mapped now (after letting go of the old one), its watchers told."""
+    def _watch_for_hang_up(self, connection: Connection) -> None:
+        """Hear of the server closing `connection` while nothing is asked of it (a dead
+        server's pool is let go of then, not at this client's next request)."""
+        link = weakref.ref(self)  # the process's watcher must not keep a link alive
+
+        def hung_up() -> None:
+            alive = link()
+            if alive is not None:
+                alive._heard_hang_up(connection)
+
+        HANG_UPS.watch(connection.sock, hung_up)
+
+    def _heard_hang_up(self, connection: Connection) -> None:
+        with self._lock:
+            if self._connection is not connection:
+                return  # dropped already (a request in flight saw the end first)
+            if not peer_closed(connection.sock):
+                self._watch_for_hang_up(connection)  # a stale report (see `hangups`)
+                return
+            self._fail_locked(ConnectionError(
+                "the server closed the connection while this client was idle"
+            ))
+
+    def _mapping_for_locked(self, hello: Any, sock: socket.socket) -> Mapping:
+        """The pool `hello` (on `sock`) announces: still mapped when it is the one this
+        link holds, else mapped now (after letting go of the old one), its watchers told."""
         if self._mapping is not None and self._mapping.serves(hello):
             logger.info("umbp: connected to server %s (pid %s) again; its pool is still mapped",
                         hello["server_id"], hello["pid"])
+            if self._mapping.exit is not None:
+                HANG_UPS.forget(self._mapping.exit)  # a connection to hear it on again
             return self._mapping
         self._let_go_of_mapping_locked()
         pool = map_shared_pool(str(hello["shm_path"]), int(hello["shm_bytes"]))
         logger.info("umbp: connected to server %s (pid %s)", hello["server_id"], hello["pid"])
-        mapping = self._mapping = Mapping(pool, str(hello["server_id"]))
+        mapping = self._mapping = Mapping(pool, str(hello["server_id"]), ServerExit.of_peer(sock))
         for watcher in self._watchers:
             mapping.watch(watcher)
         return mapping
@@ -419,9 +460,37 @@ class ServerLink:
         stream, or a refused connection)."""
         if not isinstance(error, TimeoutError):
             self._let_go_of_mapping_locked()
+        elif self._mapping is not None and self._mapping.exit is not None:
+            self._watch_for_exit(self._mapping)
+
+    def _watch_for_exit(self, mapping: Mapping) -> None:
+        """Hear of the exit of the server whose pool is kept after a timeout: a server
+        killed while it did not answer has no connection left to hang up on."""
+        link = weakref.ref(self)
+
+        def exited() -> None:
+            alive = link()
+            if alive is not None:
+                alive._heard_exit(mapping)
+
+        assert mapping.exit is not None
+        HANG_UPS.watch(mapping.exit, exited, EXITED)
+
+    def _heard_exit(self, mapping: Mapping) -> None:
+        with self._lock:
+            if self._connection is not None or self._mapping is not mapping:
+                return  # reconnected, or let go of already
+            assert mapping.exit is not None  # closed only once the link let go
+            if not mapping.exit.exited():
+                self._watch_for_exit(mapping)  # a stale report (see `hangups`)
+                return
+            logger.warning("umbp: server %s at %s exited after it stopped answering; its "
+                           "pool is let go of", mapping.server_id, self._endpoint)
+            self._let_go_of_mapping_locked()
 
     def _drop_connection_locked(self) -> None:
         if self._connection is not None:
+            HANG_UPS.forget(self._connection.sock)
             self._connection.drop()
             self._connection = None
 

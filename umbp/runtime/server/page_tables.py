@@ -34,17 +34,26 @@ STEP_BYTES = 2 << 20
 
 
 def fill_in_background(
-    mapping: mmap.mmap, nbytes: int, done: Callable[[int, float], None] | None = None,
+    mapping: mmap.mmap,
+    nbytes: int,
+    done: Callable[[int, float], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> threading.Thread:
     """Start the thread that makes every page of `mapping` (`nbytes`) present in this
-    process; `done(nbytes, seconds)` when it has (not when the kernel refused)."""
-    thread = threading.Thread(target=_fill, args=(mapping, nbytes, done),
+    process, step by step until `stop` is set; `done(nbytes, seconds)` when it has (not
+    when the kernel refused, nor when stopped)."""
+    thread = threading.Thread(target=_fill, args=(mapping, nbytes, done, stop or threading.Event()),
                               name="umbp-page-tables", daemon=True)
     thread.start()
     return thread
 
 
-def _fill(mapping: mmap.mmap, nbytes: int, done: Callable[[int, float], None] | None) -> None:
+def _fill(
+    mapping: mmap.mmap,
+    nbytes: int,
+    done: Callable[[int, float], None] | None,
+    stop: threading.Event,
+) -> None:
     _run_when_idle()
     started = time.monotonic()
     try:
@@ -58,6 +67,8 @@ def _fill(mapping: mmap.mmap, nbytes: int, done: Callable[[int, float], None] | 
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int
     for offset in range(0, nbytes, STEP_BYTES):
+        if stop.is_set():
+            return
         # A foreign call: the GIL is released while the kernel works.
         if madvise(base + offset, min(STEP_BYTES, nbytes - offset), MADV_POPULATE_WRITE):
             error = ctypes.get_errno()

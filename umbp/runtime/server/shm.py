@@ -8,13 +8,15 @@ tracker, which unlinks it when that process exits (docs/backends.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from umbp.runtime.population import Progress, populate
@@ -25,6 +27,7 @@ __all__ = [
     "SHM_DIRECTORY",
     "SharedPool",
     "create_shared_pool",
+    "detach_shared_pool",
     "map_shared_pool",
     "release_shared_pool",
     "remove_shared_pool",
@@ -32,6 +35,13 @@ __all__ = [
 ]
 
 SHM_DIRECTORY = Path("/dev/shm")
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MMAP = _LIBC.mmap
+_MMAP.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long)
+_MMAP.restype = ctypes.c_void_p
 _ALLOCATION_STEP_BYTES = 1 << 30
 
 
@@ -46,6 +56,13 @@ class SharedPool:
     lock_fd: int | None = None
     """The creator's descriptor, flocked for the pool's life: how a later server tells a
     live pool (locked) from one a killed server left behind (`remove_stale_pool`)."""
+    filler: threading.Thread | None = None
+    """A client's thread making the pages present (`page_tables`), stopped by
+    `detach_shared_pool` through `stop_filling`."""
+    stop_filling: threading.Event = field(default_factory=threading.Event)
+    mapping_fd: int | None = None
+    """The descriptor of the file CPython's `mmap` keeps open (a duplicate of the one it
+    was given) until the mapping is collected: it too holds the file's pages."""
 
 
 def create_shared_pool(
@@ -119,12 +136,63 @@ def map_shared_pool(path: str, nbytes: int) -> SharedPool:
         actual = os.fstat(fd).st_size
         if actual != nbytes:
             raise OSError(f"{path} holds {actual} bytes, the server announced {nbytes}")
+        already = _descriptors_of_file(fd)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        kept = _descriptors_of_file(fd) - already
     finally:
         os.close(fd)
     _advise(mapping)
-    fill_in_background(mapping, nbytes)
-    return SharedPool(path, nbytes, mapping, memoryview(mapping))
+    stop = threading.Event()
+    filler = fill_in_background(mapping, nbytes, stop=stop)
+    return SharedPool(path, nbytes, mapping, memoryview(mapping), filler=filler,
+                      stop_filling=stop, mapping_fd=kept.pop() if len(kept) == 1 else None)
+
+
+def detach_shared_pool(pool: SharedPool) -> None:
+    """A client's end of a pool it will copy nothing more to or from: the file's pages
+    leave this process now, not when the last view of them is collected (a view of the
+    pool can outlive its use by much: a loan's array kept until the worker's next
+    restore). The range is mapped anew to anonymous memory that holds nothing until
+    written, so a tmpfs frees the pool's pages once its file is removed and nothing else
+    maps it, and a stale view reads zeros rather than faulting."""
+    # Not waited for (at idle priority it may wait long for a CPU): a step it began
+    # before it saw the stop makes at most `STEP_BYTES` of the empty memory present.
+    pool.stop_filling.set()
+    try:
+        anchor = ctypes.c_char.from_buffer(pool.mapping)
+    except (TypeError, ValueError, BufferError):
+        return  # unmapped already: there is nothing of it left here
+    # The export (`anchor`) keeps the mmap open meanwhile: its range and its descriptor
+    # are still its own, not another mapping's or file's.
+    address = ctypes.addressof(anchor)
+    placed = _MMAP(address, pool.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+    if placed != address:
+        raise OSError(ctypes.get_errno(), f"could not let go of the pool {pool.path}")
+    if pool.mapping_fd is not None:
+        # /dev/null in its place, for the mmap to close when it is collected.
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.dup2(null, pool.mapping_fd, inheritable=False)
+        finally:
+            os.close(null)
+    del anchor
+
+
+def _descriptors_of_file(fd: int) -> set[int]:
+    """This process's descriptors open on the file `fd` is open on."""
+    identity = _file_identity(fd)
+    found: set[int] = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            if _file_identity(int(name)) == identity:
+                found.add(int(name))
+    return found
+
+
+def _file_identity(fd: int) -> tuple[int, int]:
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
 
 
 def remove_shared_pool(path: str) -> None:
