@@ -171,9 +171,7 @@ def test_a_server_killed_after_it_stopped_answering_is_let_go_of_while_the_clien
     nothing more. The client hears the process exit and lets go of its pool then."""
     import signal
 
-    watcher = Watcher()
-    store = ServerStore(server.socket_path, io_timeout_s=0.5, reconnect_interval_s=0.01)
-    store.watch_lent_memory(watcher)
+    store, watcher = watched_store(server, io_timeout_s=0.5)
     try:
         assert store.put_batch(["a"], [content(13, 100)]) == (True,)
         ((_, address, _),) = watcher.heard
@@ -212,6 +210,15 @@ def _held_pools_of(server_pid: int) -> set[str]:
     return held
 
 
+def watched_store(server: Any, io_timeout_s: float) -> tuple[ServerStore, Watcher]:
+    """A client of `server` that reconnects at once, and what its pool watcher hears."""
+    watcher = Watcher()
+    store = ServerStore(server.socket_path, io_timeout_s=io_timeout_s,
+                        reconnect_interval_s=0.01)
+    store.watch_lent_memory(watcher)
+    return store, watcher
+
+
 class Watcher:
     """Records what a `WatchesLentMemory` hears, in order."""
 
@@ -236,9 +243,7 @@ def test_a_watcher_hears_of_each_pool_mapped_and_of_the_old_ones_end_after_its_l
 
     from umbp.runtime.server.launch import start_server, stop_server
 
-    watcher = Watcher()
-    store = ServerStore(server.socket_path, io_timeout_s=5.0, reconnect_interval_s=0.01)
-    store.watch_lent_memory(watcher)
+    store, watcher = watched_store(server, io_timeout_s=5.0)
     assert watcher.heard == []  # not connected yet
     assert store.put_batch(["a"], [content(8, 100)]) == (True,)
     ((kind, first, nbytes),) = watcher.heard
@@ -276,9 +281,7 @@ def test_a_server_that_was_only_slow_keeps_its_pool_mapped_across_the_reconnecti
     comes once no connection holds it, at close."""
     import signal
 
-    watcher = Watcher()
-    store = ServerStore(server.socket_path, io_timeout_s=0.5, reconnect_interval_s=0.01)
-    store.watch_lent_memory(watcher)
+    store, watcher = watched_store(server, io_timeout_s=0.5)
     try:
         assert store.put_batch(["a"], [content(10, 100)]) == (True,)
         ((_, address, nbytes),) = watcher.heard
