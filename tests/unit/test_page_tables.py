@@ -73,12 +73,34 @@ def test_a_detached_pool_leaves_the_process_and_its_filler_stops_though_views_li
         assert not any(pool.path in line for line in Path("/proc/self/maps").read_text()
                        .splitlines() if line.startswith(f"{view.ctypes.data:x}-"))
         assert mapped.mapping_fd is not None  # the descriptor CPython's mmap keeps
-        assert os.readlink(f"/proc/self/fd/{mapped.mapping_fd}") == os.devnull
+        assert os.readlink(f"/proc/self/fd/{mapped.mapping_fd[0]}") == os.devnull
         # At most the step the filler was in when told to stop, not the 256 MiB.
         assert resident_kib(mapped.mapping) <= STEP_BYTES // 1024
         assert not view[:MIB].any()
         view[:MIB] = 1
         assert bool((np.frombuffer(pool.mapping, np.uint8)[:MIB] == 9).all())
         del view
+    finally:
+        shm.release_shared_pool(pool)
+
+
+def test_detaching_one_of_two_mappings_of_a_pool_leaves_the_other_whole() -> None:
+    """A scheduler and a worker in one process map the same server's pool each: the one
+    that lets go closes its own descriptor of the file, not the other's."""
+    nbytes = 4 * MIB
+    pool = shm.create_shared_pool(nbytes)
+    try:
+        np.frombuffer(pool.mapping, np.uint8)[:MIB] = 5
+        first = shm.map_shared_pool(pool.path, nbytes)
+        second = shm.map_shared_pool(pool.path, nbytes)
+        assert first.mapping_fd is not None and second.mapping_fd is not None
+        assert first.mapping_fd[0] != second.mapping_fd[0]
+        shm.detach_shared_pool(first)
+        assert os.readlink(f"/proc/self/fd/{second.mapping_fd[0]}") == pool.path
+        kept = np.frombuffer(second.mapping, np.uint8)
+        assert bool((kept[:MIB] == 5).all())
+        kept[MIB] = 6
+        assert int(np.frombuffer(pool.mapping, np.uint8)[MIB]) == 6
+        del kept
     finally:
         shm.release_shared_pool(pool)

@@ -43,6 +43,7 @@ _MMAP.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, 
                   ctypes.c_long)
 _MMAP.restype = ctypes.c_void_p
 _ALLOCATION_STEP_BYTES = 1 << 30
+_MAPPING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,10 @@ class SharedPool:
     """A client's thread making the pages present (`page_tables`), stopped by
     `detach_shared_pool` through `stop_filling`."""
     stop_filling: threading.Event = field(default_factory=threading.Event)
-    mapping_fd: int | None = None
+    mapping_fd: tuple[int, tuple[int, int]] | None = None
     """The descriptor of the file CPython's `mmap` keeps open (a duplicate of the one it
-    was given) until the mapping is collected: it too holds the file's pages."""
+    was given) until the mapping is collected, and the file's identity (device, inode):
+    that descriptor too holds the file's pages."""
 
 
 def create_shared_pool(
@@ -136,16 +138,19 @@ def map_shared_pool(path: str, nbytes: int) -> SharedPool:
         actual = os.fstat(fd).st_size
         if actual != nbytes:
             raise OSError(f"{path} holds {actual} bytes, the server announced {nbytes}")
-        already = _descriptors_of_file(fd)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        kept = _descriptors_of_file(fd) - already
+        identity = _file_identity(fd)
+        with _MAPPING:  # no other mapping of ours opens a descriptor of it meanwhile
+            already = _descriptors_of(identity)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            kept = _descriptors_of(identity) - already
     finally:
         os.close(fd)
     _advise(mapping)
     stop = threading.Event()
     filler = fill_in_background(mapping, nbytes, stop=stop)
     return SharedPool(path, nbytes, mapping, memoryview(mapping), filler=filler,
-                      stop_filling=stop, mapping_fd=kept.pop() if len(kept) == 1 else None)
+                      stop_filling=stop,
+                      mapping_fd=(kept.pop(), identity) if len(kept) == 1 else None)
 
 
 def detach_shared_pool(pool: SharedPool) -> None:
@@ -169,25 +174,27 @@ def detach_shared_pool(pool: SharedPool) -> None:
                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
     if placed != address:
         raise OSError(ctypes.get_errno(), f"could not let go of the pool {pool.path}")
-    if pool.mapping_fd is not None:
+    if pool.mapping_fd is not None and _is_open_on(*pool.mapping_fd):
         # /dev/null in its place, for the mmap to close when it is collected.
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.dup2(null, pool.mapping_fd, inheritable=False)
+            os.dup2(null, pool.mapping_fd[0], inheritable=False)
         finally:
             os.close(null)
     del anchor
 
 
-def _descriptors_of_file(fd: int) -> set[int]:
-    """This process's descriptors open on the file `fd` is open on."""
-    identity = _file_identity(fd)
-    found: set[int] = set()
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            if _file_identity(int(name)) == identity:
-                found.add(int(name))
-    return found
+def _descriptors_of(identity: tuple[int, int]) -> set[int]:
+    """This process's descriptors open on the file of `identity` (device, inode)."""
+    return {int(name) for name in os.listdir("/proc/self/fd")
+            if _is_open_on(int(name), identity)}
+
+
+def _is_open_on(fd: int, identity: tuple[int, int]) -> bool:
+    try:
+        return _file_identity(fd) == identity
+    except OSError:
+        return False
 
 
 def _file_identity(fd: int) -> tuple[int, int]:
