@@ -45,12 +45,17 @@ class Watched(Protocol):
 
 def peer_closed(sock: socket.socket) -> bool:
     """Has the other end of `sock` closed it (or did the socket fail)? Reads nothing."""
+    return _ended_now(sock, HUNG_UP)
+
+
+def _ended_now(source: Watched, events: int) -> bool:
+    """Has one of `events` (or a hang-up, an error, a closed descriptor) come to `source`?"""
     poller = select.poll()
     try:
-        poller.register(sock, HUNG_UP)
+        poller.register(source, events)
     except (ValueError, OSError):  # closed here already
         return True
-    return any(events & (HUNG_UP | select.POLLNVAL) for _, events in poller.poll(0))
+    return any(happened & (events | _ENDED) for _, happened in poller.poll(0))
 
 
 class ServerExit:
@@ -77,9 +82,7 @@ class ServerExit:
         return self._descriptor
 
     def exited(self) -> bool:
-        poller = select.poll()
-        poller.register(self._descriptor, EXITED)
-        return bool(poller.poll(0))
+        return _ended_now(self, EXITED)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -44,13 +44,20 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from umbp.runtime.contract import StoreUnavailable, WatchesLentMemory
 from umbp.runtime.registered_memory import buffer_address
 from umbp.runtime.server import protocol
-from umbp.runtime.server.hangups import EXITED, HANG_UPS, ServerExit, peer_closed
+from umbp.runtime.server.hangups import (
+    EXITED,
+    HANG_UPS,
+    HUNG_UP,
+    ServerExit,
+    Watched,
+    peer_closed,
+)
 from umbp.runtime.server.shm import SharedPool, detach_shared_pool, map_shared_pool
 
 __all__ = ["Connection", "Mapping", "ServerLink", "Stale", "decode"]
@@ -405,14 +412,20 @@ class ServerLink:
     def _watch_for_hang_up(self, connection: Connection) -> None:
         """Hear of the server closing `connection` while nothing is asked of it (a dead
         server's pool is let go of then, not at this client's next request)."""
+        self._watch_for_end(connection.sock, HUNG_UP,
+                            lambda link: link._heard_hang_up(connection))
+
+    def _watch_for_end(
+        self, source: Watched, events: int, heard: Callable[[ServerLink], None]
+    ) -> None:
         link = weakref.ref(self)  # the process's watcher must not keep a link alive
 
-        def hung_up() -> None:
+        def ended() -> None:
             alive = link()
             if alive is not None:
-                alive._heard_hang_up(connection)
+                heard(alive)
 
-        HANG_UPS.watch(connection.sock, hung_up)
+        HANG_UPS.watch(source, ended, events)
 
     def _heard_hang_up(self, connection: Connection) -> None:
         with self._lock:
@@ -466,15 +479,8 @@ class ServerLink:
     def _watch_for_exit(self, mapping: Mapping) -> None:
         """Hear of the exit of the server whose pool is kept after a timeout: a server
         killed while it did not answer has no connection left to hang up on."""
-        link = weakref.ref(self)
-
-        def exited() -> None:
-            alive = link()
-            if alive is not None:
-                alive._heard_exit(mapping)
-
         assert mapping.exit is not None
-        HANG_UPS.watch(mapping.exit, exited, EXITED)
+        self._watch_for_end(mapping.exit, EXITED, lambda link: link._heard_exit(mapping))
 
     def _heard_exit(self, mapping: Mapping) -> None:
         with self._lock:
